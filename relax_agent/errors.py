@@ -1,0 +1,65 @@
+"""The one place relax-agent's exceptions live.
+
+Every category subclasses both :class:`RelaxError` (so callers can catch everything
+relax-agent raises) and the builtin it stands for (so ``except ValueError`` still works).
+All classes are plain exceptions with positional args only, so they pickle and cross
+Ray process boundaries unchanged. Messages name the value or config key that fixes them.
+"""
+
+from __future__ import annotations
+
+
+class RelaxError(Exception):
+    """Root of every error relax-agent raises on purpose."""
+
+
+class ConfigError(RelaxError, ValueError):
+    """A config key is unknown, has the wrong type, or conflicts with another key."""
+
+
+class EnvError(RelaxError, RuntimeError):
+    """An environment broke its contract (bad return shape, non-finite reward, crash)."""
+
+
+class EnvNotFoundError(RelaxError, LookupError):
+    """An environment id is not registered."""
+
+
+class ToolCallParseError(RelaxError, ValueError):
+    """Model output that claims to hold a tool call could not be parsed."""
+
+
+class EngineError(RelaxError, RuntimeError):
+    """The inference engine failed to produce tokens."""
+
+
+class ModelLoadError(RelaxError, OSError):
+    """A policy model or tokenizer could not be found or loaded."""
+
+
+class DataError(RelaxError, ValueError):
+    """A dataset, task or data-bus row is malformed (wrong field, dtype, shape or id)."""
+
+
+class CheckpointError(RelaxError, OSError):
+    """A checkpoint is missing, incomplete or does not match the run's config."""
+
+
+class SandboxError(RelaxError, RuntimeError):
+    """A sandbox could not be created, reached or cleaned up."""
+
+
+class SandboxTimeoutError(SandboxError, TimeoutError):
+    """Acquiring a sandbox or finishing an operation on it took longer than allowed."""
+
+
+class RewardServiceError(RelaxError, RuntimeError):
+    """A reward service could not be reached or answered with an error."""
+
+
+class AuthError(RewardServiceError, PermissionError):
+    """A reward service refused the bearer token."""
+
+
+class WeightSyncError(RelaxError, RuntimeError):
+    """Weights could not be published or applied (layout mismatch, checksum, transport)."""

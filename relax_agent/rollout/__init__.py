@@ -1,0 +1,1 @@
+"""Rollout: multi-turn episodes, token-in/token-out trajectories, inference engines."""

@@ -1,0 +1,66 @@
+"""The inference-engine protocol the orchestrator talks to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options for one request.
+
+    Attributes:
+        max_new_tokens: most tokens to sample.
+        temperature: softmax temperature (> 0).
+        top_p: nucleus mass in (0, 1].
+        stop_token_ids: generation ends after any of these is sampled (it is kept).
+        seed: optional per-request seed (engines may ignore it when batching).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What the engine returns for one request.
+
+    Attributes:
+        token_ids: [n] sampled token ids (stop token included when finish_reason == "stop").
+        logprobs: [n] log-prob of each sampled token under the temperature-scaled policy.
+        finish_reason: "stop" or "length".
+        policy_version: weights version that produced every token of this generation.
+        routed_experts: optional [n, layers, top_k] uint8/int16 expert indices (MoE).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    policy_version: int
+    routed_experts: Any = None
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Generates continuations of token-id prompts; batches concurrent requests itself."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Sample a continuation of ``prompt_ids``.
+
+        Raises:
+            EngineError: the engine failed or was closed.
+        """
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Atomically switch to new weights between generation steps."""
+        ...
+
+    def close(self) -> None: ...

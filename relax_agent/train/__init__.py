@@ -1,0 +1,1 @@
+"""Training: GRPO algorithms and trainer backends."""

@@ -1,0 +1,1 @@
+"""Trainer backends (torch; megatron at scale)."""
