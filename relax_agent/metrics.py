@@ -1,0 +1,113 @@
+"""Run metrics: console progress, JSONL, TensorBoard and PNG plots.
+
+Metric keys are namespaced constants (``rollout/reward``, ``timing/step_s``, ``eval/accuracy``).
+``metrics.jsonl`` is append-only and survives resume: rows of steps that a resumed run
+repeats are superseded by the later rows (:func:`read_metrics` keeps the last per step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+REWARD = "rollout/reward"
+ACCURACY = "rollout/accuracy"
+FORMAT_RATE = "rollout/well_formed"
+TOKENS_PER_S = "rollout/tokens_per_s"
+STEP_TIME = "timing/step_s"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_FORMAT_RATE = "eval/well_formed"
+EVAL_REWARD = "eval/reward"
+
+
+class MetricsLogger:
+    """Writes one row per step to JSONL and TensorBoard; draws plots on demand.
+
+    Args:
+        output_dir: run folder; writes ``metrics.jsonl``, ``tensorboard/``, ``plots/``.
+        tensorboard: also write TensorBoard event files.
+    """
+
+    def __init__(self, output_dir: str | Path, tensorboard: bool = True):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append ``metrics`` for ``step`` (non-finite and non-numeric values are kept as null/str)."""
+        row = {"step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    return str(v)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of ``metrics.jsonl`` ordered by step, the last row written for each (step, kind) kept."""
+    rows: dict[tuple[int, bool], dict[str, Any]] = {}
+    p = Path(path)
+    if not p.exists():
+        return []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            is_eval = any(k.startswith("eval/") for k in row)
+            rows[(row["step"], is_eval)] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Draw reward/accuracy/format-rate curves (training) and eval points to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in ((REWARD, "reward"), (ACCURACY, "accuracy"), (FORMAT_RATE, "well-formed calls")):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if pts:
+            axes[0].plot(*zip(*pts), marker=".", label=label)
+    axes[0].set_title("training rollouts")
+    for key, label in ((EVAL_ACCURACY, "accuracy"), (EVAL_FORMAT_RATE, "well-formed calls"), (EVAL_REWARD, "reward")):
+        pts = [(r["step"], r[key], r.get(key + "_std") or 0.0) for r in rows if r.get(key) is not None]
+        if pts:
+            s, m, e = zip(*pts)
+            axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label)
+    axes[1].set_title("held-out evaluation (mean ± std over seeds)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
