@@ -2,14 +2,151 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+from rich.console import Console
+
+from relax_agent.errors import ConfigError, RelaxError
 
 app = typer.Typer(
     name="relax-agent",
     help="Asynchronous RL post-training for agentic, tool-using language models.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    add_completion=False,
 )
+envs_app = typer.Typer(help="List and inspect registered environments.", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
+console = Console(stderr=True)
+
+OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. trainer.lr=1e-6 rollout.group_size=4")
+
+
+def _fail(exc: RelaxError) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(2 if isinstance(exc, ConfigError) else 1)
+
+
+def _load(config: Path, overrides: Optional[list[str]]) -> Any:
+    from relax_agent.config import load_config
+    from relax_agent.roles import preflight
+
+    cfg = load_config(config, list(overrides or []))
+    preflight(cfg)
+    return cfg
+
+
+def _checkpoint_to_resume(cfg: Any, resume: bool) -> Optional[Path]:
+    from relax_agent.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(cfg.run.output_dir).latest()
+    if resume and latest is None:
+        console.print(f"[yellow]--resume: no checkpoint in {cfg.run.output_dir}; starting from step 0[/]")
+    if not resume and latest is not None:
+        raise ConfigError(
+            f"run.output_dir={cfg.run.output_dir!r} already holds checkpoints (latest {latest.name}); "
+            "pass --resume to continue it or set run.output_dir to a new folder"
+        )
+    return latest if resume else None
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(..., help="YAML run config (see examples/)."),
+    overrides: Optional[list[str]] = OVERRIDES,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.output_dir."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+) -> None:
+    """Train a policy with GRPO on a registered environment."""
+    from relax_agent.controller import Controller
+    from relax_agent.progress import ConsoleReporter, format_eval
+    from relax_agent.roles import build_roles
+
+    try:
+        cfg = _load(config, overrides)
+        ckpt = _checkpoint_to_resume(cfg, resume)
+        console.print(f"loading policy {cfg.model.path if ckpt is None else ckpt / 'model'} ...")
+        roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model")
+        controller = Controller(cfg, roles)
+        if ckpt is not None:
+            controller.restore(ckpt)
+            console.print(f"resumed from {ckpt} at step {controller.step}")
+        show = cfg.logging.progress and not quiet
+        with ConsoleReporter(cfg.trainer.steps, controller.step, console) if show else _null() as reporter:
+            controller.reporter = reporter
+            summary = controller.train()
+        roles.close()
+    except RelaxError as exc:
+        _fail(exc)
+        return
+    _write_summary(Path(cfg.run.output_dir) / "summary.json", summary)
+    for key in ("eval_start", "eval_end"):
+        if key in summary:
+            console.print(f"{key.replace('_', ' ')}: {format_eval(summary[key])}")
+    console.print(f"checkpoint: {summary['checkpoint']}\nplot: {summary['plot']}")
+    if summary.get("interrupted"):
+        console.print("[yellow]interrupted: saved; continue with --resume[/]")
+        raise typer.Exit(130)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str))
+
+
+@app.command("eval")
+def eval_cmd(
+    config: Path = typer.Argument(..., help="YAML run config."),
+    overrides: Optional[list[str]] = OVERRIDES,
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint or run folder; default: the untrained policy."),
+    output: Optional[Path] = typer.Option(None, "--output", help="Write the results as JSON here."),
+) -> None:
+    """Report held-out accuracy of a checkpoint (or of the untrained policy)."""
+    from relax_agent.checkpoint import resolve
+    from relax_agent.evaluation import evaluate
+    from relax_agent.progress import format_eval
+    from relax_agent.roles import build_roles
+    from relax_agent.rollout.engines.base import SamplingParams
+
+    try:
+        cfg = _load(config, overrides)
+        model_path = resolve(checkpoint) / "model" if checkpoint else None
+        roles = build_roles(cfg, model_path=model_path, train=False)
+        e, r = cfg.eval, cfg.rollout
+        params = SamplingParams(r.max_new_tokens, e.temperature, r.top_p, tuple(roles.engine.stop_token_ids))
+        result = evaluate(roles.runner, roles.heldout_tasks[: e.num_tasks], e.seeds, params)
+        roles.close()
+    except RelaxError as exc:
+        _fail(exc)
+        return
+    result["checkpoint"] = str(model_path.parent) if model_path else None
+    console.print(format_eval(result))
+    if output:
+        _write_summary(output, result)
+    typer.echo(json.dumps({k: v for k, v in result.items()}, default=str))
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Registered relax-agent environments."""
+    import gymnasium
+
+    import relax_agent.envs  # noqa: F401
+
+    for env_id in sorted(k for k in gymnasium.registry if k.startswith("relax/")):
+        typer.echo(env_id)
 
 
 def _add_subcommands() -> None:
@@ -23,7 +160,10 @@ def _add_subcommands() -> None:
 
 def main() -> None:
     """Entry point of the ``relax-agent`` console script."""
-    _add_subcommands()
+    try:
+        _add_subcommands()
+    except ImportError as exc:  # a plugin package failed to import: the core commands still work
+        print(f"warning: some subcommands are unavailable: {exc}", file=sys.stderr)
     app()
 
 

@@ -1,0 +1,200 @@
+"""Control plane: drives a run step by step (colocate mode: rollout -> train -> weight sync).
+
+Each step: draw ``rollout.tasks_per_step`` tasks, play ``group_size`` episodes per task,
+compute GRPO advantages, train on the batch, publish the new weights to the engine (policy
+version + 1), log, checkpoint. Ctrl-C stops cleanly: an interrupted rollout is discarded,
+an update in flight is finished, and a checkpoint of the last complete step is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from relax_agent import metrics as M
+from relax_agent.checkpoint import CheckpointManager, load_state
+from relax_agent.config import RelaxConfig, dump_config
+from relax_agent.evaluation import episode_accuracy, evaluate
+from relax_agent.roles import Roles
+from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.sampler import TaskSampler
+
+
+def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, float]:
+    """Step metrics of a batch of trajectories (means over trainable samples)."""
+    ok = [t for t in trajs if t.trainable]
+    n_ok = max(len(ok), 1)
+    generated = sum(len(turn.token_ids) for t in trajs for turn in t.turns)
+    out = {
+        M.REWARD: sum(t.reward for t in ok) / n_ok,
+        M.ACCURACY: sum(episode_accuracy(t) for t in ok) / n_ok,
+        M.FORMAT_RATE: sum(float(t.metrics.get("well_formed", 0.0)) for t in ok) / n_ok,
+        M.TOKENS_PER_S: generated / max(rollout_s, 1e-9),
+        "rollout/response_tokens": generated / max(len(trajs), 1),
+        "rollout/failed": float(len(trajs) - len(ok)),
+        "timing/rollout_s": rollout_s,
+    }
+    for reason, count in Counter(t.stop_reason for t in trajs).items():
+        out[f"stop/{reason}"] = float(count)
+    return out
+
+
+@contextlib.contextmanager
+def deferred_sigint() -> Iterator[Callable[[], bool]]:
+    """Hold Ctrl-C until the block ends (an update and weight sync are never cut in half)."""
+    caught: list[bool] = []
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    except ValueError:  # not the main thread: nothing to defer
+        yield lambda: False
+        return
+    try:
+        yield lambda: bool(caught)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
+
+
+class Controller:
+    """Runs training (and evaluation) for one config.
+
+    Args:
+        cfg: the validated run config.
+        roles: live policy, engine, trainer and runner (see :func:`relax_agent.roles.build_roles`).
+        reporter: receives progress events (console bar); ``None`` for silence.
+    """
+
+    def __init__(self, cfg: RelaxConfig, roles: Roles, reporter: Any = None):
+        self.cfg = cfg
+        self.roles = roles
+        self.reporter = reporter
+        self.out = Path(cfg.run.output_dir)
+        self.logger = M.MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard)
+        self.ckpts = CheckpointManager(self.out, cfg.checkpoint.keep_last)
+        self.sampler = TaskSampler(len(roles.train_tasks), cfg.run.seed)
+        self.step = 0
+        self.version = 0
+
+    # -- resume -----------------------------------------------------------------------------
+    def restore(self, ckpt: Path) -> None:
+        """Continue from ``ckpt`` (the policy was already loaded from ``ckpt/model``)."""
+        state, trainer_state = load_state(ckpt)
+        self.roles.trainer.load_state_dict(trainer_state)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self.version = state["step"], state["policy_version"]
+        self.roles.engine.load_weights(self.roles.trainer.policy_state_dict(), self.version)
+
+    def save(self) -> Path:
+        state = {"policy_version": self.version, "sampler": self.sampler.state_dict()}
+        trainer = self.roles.trainer
+        return self.ckpts.save(self.step, trainer.model, self.roles.tokenizer, trainer.state_dict(), state, dump_config(self.cfg))
+
+    # -- the loop ---------------------------------------------------------------------------
+    def params(self, temperature: float | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        stops = tuple(self.roles.engine.stop_token_ids)
+        return SamplingParams(r.max_new_tokens, temperature or r.temperature, r.top_p, stops)
+
+    def train(self) -> dict[str, Any]:
+        """Run until ``trainer.steps``; returns the last step's metrics and eval results."""
+        summary: dict[str, Any] = {}
+        try:
+            if self.cfg.eval.at_start and self.step == 0:
+                summary["eval_start"] = self.run_eval()
+            while self.step < self.cfg.trainer.steps:
+                summary["last"] = self.train_step()
+                if self._due(self.cfg.eval.every_steps) and self.step < self.cfg.trainer.steps:
+                    self.run_eval()
+                if self._due(self.cfg.checkpoint.every_steps):
+                    self.save()
+            if self.cfg.eval.at_end:
+                summary["eval_end"] = self.run_eval()
+        except KeyboardInterrupt:
+            summary["interrupted"] = True
+        finally:
+            summary["checkpoint"] = str(self.save()) if self.cfg.trainer.steps else None
+            summary["plot"] = str(self.plot())
+            self.logger.close()
+        return summary
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def train_step(self) -> dict[str, Any]:
+        """One colocated step: rollout, advantages, update, weight sync."""
+        t0 = time.perf_counter()
+        sampler_state = self.sampler.state_dict()
+        try:
+            trajs, rollout_s = self._rollout()
+        except BaseException:
+            self.sampler.load_state_dict(sampler_state)  # the interrupted step is redrawn on resume
+            raise
+        with deferred_sigint():
+            train_metrics = self._update(trajs)
+            self.step += 1
+        row = {**rollout_metrics(trajs, rollout_s), **train_metrics,
+               M.STEP_TIME: time.perf_counter() - t0, "policy_version": self.version}
+        self.logger.log(self.step, row)
+        self._report("step", row)
+        return row
+
+    def _rollout(self) -> tuple[list[Trajectory], float]:
+        r = self.cfg.rollout
+        tasks = [self.roles.train_tasks[i] for i in self.sampler.next(r.tasks_per_step)]
+        self.roles.engine.reseed(self.cfg.run.seed * 1_000_003 + self.step)
+        specs = self.roles.runner.specs(tasks, r.group_size, prefix=f"s{self.step}", seed=self.cfg.run.seed + self.step * 10_007)
+        self._report("rollout_start", {"total": len(specs)})
+        t0 = time.perf_counter()
+        trajs = asyncio.run(self.roles.runner.run(specs, self.params(), on_done=lambda t: self._report("episode", {})))
+        return trajs, time.perf_counter() - t0
+
+    def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        from relax_agent.train.algorithms import group_advantages
+        from relax_agent.train.batch import collate
+
+        groups = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
+        rewards = torch.tensor([t.reward if t.trainable else 0.0 for t in trajs], dtype=torch.float32)
+        index = torch.tensor([groups[t.group_id] for t in trajs])
+        valid = torch.tensor([t.trainable and t.num_policy_tokens > 0 for t in trajs])
+        adv = group_advantages(rewards, index, valid, std_normalize=self.cfg.trainer.adv_std_normalize)
+        keep = [i for i in range(len(trajs)) if bool(valid[i]) and float(adv[i]) != 0.0]
+        out = {"train/samples": float(len(keep)), "train/zero_advantage": float(int(valid.sum()) - len(keep))}
+        if not keep:
+            return out  # every group was uniform: no gradient, no new version
+        batch = collate([trajs[i] for i in keep], adv[keep], self.roles.tokenizer.pad_token_id)
+        t0 = time.perf_counter()
+        out.update(self.roles.trainer.train_step(batch))
+        out["timing/train_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.version += 1
+        self.roles.engine.load_weights(self.roles.trainer.policy_state_dict(), self.version)
+        out["timing/weight_sync_s"] = time.perf_counter() - t0
+        return out
+
+    # -- evaluation and plots ---------------------------------------------------------------
+    def run_eval(self) -> dict[str, Any]:
+        e = self.cfg.eval
+        tasks = self.roles.heldout_tasks[: e.num_tasks]
+        self._report("eval_start", {"total": len(tasks) * len(e.seeds)})
+        result = evaluate(self.roles.runner, tasks, e.seeds, self.params(e.temperature),
+                          on_done=lambda t: self._report("episode", {}))
+        self.logger.log(self.step, {k: v for k, v in result.items() if not isinstance(v, list)})
+        self._report("eval", result)
+        return result
+
+    def plot(self) -> Path:
+        return M.plot_curves(self.logger.path, self.out / "plots" / "curves.png")
+
+    def _report(self, event: str, data: dict[str, Any]) -> None:
+        if self.reporter is not None:
+            self.reporter(event, self.step, data)

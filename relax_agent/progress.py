@@ -1,0 +1,60 @@
+"""Console progress for long runs (rich): a step bar, an episode bar, one line per step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from relax_agent import metrics as M
+
+
+def format_step(step: int, row: dict[str, Any]) -> str:
+    """One human line for a training step."""
+    return (
+        f"step {step:>4}  reward {row.get(M.REWARD, 0):.3f}  acc {row.get(M.ACCURACY, 0):.3f}  "
+        f"format {row.get(M.FORMAT_RATE, 0):.3f}  {row.get(M.TOKENS_PER_S, 0):.0f} tok/s  "
+        f"loss {row.get('train/loss', float('nan')):.4f}  {row.get(M.STEP_TIME, 0):.1f} s"
+    )
+
+
+def format_eval(result: dict[str, Any]) -> str:
+    return (
+        f"eval ({result['eval/num_tasks']} held-out tasks x {len(result['eval/seeds'])} seeds): "
+        f"accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_std']:.3f}  "
+        f"well-formed {result['eval/well_formed']:.3f} ± {result['eval/well_formed_std']:.3f}  "
+        f"reward {result['eval/reward']:.3f}"
+    )
+
+
+class ConsoleReporter:
+    """Receives controller events and draws them; use as a context manager."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, console: Console | None = None):
+        self.console = console or Console()
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self.steps = self.progress.add_task("steps", total=total_steps, completed=start_step)
+        self.episodes = self.progress.add_task("episodes", total=1, visible=False)
+
+    def __enter__(self) -> "ConsoleReporter":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def __call__(self, event: str, step: int, data: dict[str, Any]) -> None:
+        if event in ("rollout_start", "eval_start"):
+            label = "rollout" if event == "rollout_start" else "eval"
+            self.progress.reset(self.episodes, total=data["total"], description=f"  {label} episodes", visible=True)
+        elif event == "episode":
+            self.progress.advance(self.episodes)
+        elif event == "step":
+            self.progress.update(self.steps, completed=step)
+            self.progress.console.print(format_step(step, data))
+        elif event == "eval":
+            self.progress.console.print(format_eval(data))

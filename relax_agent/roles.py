@@ -1,0 +1,129 @@
+"""Builds the roles of a run from its config: policy, engine, trainer, rollout runner, data.
+
+Everything that can be checked without loading a model is checked first
+(:func:`preflight`), so a typo in the config fails in milliseconds, naming the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relax_agent.config import RelaxConfig
+from relax_agent.errors import ConfigError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> str:
+    """"auto" -> "cuda" when available else "cpu"; raises ConfigError for unavailable CUDA."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={name!r} but no CUDA device is available; use run.device=cpu")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise ConfigError(f"run.device={name!r}: expected auto, cpu or cuda[:N]")
+    return name
+
+
+def check_env_id(env_id: str) -> None:
+    """Raise ConfigError (with close matches) when ``env_id`` is not registered."""
+    import gymnasium
+
+    import relax_agent.envs  # noqa: F401  (registers the built-in envs)
+
+    if env_id in gymnasium.registry:
+        return
+    close = difflib.get_close_matches(env_id, list(gymnasium.registry), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ConfigError(f"env.id={env_id!r} is not a registered environment{hint} (see `relax-agent envs list`)")
+
+
+def preflight(cfg: RelaxConfig) -> str:
+    """Checks that need no model: parser name, env id, device, dtype per device. Returns the device."""
+    from relax_agent.rollout.parsers import build_parser
+
+    build_parser(cfg.rollout.tool_parser)
+    check_env_id(cfg.env.id)
+    device = resolve_device(cfg.run.device)
+    if cfg.mode != "colocate":
+        raise ConfigError(f"mode={cfg.mode!r} is not available in this version; use mode: colocate")
+    if device == "cpu" and cfg.engine.dtype == "fp16":
+        raise ConfigError("engine.dtype=fp16 is not supported on cpu (half-precision matmuls are missing or very slow); use fp32 or bf16")
+    return device
+
+
+def make_env_factory(cfg: RelaxConfig) -> Any:
+    import gymnasium
+
+    import relax_agent.envs  # noqa: F401
+
+    return functools.partial(gymnasium.make, cfg.env.id, **cfg.env.kwargs)
+
+
+@dataclass
+class Roles:
+    """The live objects of a run."""
+
+    cfg: RelaxConfig
+    device: str
+    model: Any
+    tokenizer: Any
+    engine: Any
+    trainer: Any
+    runner: Any
+    train_tasks: list[dict[str, Any]]
+    heldout_tasks: list[dict[str, Any]]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def load_tasks(cfg: RelaxConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out) task lists of the configured env."""
+    env = make_env_factory(cfg)()
+    try:
+        inner = env.unwrapped
+        return inner.tasks("train"), inner.tasks("heldout")
+    finally:
+        env.close()
+
+
+def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: bool = True) -> Roles:
+    """Load the policy (from ``model_path`` when resuming) and build engine, trainer and runner."""
+    from relax_agent.models import load_policy
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.engines.hf import HFEngine
+    from relax_agent.rollout.parsers import build_parser
+    from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
+
+    device = preflight(cfg)
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    train_tasks, heldout_tasks = load_tasks(cfg)
+    model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
+    model, tokenizer = load_policy(model_cfg, dtype="fp32" if train else cfg.engine.dtype, device=device)
+    engine_model = copy.deepcopy(model).to(_DTYPES[cfg.engine.dtype]) if train else model
+    engine = HFEngine(engine_model, tokenizer, cfg.engine, device=device, seed=cfg.run.seed)
+    trainer = _build_trainer(cfg, model, device) if train else None
+    renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
+    limits = RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens)
+    runner = RolloutRunner(make_env_factory(cfg), engine, renderer, build_parser(cfg.rollout.tool_parser), limits)
+    return Roles(cfg, device, model, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks)
+
+
+def _build_trainer(cfg: RelaxConfig, model: Any, device: str) -> Any:
+    from relax_agent.train.backends.torch_backend import TorchTrainer
+
+    ref_model = None
+    if cfg.trainer.kl_coef > 0:
+        ref_model = copy.deepcopy(model).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+    return TorchTrainer(model, cfg.trainer, device=device, ref_model=ref_model, temperature=cfg.rollout.temperature)
