@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import time
 from collections import Counter
@@ -142,11 +143,26 @@ class Controller:
         with deferred_sigint():
             train_metrics = self._update(trajs)
             self.step += 1
+        self._dump_rollouts(trajs)
         row = {**rollout_metrics(trajs, rollout_s), **train_metrics,
                M.STEP_TIME: time.perf_counter() - t0, "policy_version": self.version}
         self.logger.log(self.step, row)
         self._report("step", row)
         return row
+
+    def _dump_rollouts(self, trajs: list[Trajectory]) -> None:
+        """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included."""
+        path = self.out / "rollouts" / f"step_{self.step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tok = self.roles.tokenizer
+        with path.open("w") as f:
+            for t in trajs:
+                response = [tok.decode(turn.token_ids) for turn in t.turns]
+                f.write(json.dumps({
+                    "sample_id": t.sample_id, "task_id": t.task_id, "reward": t.reward,
+                    "reward_status": t.reward_status, "metrics": t.metrics, "stop_reason": t.stop_reason,
+                    "error": t.error, "policy_versions": t.policy_versions, "response": response,
+                }) + "\n")
 
     def _rollout(self) -> tuple[list[Trajectory], float]:
         r = self.cfg.rollout

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up the venv, the Docker daemon and the sandbox image, then run pytest.
+#   bash scripts/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/setup_docker.sh
+exec .venv/bin/python -m pytest -q "$@"
