@@ -1,0 +1,35 @@
+"""BFCL single-turn environments (Berkeley Function Calling Leaderboard, v4 data).
+
+Five categories, one gymnasium id each::
+
+    relax/BFCL-simple-v0             simple_python: one function, one call
+    relax/BFCL-multiple-v0           multiple: several functions, one call
+    relax/BFCL-parallel-v0           parallel: one function, several calls
+    relax/BFCL-parallel-multiple-v0  parallel_multiple: several functions, several calls
+    relax/BFCL-irrelevance-v0        irrelevance: no function fits, the right answer is no call
+
+The data ships in the ``bfcl-eval`` wheel (``pip install --no-deps bfcl-eval``); see
+:mod:`relax_agent.envs.bfcl.data`. Tool names keep BFCL's spelling, dots included
+(``math.factorial``); see :mod:`relax_agent.envs.bfcl.schema`.
+"""
+
+from __future__ import annotations
+
+ENV_IDS: dict[str, str] = {
+    "relax/BFCL-simple-v0": "simple_python",
+    "relax/BFCL-multiple-v0": "multiple",
+    "relax/BFCL-parallel-v0": "parallel",
+    "relax/BFCL-parallel-multiple-v0": "parallel_multiple",
+    "relax/BFCL-irrelevance-v0": "irrelevance",
+}
+
+
+def register_all() -> None:
+    """Register the five BFCL single-turn environments in gymnasium's registry."""
+    from relax_agent.envs import register
+
+    for env_id, category in ENV_IDS.items():
+        register(id=env_id, entry_point="relax_agent.envs.bfcl.env:BFCLEnv", kwargs={"category": category})
+
+
+__all__ = ["ENV_IDS", "register_all"]

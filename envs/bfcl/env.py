@@ -1,0 +1,132 @@
+"""BFCLEnv: one BFCL single-turn task per episode; one assistant turn, then a verdict.
+
+    env = gymnasium.make("relax/BFCL-simple-v0", partial_credit=0.1)
+    messages, info = env.reset(options={"task": task})      # info["tools"]: OpenAI tool schemas
+    _, reward, terminated, truncated, info = env.step(
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function",
+                         "function": {"name": "math.factorial", "arguments": '{"number": 5}'}}]})
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from relax_agent.envs.base import TextEnv
+from relax_agent.envs.bfcl.checker import check_calls, reward
+from relax_agent.envs.bfcl.data import CATEGORIES, SPLITS, load_tasks, split_tasks
+from relax_agent.errors import ConfigError, EnvError
+
+
+class BFCLEnv(TextEnv):
+    """A BFCL v4 single-turn category as a gymnasium environment.
+
+    Args:
+        category: "simple_python", "multiple", "parallel", "parallel_multiple" or "irrelevance".
+        split: the split ``reset`` draws from when no task is given ("train" or "heldout").
+        heldout_fraction: share of tasks held out, by SHA-1 of the task id (see ``data``).
+        partial_credit: reward for a well-formed but wrong answer, in [0, 1].
+
+    Raises:
+        ConfigError: any argument outside the values above.
+    """
+
+    reward_description = (
+        "1.0 when the assistant's tool calls pass BFCL's AST check (right number of calls, "
+        "function names, required and allowed parameters, value types and allowed values, "
+        "order-free for parallel tasks; for irrelevance tasks: no call at all); "
+        "partial_credit (default 0.1) when the calls are only well-formed (at least one call, "
+        "each naming a task function with a JSON-object of arguments); else 0.0."
+    )
+
+    def __init__(
+        self,
+        category: str = "simple_python",
+        split: str = "train",
+        heldout_fraction: float = 0.2,
+        partial_credit: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if category not in CATEGORIES:
+            raise ConfigError(f"category={category!r}; expected one of {list(CATEGORIES)}")
+        if split not in SPLITS:
+            raise ConfigError(f"split={split!r}; expected one of {list(SPLITS)}")
+        if not 0.0 <= heldout_fraction <= 1.0:
+            raise ConfigError(f"heldout_fraction={heldout_fraction!r}; expected a number in [0, 1]")
+        if not 0.0 <= partial_credit <= 1.0:
+            raise ConfigError(f"partial_credit={partial_credit!r}; expected a number in [0, 1]")
+        self.category = category
+        self.split = split
+        self.heldout_fraction = heldout_fraction
+        self.partial_credit = partial_credit
+        self._done = False
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """Task dicts of ``split`` (see :mod:`relax_agent.envs.bfcl.data`).
+
+        Raises:
+            DataError: unknown split, or the bfcl-eval wheel is missing.
+        """
+        return split_tasks(load_tasks(self.category), split, self.heldout_fraction)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start an episode on ``options["task"]``, or on a task drawn from ``self.split``."""
+        if (options or {}).get("task") is None:
+            super(TextEnv, self).reset(seed=seed)
+            pool = self.tasks(self.split)
+            options = {**(options or {}), "task": pool[int(self.np_random.integers(len(pool)))]}
+            seed = None
+        return super().reset(seed=seed, options=options)
+
+    def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        self._done = False
+        messages = copy.deepcopy(task["question"])
+        return messages, {"tools": copy.deepcopy(task["tools"]), "task_id": task["id"]}
+
+    def step(self, action: dict[str, Any]):
+        """Judge one assistant message; the episode always ends here.
+
+        Returns:
+            ``([], reward, True, False, info)`` with info ``{"correct": 0.0|1.0,
+            "well_formed": 0.0|1.0, "num_calls": int, "reason": str}``.
+
+        Raises:
+            EnvError: ``step`` before ``reset`` or after the episode ended, or an action
+                that is not a message dict.
+        """
+        if self.task is None or self._done:
+            raise EnvError("BFCLEnv.step() needs a fresh episode: call reset() first")
+        if not isinstance(action, dict):
+            raise EnvError(f"action must be an assistant message dict, got {type(action).__name__}")
+        self._done = True
+        calls = calls_from_message(action)
+        result = check_calls(calls, self.task)
+        info = {
+            "correct": float(result.correct),
+            "well_formed": float(result.well_formed),
+            "num_calls": len(calls),
+            "reason": result.reason,
+        }
+        return [], reward(result, self.partial_credit), True, False, info
+
+
+def calls_from_message(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as ``[{"name", "arguments"}]``.
+
+    ``arguments`` may be a dict or a JSON string; a string that does not parse is kept as
+    is, which the checker judges not well-formed.
+    """
+    calls = []
+    for tool_call in message.get("tool_calls") or []:
+        function = tool_call.get("function") if isinstance(tool_call, dict) else None
+        function = function if isinstance(function, dict) else {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        calls.append({"name": function.get("name"), "arguments": arguments})
+    return calls
