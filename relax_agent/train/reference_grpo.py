@@ -62,7 +62,8 @@ def compute_advantages(samples: list[Sample], std_normalize: bool = True, eps: f
 
 def sequence_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """[T] log p(token t | tokens < t) for one unpadded sequence; position 0 is 0."""
-    logits = model(input_ids=torch.tensor([token_ids])).logits[0].float() / temperature
+    logits = model(input_ids=torch.tensor([token_ids])).logits[0]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # at least fp32
     logp_all = torch.log_softmax(logits, dim=-1)  # [T, V]; row t predicts token t + 1
     out = [torch.zeros(())]
     for t in range(1, len(token_ids)):
@@ -109,10 +110,12 @@ def grpo_loss(
     return torch.stack([torch.stack(terms).mean() for terms in per_sequence]).sum() / len(per_sequence)
 
 
-def train_step(model, optimizer, samples: list[Sample], grad_clip: float = 1.0, **loss_kwargs) -> float:
-    """Advantages, loss, backward, grad-norm clip, one optimizer step. Returns the loss."""
+def train_step(model, optimizer, samples: list[Sample], grad_clip: float = 1.0,
+               advantages: list[float] | None = None, **loss_kwargs) -> float:
+    """Advantages (unless given), loss, backward, grad-norm clip, one optimizer step. Returns the loss."""
     std_normalize = loss_kwargs.pop("std_normalize", True)
-    advantages = compute_advantages(samples, std_normalize=std_normalize)
+    if advantages is None:
+        advantages = compute_advantages(samples, std_normalize=std_normalize)
     optimizer.zero_grad()
     loss = grpo_loss(model, samples, advantages, **loss_kwargs)
     loss.backward()

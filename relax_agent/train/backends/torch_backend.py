@@ -1,0 +1,434 @@
+"""The torch trainer backend: token log-probs and one GRPO / PPO-clip step per batch.
+
+One optimizer step per :class:`~relax_agent.train.batch.TrainBatch`: micro-batches of
+``TrainerConfig.micro_batch_size`` sequences are forwarded and back-propagated in turn,
+with every loss divided by the *whole* batch's normaliser, so the accumulated gradient is
+the full-batch gradient. Then gradients are clipped and AdamW steps. The importance ratio is
+taken against the rollout log-probs carried by the batch (one update per batch, so the
+policy that computes them is the pre-update policy: the ratio is the train/rollout gap
+plus, in async mode, the policy drift since the rollout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from relax_agent.config import TrainerConfig
+from relax_agent.errors import CheckpointError, ConfigError, DataError
+from relax_agent.train.algorithms import (
+    APPROX_KL,
+    CLIP_FRAC,
+    RATIO_MEAN,
+    k3_kl,
+    loss_normalizer,
+    masked_aggregate,
+    mismatch_metrics,
+    ppo_clip_loss,
+)
+from relax_agent.train.batch import TrainBatch
+
+LOSS = "train/loss"
+PG_LOSS = "train/pg_loss"
+KL_REF = "train/kl_ref"
+GRAD_NORM = "train/grad_norm"
+ENTROPY = "train/entropy"
+LR = "train/lr"
+TOKENS = "train/tokens"
+POLICY_TOKENS = "train/policy_tokens"
+SEQUENCES = "train/sequences"
+LOSS_SCALE = "train/loss_scale"
+SKIPPED_STEP = "train/skipped_step"
+STEP = "train/step"
+STEP_TIME_S = "timing/train_step_s"
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Logit elements (64 MiB in fp32) processed at once by :func:`token_logprobs`."""
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32, or the logits' own dtype when it is wider (fp64)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """``log_softmax(logits / temperature)[target]`` in fp32 (at least), chunked over rows.
+
+    Forward keeps only the logits (already alive) and one fp32 log-normaliser per row;
+    backward rebuilds the softmax chunk by chunk. Peak extra memory is one fp32 chunk,
+    instead of the full [N, V] fp32 log-softmax a plain ``log_softmax`` + ``gather`` saves.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk_rows: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = logits.shape[0], _compute_dtype(logits)
+        logp = torch.empty(n, dtype=dtype, device=logits.device)
+        lse = torch.empty(n, dtype=dtype, device=logits.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=logits.device)
+        with torch.autocast(logits.device.type, enabled=False):
+            for s in range(0, n, chunk_rows):
+                z = logits[s:s + chunk_rows].to(dtype) / temperature
+                lse_c = torch.logsumexp(z, dim=-1)
+                lse[s:s + chunk_rows] = lse_c
+                logp[s:s + chunk_rows] = z.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse_c
+                if with_entropy:
+                    p = torch.exp(z - lse_c[:, None])
+                    entropy[s:s + chunk_rows] = lse_c - (p * z).sum(-1)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor) -> tuple:
+        logits, targets, lse = ctx.saved_tensors
+        temperature, rows, dtype = ctx.temperature, ctx.chunk_rows, _compute_dtype(logits)
+        grad = torch.empty_like(logits)
+        with torch.autocast(logits.device.type, enabled=False):
+            for s in range(0, logits.shape[0], rows):
+                z = logits[s:s + rows].to(dtype) / temperature
+                g_out = grad_logp[s:s + rows].to(dtype)[:, None]
+                g = torch.exp(z - lse[s:s + rows, None]).mul_(-g_out)
+                g.scatter_add_(-1, targets[s:s + rows, None], g_out)
+                grad[s:s + rows] = g.div_(temperature)
+        return grad, None, None, None, None
+
+
+def token_logprobs_and_entropy(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (with gradient) and entropies (without) of a causal LM.
+
+    Args:
+        model: a causal LM whose forward takes ``input_ids``, ``attention_mask`` and
+            ``use_cache`` and returns ``.logits`` [B, T, V] (any Hugging Face ``*ForCausalLM``).
+        input_ids: [B, T] right-padded token ids.
+        attention_mask: [B, T] 1 on real tokens, 0 on padding.
+        temperature: the rollout's sampling temperature; logits are divided by it so the
+            log-probs are those of the distribution the tokens were sampled from.
+        with_entropy: also return the entropy of each position's distribution.
+        chunk_tokens: positions per chunk of the log-softmax (default: 16M logits / V).
+
+    Returns:
+        ``(logprobs, entropy)``, both [B, T] float32 (float64 for a float64 model): position ``t`` holds
+        ``log p(token t | tokens < t)`` and the entropy (nats) of that distribution;
+        position 0 and padding hold 0. ``entropy`` is None when ``with_entropy`` is False.
+
+    Raises:
+        ConfigError: ``temperature`` <= 0.
+        DataError: ``input_ids`` and ``attention_mask`` are not the same [B, T] shape.
+    """
+    if not temperature > 0:
+        raise ConfigError(f"temperature must be > 0; got {temperature}")
+    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+        raise DataError(
+            f"input_ids and attention_mask must share one [B, T] shape; got "
+            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    b, t, v = logits.shape
+    # Row (b, t) of the flat logits predicts token t + 1; the last row of each sequence
+    # predicts nothing and is dropped after the fact (cheaper than copying a shifted view).
+    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
+    rows = chunk_tokens or max(1, _CHUNK_ELEMENTS // v)
+    logp, entropy = _TokenLogprob.apply(logits.reshape(b * t, v), targets, float(temperature), rows, with_entropy)
+    real = attention_mask.bool()
+    logp = _shift_right(logp.view(b, t), real)
+    entropy = _shift_right(entropy.view(b, t), real) if with_entropy else None
+    return logp, entropy
+
+
+def _shift_right(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """[B, T] predictions for token t+1 -> values for token t; 0 at t = 0 and on padding."""
+    shifted = torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+    return torch.where(real, shifted, torch.zeros_like(shifted))
+
+
+def token_logprobs(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """[B, T] float32 (at least) ``log p(token t | tokens < t)`` of ``softmax(logits / temperature)``.
+
+    Position 0 and padding hold 0. Differentiable; see :func:`token_logprobs_and_entropy`.
+    """
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, with_entropy=False)[0]
+
+
+class _Totals:
+    """Sums of per-micro-batch values, some weighted by policy tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.train_lp: list[torch.Tensor] = []
+        self.rollout_lp: list[torch.Tensor] = []
+
+    def add(self, key: str, value: torch.Tensor, weight: float = 1.0) -> None:
+        value = value.detach().double() * weight
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def get(self, key: str, divide_by: float = 1.0) -> float:
+        return float(self.sums[key]) / divide_by
+
+
+class TorchTrainer:
+    """GRPO / PPO-clip trainer for a torch causal LM (one process, one device).
+
+    Args:
+        model: the policy (e.g. a Hugging Face ``*ForCausalLM``). It is moved to ``device``,
+            its fp16/bf16 weights are upcast to fp32 (the master weights; ``cfg.dtype``
+            bf16/fp16 run under autocast; fp64 weights are kept, for exact tests), and it is
+            put in train mode. Its dropout should be 0 (log-probs must be reproducible); a warning
+            says when it is not.
+        cfg: the trainer section of the run config.
+        device: torch device for the model and the batches.
+        ref_model: the frozen reference policy for the k3 KL term; required when
+            ``cfg.kl_coef > 0``, ignored (with a warning) when it is 0.
+        temperature: the rollout's sampling temperature (log-probs use the same one).
+
+    Raises:
+        ConfigError: ``kl_coef > 0`` without a reference model, ``temperature`` <= 0,
+            ``freeze_embeddings`` on a model without input embeddings, or nothing left to train.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainerConfig,
+        device: str | torch.device = "cpu",
+        ref_model: nn.Module | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        if not temperature > 0:
+            raise ConfigError(f"temperature must be > 0; got {temperature}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.temperature = float(temperature)
+        self.model = _with_master_weights(model.to(self.device))
+        self.model.train()
+        _warn_on_dropout(self.model)
+        if cfg.freeze_embeddings:
+            _freeze_input_embeddings(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+        self.ref_model = self._setup_ref_model(ref_model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LinearWarmup(cfg.warmup_steps))
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.dtype == "fp16" else None
+        self.step = 0
+        """Optimizer updates taken so far (skipped fp16 overflow steps not counted)."""
+
+    def _setup_ref_model(self, ref_model: nn.Module | None) -> nn.Module | None:
+        if self.cfg.kl_coef > 0 and ref_model is None:
+            raise ConfigError(f"trainer.kl_coef={self.cfg.kl_coef} needs a reference model (ref_model=...)")
+        if self.cfg.kl_coef == 0:
+            if ref_model is not None:
+                warnings.warn("ref_model is ignored: trainer.kl_coef is 0", stacklevel=3)
+            return None
+        ref_model = _with_master_weights(ref_model.to(self.device)).eval()
+        ref_model.requires_grad_(False)
+        return ref_model
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.cfg.dtype])
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer update on ``batch``; returns the step's metrics.
+
+        Metrics: ``train/loss`` (policy loss + kl_coef * KL, summed over micro-batches,
+        i.e. the full-batch loss), ``train/pg_loss``, ``train/kl_ref`` (with a reference),
+        ``train/grad_norm`` (before clipping), ``train/clip_frac``, ``train/ratio_mean``,
+        ``train/approx_kl``, ``train/entropy`` (per-token means over policy tokens),
+        ``mismatch/*`` (trainer vs rollout log-probs, pre-update; see
+        :func:`~relax_agent.train.algorithms.mismatch_metrics`), ``train/lr`` (the lr of
+        this update), ``train/tokens``, ``train/policy_tokens``, ``train/sequences``,
+        ``train/skipped_step`` (1 when gradients were non-finite and no update was made),
+        ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``.
+
+        Raises:
+            DataError: the batch has no policy tokens.
+        """
+        start = time.perf_counter()
+        metrics = self.compute_gradients(batch)
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = self._clip_and_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics.update({GRAD_NORM: grad_norm, LR: lr, SKIPPED_STEP: float(not math.isfinite(grad_norm))})
+        if self.scaler is not None:
+            metrics[LOSS_SCALE] = float(self.scaler.get_scale())
+        metrics[STEP] = float(self.step)
+        metrics[STEP_TIME_S] = time.perf_counter() - start
+        return metrics
+
+    def _clip_and_step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        stepped = math.isfinite(grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update itself on inf/nan gradients
+            self.scaler.update()
+        elif stepped:
+            self.optimizer.step()
+        if stepped:
+            self.scheduler.step()
+            self.step += 1
+        return grad_norm
+
+    def compute_gradients(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward and backward every micro-batch, leaving the full-batch gradient in ``.grad``.
+
+        Gradients are first zeroed; with fp16 they are left multiplied by the loss scale.
+        :meth:`train_step` calls this, then clips and steps. Returns the metrics that do
+        not depend on the update (see :meth:`train_step`).
+
+        Raises:
+            DataError: the batch has no policy tokens.
+        """
+        if batch.num_policy_tokens == 0:
+            raise DataError("the batch has no policy tokens (loss_mask is all 0): nothing to train on")
+        normalizer = loss_normalizer(batch.loss_mask, self.cfg.loss_agg)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = _Totals()
+        for micro in batch.split(self.cfg.micro_batch_size):
+            self._backward_micro_batch(micro.to(self.device), normalizer, totals)
+        return self._summarize(totals, batch)
+
+    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: _Totals) -> None:
+        cfg = self.cfg
+        with self._autocast():
+            logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+        loss, pg_metrics = ppo_clip_loss(
+            logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask,
+            cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg, normalizer,
+        )
+        mask = mb.loss_mask.bool()
+        n_policy = float(mask.sum())
+        totals.add(PG_LOSS, loss)
+        if self.ref_model is not None:
+            kl = masked_aggregate(k3_kl(logprobs, self._ref_logprobs(mb), mb.loss_mask), mb.loss_mask, cfg.loss_agg, normalizer)
+            totals.add(KL_REF, kl)
+            loss = loss + cfg.kl_coef * kl
+        totals.add(LOSS, loss)
+        for key, value in pg_metrics.items():
+            totals.add(key, value, n_policy)
+        totals.add(ENTROPY, (entropy * mask).sum())
+        totals.train_lp.append(logprobs.detach()[mask])
+        totals.rollout_lp.append(mb.rollout_logprobs[mask])
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature)
+
+    def _summarize(self, totals: _Totals, batch: TrainBatch) -> dict[str, float]:
+        n_policy = float(batch.num_policy_tokens)
+        out = {LOSS: totals.get(LOSS), PG_LOSS: totals.get(PG_LOSS)}
+        if KL_REF in totals.sums:
+            out[KL_REF] = totals.get(KL_REF)
+        for key in (CLIP_FRAC, RATIO_MEAN, APPROX_KL, ENTROPY):
+            out[key] = totals.get(key, n_policy)
+        train_lp, rollout_lp = torch.cat(totals.train_lp), torch.cat(totals.rollout_lp)
+        out.update(mismatch_metrics(train_lp, rollout_lp, torch.ones_like(train_lp, dtype=torch.bool)))
+        out.update({TOKENS: float(batch.num_tokens), POLICY_TOKENS: n_policy, SEQUENCES: float(batch.size)})
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, lr scheduler, loss scaler and step counter (not the model weights)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (load the model weights first).
+
+        Raises:
+            CheckpointError: keys are missing or the optimizer state does not fit the model.
+        """
+        missing = {"optimizer", "scheduler", "scaler", "step"} - set(state)
+        if missing:
+            raise CheckpointError(f"trainer state lacks {sorted(missing)}")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as exc:
+            raise CheckpointError(f"optimizer state does not fit this model's trainable parameters: {exc}") from exc
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        elif (self.scaler is None) != (not state["scaler"]):
+            warnings.warn(f"loss-scaler state ignored or missing: trainer.dtype is now {self.cfg.dtype}", stacklevel=2)
+        self.step = int(state["step"])
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights for the rollout engine / weight sync.
+
+        These are the live parameter tensors (no copy): they change at the next
+        :meth:`train_step`; copy them if they must outlive it.
+        """
+        return self.model.state_dict()
+
+
+class _LinearWarmup:
+    """lr multiplier: (k + 1) / warmup_steps for update k < warmup_steps, then 1."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, k: int) -> float:
+        return 1.0 if self.warmup_steps <= 0 else min(1.0, (k + 1) / self.warmup_steps)
+
+
+def _with_master_weights(model: nn.Module) -> nn.Module:
+    """The model with fp16/bf16 floating-point weights upcast to fp32 (fp32/fp64 kept)."""
+    if any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
+        model = model.float()
+    return model
+
+
+def _freeze_input_embeddings(model: nn.Module) -> None:
+    """requires_grad=False on the input embeddings (also on a tied output head)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if get is not None else None
+    if emb is None:
+        raise ConfigError(
+            f"trainer.freeze_embeddings is set but {type(model).__name__} has no get_input_embeddings()"
+        )
+    emb.requires_grad_(False)
+
+
+def _dropout_modules(model: nn.Module) -> Iterator[str]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            yield name
+
+
+def _warn_on_dropout(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    attn = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    named = list(_dropout_modules(model))
+    if attn > 0 or named:
+        warnings.warn(
+            f"the policy has dropout (attention_dropout={attn}, modules {named[:3]}): its log-probs "
+            "will not match the rollout's; set dropout to 0 in the model config",
+            stacklevel=3,
+        )
