@@ -176,7 +176,7 @@ class _Totals:
         self.train_lp: list[torch.Tensor] = []
         self.rollout_lp: list[torch.Tensor] = []
 
-    def add(self, key: str, value: torch.Tensor, weight: float = 1.0) -> None:
+    def add(self, key: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
         value = value.detach().double() * weight
         self.sums[key] = self.sums[key] + value if key in self.sums else value
 
@@ -252,7 +252,8 @@ class TorchTrainer:
         """One optimizer update on ``batch``; returns the step's metrics.
 
         Metrics: ``train/loss`` (policy loss + kl_coef * KL, summed over micro-batches,
-        i.e. the full-batch loss), ``train/pg_loss``, ``train/kl_ref`` (with a reference),
+        i.e. the full-batch loss), ``train/pg_loss``, ``train/kl_ref`` (with a reference: the
+        k3 KL term, aggregated like the loss and before ``kl_coef``),
         ``train/grad_norm`` (before clipping), ``train/clip_frac``, ``train/ratio_mean``,
         ``train/approx_kl``, ``train/entropy`` (per-token means over policy tokens),
         ``mismatch/*`` (trainer vs rollout log-probs, pre-update; see
@@ -320,7 +321,7 @@ class TorchTrainer:
             cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg, normalizer,
         )
         mask = mb.loss_mask.bool()
-        n_policy = float(mask.sum())
+        n_policy = mask.sum()
         totals.add(PG_LOSS, loss)
         if self.ref_model is not None:
             kl = masked_aggregate(k3_kl(logprobs, self._ref_logprobs(mb), mb.loss_mask), mb.loss_mask, cfg.loss_agg, normalizer)
