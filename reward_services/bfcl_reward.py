@@ -1,0 +1,62 @@
+"""BFCL function-calling reward: the BFCL AST checker as a reward function.
+
+``ground_truth`` is the BFCL task dict (from :func:`relax_agent.envs.bfcl.data.load_tasks`:
+its ``functions`` and ``possible_answer`` are used); ``response`` is the assistant message
+with OpenAI-format ``tool_calls``. A text response holds no call (right only for an
+irrelevance task). The verdict is :func:`relax_agent.envs.bfcl.checker.check_calls`, the
+reward :func:`relax_agent.envs.bfcl.checker.reward` (1 correct, ``partial_credit`` for a
+well-formed wrong call, 0 otherwise).
+
+Targets: ``relax_agent.reward_services.bfcl_reward:score`` (partial credit 0.1) or
+``relax_agent.reward_services.bfcl_reward:BFCLReward`` with ``kwargs: {partial_credit: 0.2}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_agent.errors import ConfigError, DataError
+from relax_agent.reward_services.protocol import RewardItem
+
+
+class BFCLReward:
+    """Scores one item with the BFCL checker.
+
+    Args:
+        partial_credit: reward for well-formed but wrong calls, in [0, 1].
+
+    Raises:
+        ConfigError: ``partial_credit`` outside [0, 1].
+    """
+
+    def __init__(self, partial_credit: float = 0.1):
+        if not 0.0 <= partial_credit <= 1.0:
+            raise ConfigError(f"partial_credit={partial_credit!r}; expected a number in [0, 1]")
+        self.partial_credit = partial_credit
+
+    def __call__(self, item: RewardItem) -> dict[str, Any]:
+        """``{"reward", "metrics": {correct, well_formed, num_calls}, "extra": {"reason"}}``.
+
+        Raises:
+            DataError: ``ground_truth`` is not a BFCL task dict (the item becomes status error).
+        """
+        from relax_agent.envs.bfcl.checker import check_calls, reward
+        from relax_agent.envs.bfcl.env import calls_from_message
+
+        task = item.ground_truth
+        if not isinstance(task, dict) or "possible_answer" not in task or "functions" not in task:
+            got = sorted(task) if isinstance(task, dict) else type(task).__name__
+            raise DataError(f"item {item.id!r}: ground_truth must be a BFCL task dict with 'functions' and "
+                            f"'possible_answer', got {got}")
+        calls = calls_from_message(item.response) if isinstance(item.response, dict) else []
+        result = check_calls(calls, task)
+        return {
+            "reward": reward(result, self.partial_credit),
+            "metrics": {"correct": float(result.correct), "well_formed": float(result.well_formed),
+                        "num_calls": float(len(calls))},
+            "extra": {"reason": result.reason},
+        }
+
+
+score = BFCLReward()
+"""The BFCL reward with the default partial credit (0.1)."""

@@ -1,0 +1,33 @@
+"""The environment's own reward as a :class:`RewardFunction` (``source: env``).
+
+The rollout puts the episode's return (the sum of the env's step rewards) into
+``item.metadata["env_reward"]``; this reward passes it through, so an env reward can be
+combined with local or remote components like any other.
+"""
+
+from __future__ import annotations
+
+import math
+
+from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus
+
+ENV_REWARD_KEY = "env_reward"
+"""``RewardItem.metadata`` key holding the episode return computed by the environment."""
+
+
+class EnvReward:
+    """Reads ``metadata["env_reward"]``; an item without a finite number there is an error result."""
+
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        return [self._one(item) for item in items]
+
+    @staticmethod
+    def _one(item: RewardItem) -> RewardResult:
+        value = item.metadata.get(ENV_REWARD_KEY)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            cause = f"metadata[{ENV_REWARD_KEY!r}] must be a finite number (the env's episode return), got {value!r}"
+            return RewardResult.failed(item.id, RewardStatus.ERROR, cause)
+        return RewardResult(id=item.id, reward=float(value))
+
+    async def aclose(self) -> None:
+        return None

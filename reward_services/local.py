@@ -1,0 +1,281 @@
+"""In-process rewards: turn a user's Python function into a :class:`RewardFunction`.
+
+The function is named ``module:function`` or ``path/to/file.py:function`` and may be sync or
+async, per-item or batched; its parameter names say which:
+
+- per-item: any of ``id, messages, response, ground_truth, metadata`` (passed by keyword),
+  ``item`` (the whole :class:`RewardItem`), or ``**kwargs`` (all fields);
+- batched: one parameter named ``items`` (a ``list[RewardItem]``); it returns one value per
+  item, in order, and may put an ``Exception`` in the list to fail just that item.
+
+A returned value is a number (the reward), a dict ``{"reward", "metrics"?, "extra"?}``, or a
+:class:`RewardResult`. Sync functions run in a thread pool, never on the event loop. Each
+item gets ``timeout_s`` (a batched call gets ``timeout_s`` for the whole call); an exception
+or overrun becomes ``status: error`` / ``timeout`` for that item only. A sync function that
+overruns keeps running in its thread (Python cannot stop a thread); the item is answered
+``timeout`` at once.
+
+A class (or any target given ``kwargs``) is a factory: it is called with ``kwargs`` and the
+object it returns is the reward function (how the LLM judge takes its endpoint and rubric).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import os
+import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from relax_agent.errors import ConfigError
+from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus
+
+log = logging.getLogger("relax_agent.reward_services")
+
+ITEM_FIELDS = ("id", "messages", "response", "ground_truth", "metadata")
+
+
+def load_target(target: str) -> Any:
+    """Import the object named by ``module:attr`` or ``path/to/file.py:attr``.
+
+    ``attr`` may be dotted (``module:Class.method``). For the module form the current
+    directory is put on ``sys.path`` first (as ``python -m`` and uvicorn do), so an
+    uninstalled project's ``examples.custom_reward.reward:score`` imports.
+
+    Raises:
+        ConfigError: malformed target, missing file or module, or missing attribute.
+    """
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise ConfigError(f"reward target {target!r} must look like 'module:function' or 'path/to/file.py:function'")
+    module = _load_file(module_part, target) if _is_path(module_part) else _import_module(module_part, target)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"reward target {target!r}: {obj.__name__ if obj is module else obj!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_path(module_part: str) -> bool:
+    return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+
+
+def _import_module(name: str, target: str) -> Any:
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and name.startswith(exc.name):
+            raise ConfigError(f"reward target {target!r}: no module named {exc.name!r} (searched sys.path and {cwd})") from exc
+        raise
+
+
+def _load_file(path_str: str, target: str) -> Any:
+    path = Path(path_str).resolve()
+    if not path.is_file():
+        raise ConfigError(f"reward target {target!r}: file {str(path)!r} does not exist")
+    name = f"_relax_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def resolve_target(target: str) -> str:
+    """``target`` with a relative file path made absolute (for processes with another cwd)."""
+    module_part, _, attr = target.rpartition(":")
+    if module_part and _is_path(module_part):
+        return f"{Path(module_part).resolve()}:{attr}"
+    return target
+
+
+def make_callable(obj: Any, kwargs: dict[str, Any] | None, target: str) -> Callable[..., Any]:
+    """The reward callable: ``obj`` itself, or ``obj(**kwargs)`` for a class or when kwargs are given.
+
+    Raises:
+        ConfigError: the result is not callable, or the factory rejects ``kwargs``.
+    """
+    if inspect.isclass(obj) or kwargs:
+        try:
+            obj = obj(**(kwargs or {}))
+        except TypeError as exc:
+            raise ConfigError(f"reward target {target!r} could not be built with kwargs {kwargs!r}: {exc}") from exc
+    if not callable(obj):
+        raise ConfigError(f"reward target {target!r} is a {type(obj).__name__}, expected a function or callable object")
+    return obj
+
+
+def _call_plan(fn: Callable[..., Any], name: str) -> tuple[bool, tuple[str, ...], bool]:
+    """(batched, item parameter names, takes **kwargs) from ``fn``'s signature."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"reward function {name}: cannot read its signature ({exc})") from exc
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    if "items" in names:
+        others = [p.name for p in params if p.name != "items" and p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if others:
+            raise ConfigError(f"batched reward function {name} must take only 'items'; it also requires {others}")
+        return True, ("items",), False
+    allowed = (*ITEM_FIELDS, "item")
+    used = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in allowed:
+            used.append(p.name)
+        elif p.default is p.empty:
+            raise ConfigError(
+                f"reward function {name} has required parameter {p.name!r}; a per-item reward takes any of "
+                f"{', '.join(allowed)} (by name), a batched one takes 'items'"
+            )
+    return False, tuple(used), var_kw
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def to_result(item_id: str, value: Any) -> RewardResult:
+    """Normalise what a reward function returned into a :class:`RewardResult` for ``item_id``.
+
+    Raises:
+        TypeError / ValueError: the value is not a finite number, a dict with ``reward``, or a
+            RewardResult (the caller turns this into ``status: error``).
+    """
+    if isinstance(value, RewardResult):
+        return value if value.id == item_id else value.model_copy(update={"id": item_id})
+    if isinstance(value, (bool, int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"reward function returned a non-finite reward {value!r}")
+        return RewardResult(id=item_id, reward=float(value))
+    if isinstance(value, dict) and "reward" in value:
+        return RewardResult.model_validate({**value, "id": item_id})
+    raise TypeError(
+        f"reward function returned {type(value).__name__} {str(value)[:80]!r}; expected a number, "
+        "a dict with 'reward' (and optional 'metrics', 'extra'), or a RewardResult"
+    )
+
+
+def error_result(item_id: str, exc: BaseException) -> RewardResult:
+    """``status: error`` for ``item_id`` naming the exception and where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return RewardResult.failed(item_id, RewardStatus.ERROR, f"{type(exc).__name__}: {exc}{where}")
+
+
+class LocalReward:
+    """A Python reward function as a :class:`RewardFunction`.
+
+    Args:
+        fn: the reward function (see the module docstring for signatures).
+        timeout_s: deadline per item (per call for a batched function), seconds.
+        max_concurrency: items scored at once (and threads for sync functions).
+        name: used in error messages and logs.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, timeout_s: float = 30.0, max_concurrency: int = 64, name: str | None = None):
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
+        self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
+        self.timeout_s = timeout_s
+        self.batched, self._params, self._var_kw = _call_plan(fn, self.name)
+        self._is_async = _is_async(fn)
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._pool = None if self._is_async else ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
+
+    @classmethod
+    def from_target(cls, target: str, kwargs: dict[str, Any] | None = None, **options: Any) -> "LocalReward":
+        """Load ``module:function`` / ``file.py:function`` (see :func:`load_target`) and wrap it."""
+        fn = make_callable(load_target(target), kwargs, target)
+        return cls(fn, name=target, **options)
+
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """One result per item, in order; failures become error/timeout results."""
+        if not items:
+            return []
+        if self.batched:
+            return await self._score_batch(items)
+        return list(await asyncio.gather(*(self._score_one(item) for item in items)))
+
+    async def _score_one(self, item: RewardItem) -> RewardResult:
+        kwargs = {k: item if k == "item" else getattr(item, k) for k in self._params}
+        if self._var_kw:
+            kwargs.update({k: getattr(item, k) for k in ITEM_FIELDS if k not in kwargs})
+        async with self._sem:
+            try:
+                value = await asyncio.wait_for(self._invoke(kwargs), self.timeout_s)
+                return to_result(item.id, value)
+            except asyncio.TimeoutError:
+                return RewardResult.failed(item.id, RewardStatus.TIMEOUT, f"{self.name} took longer than timeout_s={self.timeout_s}")
+            except Exception as exc:  # one item's failure is data, not a crash of the batch
+                log.warning("reward %s failed on item %r", self.name, item.id, exc_info=True)
+                return error_result(item.id, exc)
+
+    async def _score_batch(self, items: list[RewardItem]) -> list[RewardResult]:
+        async with self._sem:
+            try:
+                values = await asyncio.wait_for(self._invoke({"items": list(items)}), self.timeout_s)
+            except asyncio.TimeoutError:
+                cause = f"{self.name} took longer than timeout_s={self.timeout_s} for a batch of {len(items)}"
+                return [RewardResult.failed(i.id, RewardStatus.TIMEOUT, cause) for i in items]
+            except Exception as exc:
+                log.warning("batched reward %s failed on %d items", self.name, len(items), exc_info=True)
+                return [error_result(i.id, exc) for i in items]
+        if not isinstance(values, (list, tuple)) or len(values) != len(items):
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            cause = f"batched reward {self.name} returned {got} for {len(items)} items"
+            return [RewardResult.failed(i.id, RewardStatus.ERROR, cause) for i in items]
+        return [self._batch_value(item, value) for item, value in zip(items, values)]
+
+    @staticmethod
+    def _batch_value(item: RewardItem, value: Any) -> RewardResult:
+        if isinstance(value, BaseException):
+            return error_result(item.id, value)
+        try:
+            return to_result(item.id, value)
+        except Exception as exc:
+            return error_result(item.id, exc)
+
+    async def _invoke(self, kwargs: dict[str, Any]) -> Any:
+        if self._is_async:
+            return await self.fn(**kwargs)
+        loop = asyncio.get_running_loop()
+        value = await loop.run_in_executor(self._pool, functools.partial(self.fn, **kwargs))
+        if inspect.isawaitable(value):
+            value = await value
+        return value
+
+    async def aclose(self) -> None:
+        """Close the function's own resources (its ``aclose``/``close``) and the thread pool."""
+        closer = getattr(self.fn, "aclose", None) or getattr(self.fn, "close", None)
+        if closer is not None and not inspect.isfunction(self.fn):
+            out = closer()
+            if inspect.isawaitable(out):
+                await out
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

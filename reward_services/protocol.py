@@ -1,0 +1,190 @@
+"""The reward-service protocol: JSON models shared by the HTTP API and in-process rewards.
+
+Wire format (API version ``v1``)::
+
+    POST /v1/reward   {"items": [{"id", "messages", "response", "ground_truth", "metadata"}, ...]}
+                   -> {"results": [{"id", "reward", "status", "metrics", "extra"}, ...]}
+    GET  /healthz  -> {"status": "ok", "api_version": "v1"}
+
+``status`` separates a wrong answer (``reward: 0.0, status: "ok"``) from an infrastructure
+failure (``status: "error"`` or ``"timeout"``, ``reward: null``): failed items are masked out
+of the policy gradient and counted, never scored 0. ``POST /v1/reward`` with an empty
+``items`` list is the authenticated no-op a client uses to check its token at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+API_VERSION = "v1"
+REWARD_PATH = f"/{API_VERSION}/reward"
+HEALTH_PATH = "/healthz"
+
+ERROR_KEY = "error"
+"""Key of ``RewardResult.extra`` holding the cause of an ``error``/``timeout`` result."""
+
+
+class RewardStatus(str, Enum):
+    """Outcome of scoring one item."""
+
+    OK = "ok"
+    """The reward is real (0.0 can be a wrong answer)."""
+    ERROR = "error"
+    """The reward function raised, or the service could not be reached; reward is None."""
+    TIMEOUT = "timeout"
+    """Scoring ran past its deadline; reward is None."""
+
+
+class RewardItem(BaseModel):
+    """One sample to score.
+
+    Attributes:
+        id: unique within a request; the result carries the same id.
+        messages: the conversation so far as OpenAI-format chat messages.
+        response: the policy's final answer: text, or an assistant message
+            ``{"role": "assistant", "content", "tool_calls": [...]}``.
+        ground_truth: the task's reference (an answer string, a BFCL task dict, ...).
+        metadata: anything else the reward needs (task id, env name, env reward...).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    response: str | dict[str, Any] = ""
+    ground_truth: Any = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def response_text(self) -> str:
+        """The response as text: the string itself, or the assistant message's ``content``."""
+        if isinstance(self.response, str):
+            return self.response
+        content = self.response.get("content") or ""
+        if isinstance(content, list):  # content parts
+            return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return str(content)
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The response's OpenAI-format ``tool_calls`` (empty for a text response)."""
+        if isinstance(self.response, str):
+            return []
+        return list(self.response.get("tool_calls") or [])
+
+
+class RewardResult(BaseModel):
+    """The score of one item.
+
+    Attributes:
+        id: the item's id.
+        reward: finite scalar when ``status`` is ok; None otherwise (a failed item has no reward).
+        status: ok / error / timeout.
+        metrics: named scalars for logging (``correct``, ``well_formed``, ...).
+        extra: anything else (judge rationale, parsed answer; ``extra["error"]`` holds the
+            cause of an error or timeout).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str
+    reward: float | None = None
+    status: RewardStatus = RewardStatus.OK
+    metrics: dict[str, float] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _reward_matches_status(self) -> "RewardResult":
+        if self.status is RewardStatus.OK:
+            if self.reward is None or not math.isfinite(self.reward):
+                raise ValueError(f"reward must be a finite number when status is 'ok', got {self.reward!r}")
+        elif self.reward is not None:
+            object.__setattr__(self, "reward", None)  # a failed item carries no reward
+        return self
+
+    @property
+    def ok(self) -> bool:
+        """True when the reward is real and may enter the policy gradient."""
+        return self.status is RewardStatus.OK
+
+    @classmethod
+    def failed(cls, id: str, status: RewardStatus, cause: str, **extra: Any) -> "RewardResult":
+        """An error/timeout result with ``extra["error"] = cause``."""
+        assert status is not RewardStatus.OK
+        return cls(id=id, reward=None, status=status, extra={ERROR_KEY: cause, **extra})
+
+
+class RewardRequest(BaseModel):
+    """Body of ``POST /v1/reward``: a batch of items with distinct ids (may be empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[RewardItem]
+
+    @field_validator("items")
+    @classmethod
+    def _distinct_ids(cls, items: list[RewardItem]) -> list[RewardItem]:
+        seen: set[str] = set()
+        for item in items:
+            if item.id in seen:
+                raise ValueError(f"duplicate item id {item.id!r}; ids must be unique within a request")
+            seen.add(item.id)
+        return items
+
+
+class RewardResponse(BaseModel):
+    """Body of a ``200`` answer to ``POST /v1/reward``: one result per item, in item order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    results: list[RewardResult]
+
+
+class HealthResponse(BaseModel):
+    """Body of ``GET /healthz``."""
+
+    status: str = "ok"
+    api_version: str = API_VERSION
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """Anything that scores items: an in-process function, a remote service, a combination.
+
+    ``score`` returns one result per item, in item order, and never raises for a failure of
+    one item (that item gets status error/timeout). It raises only for failures that make
+    every later call fail too (a refused token: :class:`~relax_agent.errors.AuthError`).
+    """
+
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def rewards_and_mask(results: list[RewardResult]) -> tuple[list[float], list[bool]]:
+    """Split results into rewards and a policy-gradient mask.
+
+    Returns:
+        ``(rewards_N, mask_N)``: the reward of each ok item, ``nan`` for a failed one (so a
+        missing mask shows up loudly instead of training on a fake 0); mask is True for ok.
+    """
+    rewards = [r.reward if r.ok else math.nan for r in results]
+    return rewards, [r.ok for r in results]  # type: ignore[return-value]
+
+
+STATUS_COUNT_KEY = "reward/status/{status}"
+"""Metric key counting results per status (``reward/status/ok``, ``reward/status/error``...)."""
+MEAN_REWARD_KEY = "reward/mean_ok"
+"""Metric key: mean reward over ok results only (failed items never count as 0)."""
+
+
+def reward_metrics(results: list[RewardResult]) -> dict[str, float]:
+    """Counts per status and the mean reward over ok results (``nan`` when none is ok)."""
+    out = {STATUS_COUNT_KEY.format(status=s.value): 0.0 for s in RewardStatus}
+    for r in results:
+        out[STATUS_COUNT_KEY.format(status=r.status.value)] += 1
+    ok = [r.reward for r in results if r.ok]
+    out[MEAN_REWARD_KEY] = sum(ok) / len(ok) if ok else math.nan  # type: ignore[arg-type]
+    return out
