@@ -125,7 +125,7 @@ def eval_cmd(
         model_path = resolve(checkpoint) / "model" if checkpoint else None
         roles = build_roles(cfg, model_path=model_path, train=False)
         e, r = cfg.eval, cfg.rollout
-        params = SamplingParams(r.max_new_tokens, e.temperature, r.top_p, tuple(roles.engine.stop_token_ids))
+        params = SamplingParams(r.max_new_tokens, e.temperature, r.top_p)
         result = evaluate(roles.runner, roles.heldout_tasks[: e.num_tasks], e.seeds, params)
         roles.close()
     except RelaxError as exc:

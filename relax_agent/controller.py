@@ -103,8 +103,7 @@ class Controller:
     # -- the loop ---------------------------------------------------------------------------
     def params(self, temperature: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
-        stops = tuple(self.roles.engine.stop_token_ids)
-        return SamplingParams(r.max_new_tokens, temperature or r.temperature, r.top_p, stops)
+        return SamplingParams(r.max_new_tokens, temperature or r.temperature, r.top_p)
 
     def train(self) -> dict[str, Any]:
         """Run until ``trainer.steps``; returns the last step's metrics and eval results."""
@@ -167,7 +166,6 @@ class Controller:
     def _rollout(self) -> tuple[list[Trajectory], float]:
         r = self.cfg.rollout
         tasks = [self.roles.train_tasks[i] for i in self.sampler.next(r.tasks_per_step)]
-        self.roles.engine.reseed(self.cfg.run.seed * 1_000_003 + self.step)
         specs = self.roles.runner.specs(tasks, r.group_size, prefix=f"s{self.step}", seed=self.cfg.run.seed + self.step * 10_007)
         self._report("rollout_start", {"total": len(specs)})
         t0 = time.perf_counter()

@@ -33,8 +33,7 @@ def evaluate(runner: RolloutRunner, tasks: Sequence[dict[str, Any]], seeds: Sequ
     """Run every task once per seed; returns ``eval/<metric>`` means, ``_std`` over seeds and per-seed values."""
     per_seed: list[dict[str, float]] = []
     for seed in seeds:
-        runner.engine.reseed(seed)
-        specs = runner.specs(tasks, 1, prefix=f"eval-s{seed}", seed=seed)
+        specs = runner.specs(tasks, 1, prefix=f"eval-s{seed}", seed=seed * 100_003)
         per_seed.append(summarize(asyncio.run(runner.run(specs, params, on_done))))
     out: dict[str, Any] = {"eval/num_tasks": len(tasks), "eval/seeds": list(seeds)}
     for key in per_seed[0]:

@@ -29,7 +29,7 @@ class EpisodeSpec:
     Attributes:
         sample_id / group_id / task_id: ids recorded on the trajectory.
         task: the task dict passed as ``env.reset(options={"task": task})``.
-        seed: seed passed to ``env.reset``.
+        seed: seed passed to ``env.reset``; turn k samples with engine seed ``seed * 1009 + k``.
         max_turns: assistant turns before the episode is truncated.
         max_total_tokens: token budget for prompt + turns + observations.
         step_timeout_s: most seconds one ``env.step`` may take before the episode fails.
@@ -107,12 +107,13 @@ async def run_episode(env: Any, spec: EpisodeSpec, engine: InferenceEngine, rend
         prompt = renderer.render_prompt(obs, (info or {}).get("tools", ()))
         messages = list(prompt.messages)
         rec = _Recorder(prompt.token_ids)
-        for _ in range(spec.max_turns):
+        for turn in range(spec.max_turns):
             budget = spec.max_total_tokens - len(rec.token_ids)
             if budget <= 0:
                 stop = "max_total_tokens"
                 break
-            gen = await engine.generate(list(rec.token_ids), replace(params, max_new_tokens=min(params.max_new_tokens, budget)))
+            seed = params.seed if params.seed is not None else spec.seed * 1009 + turn
+            gen = await engine.generate(list(rec.token_ids), replace(params, max_new_tokens=min(params.max_new_tokens, budget), seed=seed))
             rec.add_turn(gen.token_ids, gen.logprobs, gen.policy_version, gen.finish_reason)
             text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             action = parser.parse(text).message()
