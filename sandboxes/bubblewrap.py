@@ -1,0 +1,109 @@
+"""Bubblewrap sandboxes: no daemon, user namespaces, no network — for light tools.
+
+Each command runs in a fresh ``bwrap`` with every namespace unshared (user, pid, net, ipc,
+uts, cgroup), nested user namespaces disabled, a read-only root, the host's ``/usr`` (and the ``/bin``, ``/lib*``,
+``/sbin`` links or dirs) bound read-only, no ``/etc`` beyond what is listed in
+:data:`ETC_FILES`, a private ``/proc``, ``/dev`` and ``/tmp`` (tmpfs of ``tmp_mb``, per
+command), and the sandbox's host directory bound read-write at ``workdir``. The command is
+pid 2 of its own pid namespace, so every process it started dies when it ends or is killed.
+When the trainer runs as root, ``bwrap`` itself is started as ``config.user`` (``setpriv``),
+so the sandbox has no more rights on the host than ``nobody``.
+
+Limits are rlimits set with ``prlimit``: address space ``memory_mb`` per process, ``nofile``,
+processes ``pids_limit`` (counted per user namespace on Linux >= 5.14), largest file
+``workdir_mb``. There is no cgroup here, so total memory and total disk use of the work
+directory are *not* bounded and ``oom_killed`` is never set; use Docker for heavy or
+hostile workloads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+from relax_agent.errors import SandboxError
+from relax_agent.sandboxes import reaper
+from relax_agent.sandboxes._process import run_process, wipe_dir
+from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, RawResult, SandboxConfig
+from relax_agent.sandboxes.local_unsafe import prlimit_prefix
+
+ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
+"""Host files under /etc bound read-only into the sandbox (dynamic linker cache, time zone)."""
+_ROOT_LINKS = ("bin", "lib", "lib32", "lib64", "libx32", "sbin")
+
+
+def _root_args() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in _ROOT_LINKS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in ETC_FILES:
+        args += ["--ro-bind-try", path, path]
+    return args
+
+
+class BubblewrapBackend:
+    """Creates :class:`BubblewrapSandbox` objects."""
+
+    def __init__(self, config: SandboxConfig):
+        self.config = config
+        self.bwrap = shutil.which("bwrap")
+        if self.bwrap is None:
+            raise SandboxError("bubblewrap (bwrap) is not installed; run scripts/setup_docker.sh or apt-get install bubblewrap")
+
+    async def create(self) -> "BubblewrapSandbox":
+        """A new sandbox (a host work directory; no process runs between commands)."""
+        return BubblewrapSandbox(self.config, self.bwrap or "bwrap")
+
+
+class BubblewrapSandbox(BaseSandbox):
+    """A host directory mounted at ``workdir``; each command gets a fresh bubblewrap jail."""
+
+    def __init__(self, config: SandboxConfig, bwrap: str):
+        self.host_dir = tempfile.mkdtemp(prefix="relax-bwrap-")
+        super().__init__(config, f"bwrap-{uuid.uuid4().hex[:12]}", config.workdir)
+        self._bwrap = bwrap
+        uid, gid = config.uid_gid
+        self._as_root = os.geteuid() == 0
+        if self._as_root:
+            os.chown(self.host_dir, uid, gid)
+        reaper.register_cleanup(f"bwrap:{self.id}", self._remove_dir)
+
+    def _remove_dir(self) -> None:
+        shutil.rmtree(self.host_dir, ignore_errors=True)
+
+    def command(self, argv: list[str], cwd: str) -> list[str]:
+        """The full host command line running ``argv`` in the jail."""
+        cfg = self.config
+        uid, gid = cfg.uid_gid
+        drop = (["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+                if self._as_root else [])
+        jail = [
+            self._bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            *_root_args(), "--proc", "/proc", "--dev", "/dev",
+            "--size", str(cfg.tmp_mb * 2**20), "--tmpfs", "/tmp",
+            "--bind", self.host_dir, self.workdir, "--remount-ro", "/", "--chdir", cwd,
+            "--uid", str(uid), "--gid", str(gid), "--hostname", "sandbox", "--",
+        ]
+        return [*drop, *prlimit_prefix(cfg, nproc=True), *jail, *argv]
+
+    async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
+                   cwd: str, max_output_bytes: int) -> RawResult:
+        env = {**env, EXEC_MARKER_ENV: uuid.uuid4().hex}
+        return await run_process(self.command(argv, cwd), timeout_s=timeout_s, stdin=stdin, env=env, cwd="/",
+                                 max_output_bytes=max_output_bytes, max_drain_bytes=self.config.max_drain_bytes,
+                                 kill_grace_s=self.config.kill_grace_s)
+
+    async def reset(self) -> None:
+        """Empty the work directory (processes never outlive their command here)."""
+        self._check_usable()
+        wipe_dir(self.host_dir)
+
+    async def _close(self) -> None:
+        reaper.unregister_cleanup(f"bwrap:{self.id}")
+        self._remove_dir()

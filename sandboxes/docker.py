@@ -1,0 +1,368 @@
+"""Docker sandboxes (docker-py): one container per sandbox, limits on by default.
+
+Each container runs ``sleep TTL`` under ``docker-init`` as uid 65533 (the *keeper*) with
+``--rm``; commands run through ``docker exec`` as ``config.user`` (default 65534, nobody),
+which cannot signal the keeper. Defaults: ``network_mode="none"``, memory == memory + swap,
+CPU quota, pids limit, ``nofile`` ulimit, read-only root with tmpfs ``workdir`` and ``/tmp``,
+``cap_drop=ALL``, ``no-new-privileges``, labels for the reaper (:mod:`.reaper`).
+
+Timeouts are enforced three times: ``timeout -s KILL`` inside the container (kills the
+command's process group), then, ``kill_grace_s`` later, the host kills every process carrying
+the exec's marker variable; if the output stream is still open another ``kill_grace_s`` later,
+the container is removed and the sandbox marked broken. Output is read from the exec's raw
+socket as it streams (``demux`` buffering is avoided), ``max_output_bytes`` per stream is kept
+and a command producing more than ``max_drain_bytes`` is killed. ``oom_killed`` comes from the
+container's memory cgroup (``oom_kill`` counter; on cgroup v1 Docker's ``State.OOMKilled``
+only covers the main process, measured with Docker 20.10).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from relax_agent.errors import SandboxError
+from relax_agent.sandboxes import reaper
+from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, OutputCap, RawResult, SandboxConfig
+
+T = TypeVar("T")
+KEEPER_USER = "65533:65533"
+"""uid:gid of the container's main process (``sleep TTL``); must differ from ``config.user``."""
+_OOM_PROBE = "cat /sys/fs/cgroup/memory.events 2>/dev/null || cat /sys/fs/cgroup/memory/memory.oom_control"
+_KILL_MARKED = (
+    'for d in /proc/[0-9]*; do grep -qsxzF "$1" "$d/environ" && kill -9 "${d#/proc/}" 2>/dev/null; done; true'
+)
+
+_shared_lock = threading.Lock()
+_shared: dict[str | None, tuple[Any, ThreadPoolExecutor]] = {}
+_started: set[str | None] = set()
+
+
+def docker_client(config: SandboxConfig) -> tuple[Any, ThreadPoolExecutor]:
+    """The process-wide Docker client and worker threads for ``config.docker_host``.
+
+    The client's connection pool and the executor are both sized ``config.max_workers`` (the
+    first config seen for a daemon decides).
+
+    Raises:
+        SandboxError: the daemon cannot be reached.
+    """
+    import docker
+    import docker.errors
+
+    with _shared_lock:
+        if config.docker_host not in _shared:
+            kwargs: dict[str, Any] = {"max_pool_size": config.max_workers, "timeout": 120}
+            try:
+                if config.docker_host:
+                    client = docker.DockerClient(base_url=config.docker_host, **kwargs)
+                else:
+                    client = docker.from_env(**kwargs)
+                client.ping()
+            except docker.errors.DockerException as exc:
+                where = config.docker_host or "DOCKER_HOST or /var/run/docker.sock"
+                raise SandboxError(
+                    f"Docker daemon not reachable at {where} ({exc}); start it with scripts/setup_docker.sh "
+                    "or choose sandbox.backend: bubblewrap"
+                ) from exc
+            pool = ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="relax-docker")
+            _shared[config.docker_host] = (client, pool)
+        return _shared[config.docker_host]
+
+
+async def in_thread(executor: ThreadPoolExecutor, fn: Callable[[], T], on_abandon: Callable[[T], None] | None = None) -> T:
+    """Run blocking ``fn`` on ``executor``; if the caller is cancelled, wait for ``fn`` to finish
+    and pass its result to ``on_abandon`` (e.g. remove a container created meanwhile)."""
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        if on_abandon is not None:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or on_abandon(f.result()))
+        raise
+
+
+class DockerBackend:
+    """Creates :class:`DockerSandbox` containers from one :class:`SandboxConfig`."""
+
+    def __init__(self, config: SandboxConfig):
+        if config.user == KEEPER_USER:
+            raise SandboxError(f"sandbox.user={config.user!r} must differ from the keeper user {KEEPER_USER}")
+        self.config = config
+        self.run_id = config.run_id or reaper.default_run_id()
+
+    def _start_once(self, client: Any) -> None:
+        import docker.errors
+
+        with _shared_lock:
+            if self.config.docker_host in _started:
+                return
+            _started.add(self.config.docker_host)
+        reaper.register_cleanup(f"docker-reap-own:{self.config.docker_host}", lambda: reaper.reap_own(client))
+        if self.config.reap_on_start:
+            reaper.reap(client)
+        try:
+            client.images.get(self.config.image)
+        except docker.errors.ImageNotFound:
+            with _shared_lock:
+                _started.discard(self.config.docker_host)
+            raise SandboxError(
+                f"sandbox image {self.config.image!r} not found; build it with `relax-agent sandbox build-image "
+                f"--image {self.config.image}`"
+            ) from None
+
+    def container_kwargs(self, name: str, now: float) -> dict[str, Any]:
+        """Keyword arguments of ``containers.create`` for one sandbox (limits, labels, mounts)."""
+        import docker.types
+
+        cfg = self.config
+        uid, gid = cfg.uid_gid
+        ttl = max(1, int(cfg.ttl_s))
+        return dict(
+            image=cfg.image, command=["sleep", str(ttl)], name=name, hostname="sandbox",
+            detach=True, init=True, auto_remove=True, network_mode="none",
+            mem_limit=f"{cfg.memory_mb}m", memswap_limit=f"{cfg.memory_mb}m", shm_size=f"{cfg.tmp_mb}m",
+            nano_cpus=int(cfg.cpus * 1e9), pids_limit=cfg.pids_limit,
+            ulimits=[docker.types.Ulimit(name="nofile", soft=cfg.nofile, hard=cfg.nofile)],
+            read_only=True,
+            tmpfs={cfg.workdir: f"size={cfg.workdir_mb}m,uid={uid},gid={gid},mode=0700",
+                   "/tmp": f"size={cfg.tmp_mb}m,uid={uid},gid={gid},mode=1777"},
+            cap_drop=["ALL"], security_opt=["no-new-privileges"], user=KEEPER_USER, working_dir=cfg.workdir,
+            labels={reaper.LABEL_SANDBOX: self.run_id, reaper.LABEL_OWNER: reaper.owner_token(),
+                    reaper.LABEL_CREATED: str(int(now)), reaper.LABEL_EXPIRES: str(int(now + ttl))},
+        )
+
+    def _create_blocking(self) -> "DockerSandbox":
+        import docker.errors
+
+        client, executor = docker_client(self.config)
+        self._start_once(client)
+        name = f"relax-sb-{uuid.uuid4().hex[:12]}"
+        try:
+            container = client.containers.create(**self.container_kwargs(name, time.time()))
+        except docker.errors.ImageNotFound as exc:
+            raise SandboxError(f"sandbox image {self.config.image!r} not found; run `relax-agent sandbox build-image`") from exc
+        except docker.errors.APIError as exc:
+            raise SandboxError(f"could not create sandbox container: {exc}") from exc
+        try:
+            container.start()
+        except docker.errors.APIError as exc:
+            reaper.remove_container(client, container.id)
+            raise SandboxError(f"could not start sandbox container {name}: {exc}") from exc
+        return DockerSandbox(self.config, client, executor, container.id, name)
+
+    async def create(self) -> "DockerSandbox":
+        """Start one container and return its sandbox (~0.5 s here).
+
+        Raises:
+            SandboxError: daemon unreachable, image missing, or the container failed to start.
+        """
+        _, executor = docker_client(self.config)
+        return await in_thread(executor, self._create_blocking, on_abandon=lambda sb: sb.close_blocking())
+
+
+class _Frames:
+    """Incremental parser of Docker's multiplexed stream (8-byte header: stream, 0, 0, 0, size)."""
+
+    def __init__(self, caps: dict[int, OutputCap]):
+        self.caps = caps
+        self.buf = b""
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        self.total += len(data)
+        while len(self.buf) >= 8:
+            stream, size = self.buf[0], struct.unpack(">I", self.buf[4:8])[0]
+            if len(self.buf) < 8 + size:
+                return
+            payload, self.buf = self.buf[8:8 + size], self.buf[8 + size:]
+            if stream in self.caps:
+                self.caps[stream].feed(payload)
+
+
+class DockerSandbox(BaseSandbox):
+    """One running container. Created by :meth:`DockerBackend.create`; close it (or use ``async with``)."""
+
+    def __init__(self, config: SandboxConfig, client: Any, executor: ThreadPoolExecutor, container_id: str, name: str):
+        super().__init__(config, name, config.workdir)
+        self.client = client
+        self.container_id = container_id
+        self._executor = executor
+        self._oom_seen = 0
+        self._oom_lock = threading.Lock()
+        reaper.register_cleanup(f"docker:{container_id}", self.close_blocking)
+
+    # -- blocking helpers (run on worker threads) -------------------------------------------
+    def _api_exec(self, argv: list[str], *, stdin: bool = False, env: dict[str, str] | None = None,
+                  cwd: str | None = None) -> tuple[str, socket.socket]:
+        import docker.errors
+
+        try:
+            exec_id = self.client.api.exec_create(
+                self.container_id, argv, stdin=stdin, stdout=True, stderr=True, tty=False,
+                environment=env, workdir=cwd, user=self.config.user,
+            )["Id"]
+            sock = self.client.api.exec_start(exec_id, socket=True)
+        except docker.errors.APIError as exc:
+            self._mark_broken_if_gone(exc)
+            raise SandboxError(f"docker exec in sandbox {self.id} failed: {exc.explanation or exc}") from exc
+        return exec_id, getattr(sock, "_sock", sock)
+
+    def _mark_broken_if_gone(self, exc: Exception) -> None:
+        if time.time() > self.created_at + self.config.ttl_s:
+            self.broken = f"expired (sandbox.ttl_s={self.config.ttl_s})"
+        elif getattr(exc, "status_code", None) in (404, 409):
+            self.broken = f"container is gone or stopped ({exc})"
+
+    def _quick(self, argv: list[str], timeout_s: float = 10.0) -> bytes:
+        """Run a short helper command (no stdin) and return its stdout."""
+        _, sock = self._api_exec(["timeout", "-s", "KILL", str(timeout_s), *argv])
+        frames = _Frames({1: OutputCap(1 << 16)})
+        sock.settimeout(timeout_s + 5)
+        try:
+            while data := sock.recv(65536):
+                frames.feed(data)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+        return bytes(frames.caps[1].kept)
+
+    def _kill_marked(self, marker: str) -> None:
+        try:
+            self._quick(["/bin/sh", "-c", _KILL_MARKED, "sh", f"{EXEC_MARKER_ENV}={marker}"], timeout_s=5.0)
+        except SandboxError:
+            pass
+
+    def _oom_kills(self) -> int:
+        out = self._quick(["/bin/sh", "-c", _OOM_PROBE]).decode(errors="replace")
+        m = re.search(r"^oom_kill (\d+)$", out, re.M)
+        return int(m.group(1)) if m else 0
+
+    def _check_oom(self) -> bool:
+        with self._oom_lock:
+            try:
+                n = self._oom_kills()
+            except SandboxError:
+                return False
+            fresh, self._oom_seen = n > self._oom_seen, max(n, self._oom_seen)
+        return fresh
+
+    def _exit_code(self, exec_id: str) -> int | None:
+        import docker.errors
+
+        for _ in range(50):
+            try:
+                info = self.client.api.exec_inspect(exec_id)
+            except docker.errors.APIError as exc:
+                self._mark_broken_if_gone(exc)
+                return None
+            if not info.get("Running"):
+                return info.get("ExitCode")
+            time.sleep(0.02)
+        return None
+
+    def _feed_stdin(self, sock: socket.socket, data: bytes) -> None:
+        try:
+            view = memoryview(data)
+            for i in range(0, len(view), 65536):
+                sock.sendall(view[i:i + 65536])
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the command exited without reading all of its stdin
+
+    def _exec_blocking(self, argv: list[str], timeout_s: float, stdin: bytes | None, env: dict[str, str],
+                       cwd: str, max_output_bytes: int, cancel: threading.Event, wrap: bool = True) -> RawResult:
+        cfg = self.config
+        marker = uuid.uuid4().hex
+        env = {**env, EXEC_MARKER_ENV: marker}
+        full = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv] if wrap else argv
+        start = time.monotonic()
+        exec_id, sock = self._api_exec(full, stdin=stdin is not None, env=env, cwd=cwd)
+        if stdin is not None:
+            threading.Thread(target=self._feed_stdin, args=(sock, stdin), daemon=True).start()
+        caps = {1: OutputCap(max_output_bytes), 2: OutputCap(max_output_bytes)}
+        frames = _Frames(caps)
+        host_kill_at = start + timeout_s + cfg.kill_grace_s
+        hard_kill_at: float | None = None
+        timed_out = overflow = False
+        sock.settimeout(0.1)
+        try:
+            while True:
+                now = time.monotonic()
+                killing = (now > host_kill_at) or cancel.is_set() or frames.total > max_output_bytes * 2 + cfg.max_drain_bytes
+                if killing and hard_kill_at is None:
+                    timed_out = now > host_kill_at
+                    overflow = not timed_out and not cancel.is_set()
+                    threading.Thread(target=self._kill_marked, args=(marker,), daemon=True).start()
+                    hard_kill_at = time.monotonic() + cfg.kill_grace_s
+                elif hard_kill_at is not None and now > hard_kill_at:
+                    self.broken = f"command did not end {cfg.kill_grace_s} s after being killed; container removed"
+                    reaper.remove_container(self.client, self.container_id)
+                    break
+                try:
+                    data = sock.recv(1 << 18)
+                except (socket.timeout, BlockingIOError):
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                frames.feed(data)
+        finally:
+            sock.close()
+        duration = time.monotonic() - start
+        code = None if self.broken else self._exit_code(exec_id)
+        code = 137 if code is None else code
+        timed_out = timed_out or (code in (124, 137) and duration >= timeout_s)
+        oom = code != 0 and not self.broken and self._check_oom()
+        return RawResult(code, bytes(caps[1].kept), bytes(caps[2].kept), timed_out=timed_out and not oom,
+                         oom_killed=oom, truncated=overflow or caps[1].truncated or caps[2].truncated,
+                         duration_s=duration)
+
+    def close_blocking(self) -> None:
+        """Remove the container now (used by ``close`` and at interpreter exit)."""
+        self.closed = True
+        reaper.unregister_cleanup(f"docker:{self.container_id}")
+        reaper.remove_container(self.client, self.container_id)
+
+    # -- async surface ------------------------------------------------------------------------
+    async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
+                   cwd: str, max_output_bytes: int, wrap: bool = True) -> RawResult:
+        cancel = threading.Event()
+        call = functools.partial(self._exec_blocking, argv, timeout_s, stdin, env, cwd, max_output_bytes, cancel, wrap)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, call)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            cancel.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), 3 * self.config.kill_grace_s + 5)
+            except BaseException:  # noqa: BLE001 - the caller's cancellation wins
+                pass
+            raise
+
+    async def reset(self) -> None:
+        """Kill all of ``config.user``'s processes (not the keeper) and wipe the work dir, /tmp, /dev/shm.
+
+        Raises:
+            SandboxError: the container is gone or the wipe failed.
+        """
+        self._check_usable()
+        wipe = f"kill -9 -1 2>/dev/null; find '{self.workdir}' /tmp /dev/shm -mindepth 1 -delete 2>/dev/null; true"
+        res = await self._run(["/bin/sh", "-c", wipe], timeout_s=30.0, stdin=None, env=self.base_env(), cwd="/",
+                              max_output_bytes=4096, wrap=False)
+        if res.exit_code != 0:
+            raise SandboxError(f"reset of sandbox {self.id} failed (exit {res.exit_code}): {res.stderr!r}")
+
+    async def _close(self) -> None:
+        await in_thread(self._executor, self.close_blocking)
