@@ -27,7 +27,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
 
 import httpx
 
@@ -71,7 +71,7 @@ class RetryPolicy:
         max_elapsed_s: no retry starts after this many seconds since the first try.
     """
 
-    max_attempts: int = 10
+    max_attempts: int = 20
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 4.0
     max_elapsed_s: float = 60.0
@@ -131,28 +131,22 @@ class RewardClient:
         self.retry = retry or RetryPolicy()
         self.max_batch_items = max_batch_items
         self._token_env = token_env
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._transport = transport
         self._max_concurrency = max_concurrency
         self._rng = random.Random(seed)
-        self._http: httpx.AsyncClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._sem: asyncio.Semaphore | None = None
-        self._batcher = _MicroBatcher(self._send, max_batch_items, batch_wait_s, max_concurrency) if micro_batching else None
+        self._micro_batching, self._batch_wait_s = micro_batching, batch_wait_s
+        self._pool: LoopBound[_LoopState] = LoopBound(self._open_state, _LoopState.aclose)
         self._counts = dict.fromkeys((REQUESTS, RETRIES, ITEMS_SENT, ITEMS_OK, ITEMS_ERROR, ITEMS_TIMEOUT, UNEXPECTED_RESULTS), 0)
 
-    def _client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
-                                           limits=self._limits, transport=self._transport)
-            self._loop, self._sem = loop, asyncio.Semaphore(self._max_concurrency)
-        elif loop is not self._loop:
-            raise RewardServiceError(f"RewardClient for {self.base_url} is bound to the event loop it first ran in; "
-                                     "build one client per event loop")
-        return self._http
+    def _open_state(self) -> "_LoopState":
+        http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
+                                 limits=self._limits, transport=self._transport)
+        batcher = (_MicroBatcher(self._send, self.max_batch_items, self._batch_wait_s, self._max_concurrency)
+                   if self._micro_batching else None)
+        return _LoopState(http, asyncio.Semaphore(self._max_concurrency), batcher)
 
     async def check(self) -> None:
         """Start-up check: ``/healthz`` answers ok and the token is accepted.
@@ -175,7 +169,7 @@ class RewardClient:
 
     def _auth_message(self, resp: httpx.Response) -> str:
         where = f"the token from environment variable {self._token_env!r}" if self._token_env else (
-            "the token given" if self._headers else "no token (set token_env)")
+            "the token given" if "Authorization" in self._headers else "no token (set token_env)")
         return f"reward service at {self.base_url} refused {where}: HTTP {resp.status_code} {_body_message(resp)}"
 
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
@@ -189,9 +183,9 @@ class RewardClient:
         _check_unique(items)
         if not items:
             return []
-        self._client()
-        if self._batcher is not None:
-            return await self._batcher.submit(items)
+        state = await self._pool.get()
+        if state.batcher is not None:
+            return await state.batcher.submit(items)
         chunks = [items[i:i + self.max_batch_items] for i in range(0, len(items), self.max_batch_items)]
         parts = await asyncio.gather(*(self._send(c) for c in chunks))
         return [r for part in parts for r in part]
@@ -216,18 +210,18 @@ class RewardClient:
     async def _request(self, method: str, path: str, body: bytes | None) -> tuple[httpx.Response | None, Exception | None]:
         """Send with retries: the final response (any status), or ``(None, error)`` after a
         final transport error."""
-        http = self._client()
-        assert self._sem is not None
-        headers = {"Content-Type": "application/json"} if body is not None else None
+        state = await self._pool.get()
         started = time.monotonic()
         for attempt in range(self.retry.max_attempts):
             resp, error, retry_after = None, None, None
-            async with self._sem:
+            async with state.sem:
                 self._counts[REQUESTS] += 1
                 try:
-                    resp = await http.request(method, path, content=body, headers=headers)
+                    resp = await state.http.request(method, path, content=body)
                 except httpx.TransportError as exc:
                     error = exc
+                except httpx.RequestError as exc:  # not a transport failure (bad redirect, decoding): no retry
+                    return None, exc
             if resp is not None:
                 if not RetryPolicy.retryable(resp.status_code):
                     return resp, None
@@ -281,12 +275,71 @@ class RewardClient:
         return {k: float(v) for k, v in self._counts.items()}
 
     async def aclose(self) -> None:
-        """Stop the senders and close the connection pool."""
-        if self._batcher is not None:
-            await self._batcher.aclose()
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        """Stop the senders and close the connection pool of the running event loop."""
+        await self._pool.aclose()
+
+
+@dataclass
+class _LoopState:
+    """What a client holds per event loop: connections, the in-flight limit, the senders."""
+
+    http: httpx.AsyncClient
+    sem: asyncio.Semaphore
+    batcher: "_MicroBatcher | None"
+
+    async def aclose(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.aclose()
+        await self.http.aclose()
+
+
+T = TypeVar("T")
+
+
+class LoopBound(Generic[T]):
+    """A resource made for the running event loop and closed when that loop shuts down.
+
+    Callers may run each step in its own ``asyncio.run``: the first :meth:`get` in a new loop
+    makes a fresh resource, and ``asyncio.run``'s shutdown closes the old one in its own loop
+    (an async generator parked in the loop is finalised by ``loop.shutdown_asyncgens``),
+    so no connection outlives its loop.
+
+    Raises (from :meth:`get`):
+        RewardServiceError: used from a second event loop while the first is still open.
+    """
+
+    def __init__(self, make: Callable[[], T], close: Callable[[T], Awaitable[None]]):
+        self._make, self._close = make, close
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._value: T | None = None
+        self._guard: AsyncIterator[None] | None = None
+
+    async def get(self) -> T:
+        loop = asyncio.get_running_loop()
+        if self._value is not None and loop is self._loop:
+            return self._value
+        if self._value is not None and self._loop is not None and not self._loop.is_closed():
+            raise RewardServiceError("a reward client is in use by another open event loop; build one per loop")
+        value = self._make()
+        self._loop, self._value = loop, value
+        self._guard = self._close_with_loop(value)
+        await self._guard.__anext__()  # registers the generator with this loop
+        return value
+
+    async def _close_with_loop(self, value: T) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if self._value is value:
+                self._value = None
+            await self._close(value)
+
+    async def aclose(self) -> None:
+        """Close the resource now (when it belongs to the running loop)."""
+        guard, self._guard = self._guard, None
+        if guard is not None and self._loop is asyncio.get_running_loop():
+            await guard.aclose()  # type: ignore[attr-defined]
+        self._value = None
 
 
 def _check_unique(items: list[RewardItem]) -> None:

@@ -70,7 +70,7 @@ class RewardComponentConfig(Section):
     """remote: merge concurrent score calls into shared requests."""
     batch_wait_s: float = Field(default=0.0, ge=0)
     """remote: how long a free sender waits to fill a batch; 0 sends at once."""
-    max_attempts: int = Field(default=10, ge=1)
+    max_attempts: int = Field(default=20, ge=1)
     """remote: tries per request (transport errors, 429 and 5xx are retried)."""
     backoff_initial_s: float = Field(default=0.25, gt=0)
     backoff_max_s: float = Field(default=4.0, gt=0)

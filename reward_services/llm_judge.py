@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 from relax_agent.errors import ConfigError, RewardServiceError
+from relax_agent.reward_services.client import LoopBound
 from relax_agent.reward_services.protocol import RewardItem
 
 DEFAULT_RUBRIC = """You are a strict grader of an AI assistant's final response.
@@ -84,7 +85,13 @@ class LLMJudge:
         self.rubric = rubric.replace("{max_score}", f"{max_score:g}")
         self._request = {"temperature": temperature, "max_tokens": max_tokens, **(completion_kwargs or {})}
         self._timeout_s, self._max_retries = timeout_s, max_retries
-        self._client: Any = None
+        self._client: LoopBound[Any] = LoopBound(self._open_client, lambda client: client.close())
+
+    def _open_client(self) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self._api_key, timeout=self._timeout_s,
+                                  max_retries=self._max_retries)
 
     def prompt(self, item: RewardItem) -> list[dict[str, str]]:
         """The chat messages sent to the judge for ``item``."""
@@ -103,11 +110,9 @@ class LLMJudge:
         """
         import openai
 
-        if self._client is None:
-            self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self._api_key,
-                                              timeout=self._timeout_s, max_retries=self._max_retries)
+        client = await self._client.get()
         try:
-            reply = await self._client.chat.completions.create(model=self.model, messages=self.prompt(item), **self._request)
+            reply = await client.chat.completions.create(model=self.model, messages=self.prompt(item), **self._request)
         except openai.OpenAIError as exc:
             raise RewardServiceError(f"judge endpoint {self.base_url} failed: {type(exc).__name__}: {exc}") from exc
         text = reply.choices[0].message.content or ""
@@ -116,9 +121,7 @@ class LLMJudge:
 
     async def aclose(self) -> None:
         """Close the HTTP client of the OpenAI SDK."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        await self._client.aclose()
 
 
 def _render(messages: list[dict[str, Any]]) -> str:

@@ -205,7 +205,8 @@ class LocalReward:
         self.timeout_s = timeout_s
         self.batched, self._params, self._var_kw = _call_plan(fn, self.name)
         self._is_async = _is_async(fn)
-        self._sem = asyncio.Semaphore(max_concurrency)
+        self._max_concurrency = max_concurrency
+        self._sem_loop: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._pool = None if self._is_async else ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
 
     @classmethod
@@ -222,11 +223,18 @@ class LocalReward:
             return await self._score_batch(items)
         return list(await asyncio.gather(*(self._score_one(item) for item in items)))
 
+    def _semaphore(self) -> asyncio.Semaphore:
+        """The concurrency limit of the running event loop (callers may use ``asyncio.run`` per step)."""
+        loop = asyncio.get_running_loop()
+        if self._sem_loop is None or self._sem_loop[0] is not loop:
+            self._sem_loop = (loop, asyncio.Semaphore(self._max_concurrency))
+        return self._sem_loop[1]
+
     async def _score_one(self, item: RewardItem) -> RewardResult:
         kwargs = {k: item if k == "item" else getattr(item, k) for k in self._params}
         if self._var_kw:
             kwargs.update({k: getattr(item, k) for k in ITEM_FIELDS if k not in kwargs})
-        async with self._sem:
+        async with self._semaphore():
             try:
                 value = await asyncio.wait_for(self._invoke(kwargs), self.timeout_s)
                 return to_result(item.id, value)
@@ -237,7 +245,7 @@ class LocalReward:
                 return error_result(item.id, exc)
 
     async def _score_batch(self, items: list[RewardItem]) -> list[RewardResult]:
-        async with self._sem:
+        async with self._semaphore():
             try:
                 values = await asyncio.wait_for(self._invoke({"items": list(items)}), self.timeout_s)
             except asyncio.TimeoutError:

@@ -78,7 +78,7 @@ def serve_ray(target: str, *, host: str = "127.0.0.1", port: int = 8001, replica
     serve.run(build_app(target, replicas=replicas, token=token, **options), name=APP_NAME, route_prefix="/")
     if not blocking:
         return
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             time.sleep(3600)
@@ -86,6 +86,10 @@ def serve_ray(target: str, *, host: str = "127.0.0.1", port: int = 8001, replica
         pass
     finally:
         shutdown()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def shutdown() -> None:

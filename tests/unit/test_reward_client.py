@@ -225,3 +225,21 @@ def test_equal_jitter_backoff_bounds():
     assert policy.delay_s(0, rng, retry_after_s=3.0) == 3.0
     assert policy.delay_s(0, rng, retry_after_s=60.0) == 4.0  # capped
     assert RetryPolicy.retryable(429) and RetryPolicy.retryable(503) and not RetryPolicy.retryable(404)
+
+
+def test_one_client_serves_successive_event_loops():
+    from relax_agent.reward_services.testing import ThreadServer
+
+    def fn(id):
+        return 1.0
+
+    with ThreadServer(create_app(LocalReward(fn, max_concurrency=1))) as server:
+        for micro_batching in (True, False):
+            c = RewardClient(server.url, max_concurrency=2, micro_batching=micro_batching)
+            for _ in range(3):  # a training loop that calls asyncio.run once per step
+                async def step():
+                    return await asyncio.gather(*(c.score([i]) for i in items(6)))
+
+                assert [o[0].reward for o in asyncio.run(step())] == [1.0] * 6
+            asyncio.run(c.aclose())
+            assert c.metrics()[rc.ITEMS_OK] == 18

@@ -91,3 +91,11 @@ def test_parse_score_errors_and_bad_config(monkeypatch):
     monkeypatch.delenv("NOPE_KEY", raising=False)
     with pytest.raises(ConfigError, match="NOPE_KEY"):
         LLMJudge(base_url="http://127.0.0.1:1/v1", model="m", api_key_env="NOPE_KEY")
+
+
+def test_judge_survives_asyncio_run_per_step(judge_server):
+    server, _ = judge_server
+    reward = LocalReward(LLMJudge(base_url=server.url + "/v1", model="m"), max_concurrency=2)
+    for _ in range(2):
+        out = asyncio.run(reward.score([RewardItem(id=str(k), response="Paris") for k in range(4)]))
+        assert [r.reward for r in out] == [0.9] * 4

@@ -166,3 +166,13 @@ def test_aclose_closes_the_callable():
     run(reward.score(items("a")))
     run(reward.aclose())
     assert Judge.closed
+
+
+def test_survives_asyncio_run_per_step():
+    async def fn(id):
+        await asyncio.sleep(0.01)
+        return 1.0
+
+    reward = LocalReward(fn, max_concurrency=1)  # the limit is contended in every loop
+    for _ in range(3):
+        assert [r.reward for r in run(reward.score(items("a", "b", "c")))] == [1.0, 1.0, 1.0]
