@@ -183,21 +183,33 @@ def test_a_generation_never_sees_two_weight_versions(policy, engine):
     prompt = chat_prompt(tok, 5)
     old_state = {k: v.clone() for k, v in model.state_dict().items()}
     new_state = {k: v * 1.5 for k, v in old_state.items() if k.endswith("mlp.down_proj.weight")}
-    hook = slow_forward(model, 0.01)
-    seen_running = []
+    mid_batch, release = threading.Event(), threading.Event()
+    calls = []
 
-    async def main():
-        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=30, seed=1)))
-        while engine.stats.forward_passes < 3:
-            await asyncio.sleep(0.005)
-        seen_running.append(engine.stats.sequences == 0)
-        await asyncio.to_thread(engine.load_weights, new_state, 1)
-        return await task
+    def pause_at_third_forward(*_):
+        calls.append(1)
+        if len(calls) == 3:
+            mid_batch.set()
+            release.wait(10)
 
-    gen = asyncio.run(main())
-    hook.remove()
-    assert seen_running == [True]
-    assert gen.policy_version == 0 and len(gen.token_ids) == 30
+    hook = model.register_forward_pre_hook(pause_at_third_forward)
+    try:
+        async def main():
+            task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=8, seed=1)))
+            await asyncio.to_thread(mid_batch.wait, 10)
+            loader = asyncio.create_task(asyncio.to_thread(engine.load_weights, new_state, 1))
+            await asyncio.sleep(0.1)  # a loader that did not wait for the batch would have copied by now
+            release.set()
+            await loader
+            return await task
+
+        gen = asyncio.run(main())
+    finally:
+        release.set()
+        hook.remove()
+    assert gen.policy_version == 0 and engine.policy_version == 1 and len(gen.token_ids) == 8
+    torch.testing.assert_close(model.state_dict()["model.layers.1.mlp.down_proj.weight"],
+                               new_state["model.layers.1.mlp.down_proj.weight"])
     model.load_state_dict(old_state)
     torch.testing.assert_close(torch.tensor(gen.logprobs),
                                reference_logprobs(model, prompt, gen.token_ids, 1.0), atol=1e-4, rtol=0)
