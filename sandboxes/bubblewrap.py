@@ -73,6 +73,7 @@ class BubblewrapSandbox(BaseSandbox):
         if self._as_root:
             os.chown(self.host_dir, uid, gid)
         reaper.register_cleanup(f"bwrap:{self.id}", self._remove_dir)
+        reaper.install_sigterm_handler()
 
     def _remove_dir(self) -> None:
         shutil.rmtree(self.host_dir, ignore_errors=True)

@@ -166,6 +166,7 @@ class DockerBackend:
             SandboxError: daemon unreachable, image missing, or the container failed to start.
         """
         _, executor = docker_client(self.config)
+        reaper.install_sigterm_handler()  # signal handlers can only be set from the main thread
         return await in_thread(executor, self._create_blocking, on_abandon=lambda sb: sb.close_blocking())
 
 

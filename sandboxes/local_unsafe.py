@@ -56,6 +56,7 @@ class SubprocessSandbox(BaseSandbox):
         host_dir = tempfile.mkdtemp(prefix="relax-sandbox-")
         super().__init__(config, f"local-{uuid.uuid4().hex[:12]}", host_dir)
         reaper.register_cleanup(f"local:{self.id}", self._remove_dir)
+        reaper.install_sigterm_handler()
 
     def base_env(self) -> dict[str, str]:
         return {**super().base_env(), "TMPDIR": self.workdir}

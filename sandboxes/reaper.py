@@ -162,7 +162,6 @@ def register_cleanup(key: str, fn: Callable[[], None]) -> None:
         if not _atexit_installed:
             atexit.register(run_cleanups)
             _atexit_installed = True
-    install_sigterm_handler()
 
 
 def unregister_cleanup(key: str) -> None:
