@@ -157,7 +157,7 @@ class RewardClient:
             AuthError: the service refused the token (or a token is needed and none was given).
             RewardServiceError: the service is unreachable, unhealthy, or not a v1 reward service.
         """
-        resp, error = await self._request("GET", HEALTH_PATH, None)
+        resp, error = await self._request("GET", HEALTH_PATH, None, log_level=logging.WARNING)
         if resp is None or resp.status_code != 200:
             raise RewardServiceError(f"reward service at {self.base_url} is not healthy: {_describe(resp, error)}")
         resp, error = await self._request("POST", REWARD_PATH, b'{"items":[]}')
@@ -207,7 +207,8 @@ class RewardClient:
         self._count(items, results)
         return results
 
-    async def _request(self, method: str, path: str, body: bytes | None) -> tuple[httpx.Response | None, Exception | None]:
+    async def _request(self, method: str, path: str, body: bytes | None,
+                       log_level: int = logging.INFO) -> tuple[httpx.Response | None, Exception | None]:
         """Send with retries: the final response (any status), or ``(None, error)`` after a
         final transport error."""
         state = await self._pool.get()
@@ -230,7 +231,8 @@ class RewardClient:
             if attempt + 1 >= self.retry.max_attempts or time.monotonic() - started + delay > self.retry.max_elapsed_s:
                 return resp, error
             self._counts[RETRIES] += 1
-            log.info("reward service %s: %s; retry %d in %.2fs", self.base_url, _describe(resp, error), attempt + 1, delay)
+            log.log(log_level, "reward service %s: %s; retry %d in %.2fs (retrying for up to %gs)", self.base_url,
+                    _describe(resp, error), attempt + 1, delay, self.retry.max_elapsed_s)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable: the loop returns on its last attempt")
 

@@ -37,9 +37,9 @@ from relax_agent.reward_services.protocol import RewardFunction
 
 log = logging.getLogger("relax_agent.reward_services")
 
-_REMOTE_ONLY = ("url", "token_env", "connect_timeout_s", "max_batch_items", "micro_batching", "batch_wait_s",
+_REMOTE_ONLY = ("url", "token_env", "request_timeout_s", "connect_timeout_s", "max_batch_items", "micro_batching", "batch_wait_s",
                 "max_attempts", "backoff_initial_s", "backoff_max_s", "retry_max_elapsed_s")
-_LOCAL_ONLY = ("function", "kwargs")
+_LOCAL_ONLY = ("function", "kwargs", "timeout_s")
 
 
 class RewardComponentConfig(Section):
@@ -60,7 +60,9 @@ class RewardComponentConfig(Section):
     token_env: str | None = None
     """remote: environment variable holding the bearer token (the token never goes in the config)."""
     timeout_s: float = Field(default=30.0, gt=0)
-    """local: deadline per item. remote: timeout of one HTTP request (keep it above the service's own)."""
+    """local: deadline per item (a batched function: per call)."""
+    request_timeout_s: float = Field(default=60.0, gt=0)
+    """remote: timeout of one HTTP request; keep it above the service's own per-item ``--timeout-s``."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
     max_concurrency: int = Field(default=16, ge=1)
     """Items scored at once (local) or requests in flight (remote)."""
@@ -166,7 +168,7 @@ def _build_one(c: RewardComponentConfig, clients: dict[tuple[str, str | None], R
     key = (str(c.url), c.token_env)
     if key not in clients:
         clients[key] = RewardClient(str(c.url), token=_token(c.token_env), token_env=c.token_env,
-                                    request_timeout_s=c.timeout_s, connect_timeout_s=c.connect_timeout_s,
+                                    request_timeout_s=c.request_timeout_s, connect_timeout_s=c.connect_timeout_s,
                                     retry=c.retry_policy(), max_concurrency=c.max_concurrency,
                                     max_batch_items=c.max_batch_items, micro_batching=c.micro_batching,
                                     batch_wait_s=c.batch_wait_s, transport=transport)

@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import logging
 import math
 import os
@@ -165,17 +166,31 @@ def to_result(item_id: str, value: Any) -> RewardResult:
             RewardResult (the caller turns this into ``status: error``).
     """
     if isinstance(value, RewardResult):
-        return value if value.id == item_id else value.model_copy(update={"id": item_id})
+        return _json_safe(value if value.id == item_id else value.model_copy(update={"id": item_id}))
     if isinstance(value, (bool, int, float)):
         if not math.isfinite(value):
             raise ValueError(f"reward function returned a non-finite reward {value!r}")
         return RewardResult(id=item_id, reward=float(value))
     if isinstance(value, dict) and "reward" in value:
-        return RewardResult.model_validate({**value, "id": item_id})
+        return _json_safe(RewardResult.model_validate({**value, "id": item_id}))
     raise TypeError(
         f"reward function returned {type(value).__name__} {str(value)[:80]!r}; expected a number, "
         "a dict with 'reward' (and optional 'metrics', 'extra'), or a RewardResult"
     )
+
+
+def _json_safe(result: RewardResult) -> RewardResult:
+    """``result`` with ``extra`` made JSON-safe (other objects become their ``str``) and
+    non-finite metrics moved out (named in ``extra["dropped_metrics"]``), so one item can never
+    break the serialization of a whole batch."""
+    bad = sorted(k for k, v in result.metrics.items() if not math.isfinite(v))
+    if not bad and not result.extra:
+        return result
+    extra = json.loads(json.dumps(result.extra, default=str))
+    if bad:
+        extra["dropped_metrics"] = bad
+    metrics = {k: v for k, v in result.metrics.items() if k not in bad}
+    return result.model_copy(update={"extra": extra, "metrics": metrics})
 
 
 def error_result(item_id: str, exc: BaseException) -> RewardResult:

@@ -79,7 +79,7 @@ class ServiceProcess:
         Raises:
             RewardServiceError: it exited or did not become healthy (its log is in the message).
         """
-        cmd = [sys.executable, "-m", "relax_agent.reward_services.cli", self.target, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "relax_agent.cli", "serve-reward", self.target, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", *self.args]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         try:

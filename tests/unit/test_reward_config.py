@@ -25,10 +25,11 @@ def test_default_is_the_env_reward():
 
 
 def test_shorthand_is_one_component():
-    cfg = RewardConfig.model_validate({"source": "remote", "url": "http://127.0.0.1:8001", "timeout_s": 5})
+    cfg = RewardConfig.model_validate({"source": "remote", "url": "http://127.0.0.1:8001", "request_timeout_s": 5})
     assert len(cfg.components) == 1 and cfg.components[0].url == "http://127.0.0.1:8001"
     reward = build_reward(cfg)
     assert isinstance(reward, RewardClient) and reward.base_url == "http://127.0.0.1:8001"
+    assert reward._timeout.read == 5.0 and reward._timeout.connect == 5.0
 
 
 @pytest.mark.parametrize("data, message", [
@@ -49,6 +50,8 @@ def test_bad_configs_name_the_key(data, message):
 def test_ignored_keys_warn(caplog):
     RewardConfig.model_validate({"source": "local", "function": "m:f", "max_attempts": 3})
     assert "['max_attempts'] ignored for source: local" in caplog.text
+    RewardConfig.model_validate({"source": "remote", "url": "http://x", "timeout_s": 3})
+    assert "['timeout_s'] ignored for source: remote" in caplog.text
 
 
 def test_missing_token_variable_is_a_config_error(monkeypatch):

@@ -176,3 +176,15 @@ def test_survives_asyncio_run_per_step():
     reward = LocalReward(fn, max_concurrency=1)  # the limit is contended in every loop
     for _ in range(3):
         assert [r.reward for r in run(reward.score(items("a", "b", "c")))] == [1.0, 1.0, 1.0]
+
+
+def test_results_are_always_serialisable():
+    class Opaque:
+        def __str__(self):
+            return "opaque!"
+
+    out = run(LocalReward(lambda id: {"reward": 1.0, "metrics": {"ratio": float("nan"), "n": 2},
+                                      "extra": {"obj": Opaque(), "ok": [1, "a"]}}).score(items("a")))
+    assert out[0].ok and out[0].metrics == {"n": 2.0}
+    assert out[0].extra == {"obj": "opaque!", "ok": [1, "a"], "dropped_metrics": ["ratio"]}
+    out[0].model_dump_json()
