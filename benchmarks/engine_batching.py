@@ -39,7 +39,8 @@ QUESTIONS = [
     "I'm flying from Paris to Rome next Friday (2025-06-06). What are my options, and what is the weather in Rome?",
     "Convert 1,000 US dollars to British pounds and then to euros.",
     "Is it colder in Oslo or in Helsinki at the moment? Use celsius.",
-    "My budget is 800 Swiss francs. How many US dollars is that, and can I afford a flight from Zurich to New York on 2025-09-01?",
+    "My budget is 800 Swiss francs. How many US dollars is that, and can I afford a flight from Zurich "
+    "to New York on 2025-09-01?",
 ]
 
 

@@ -355,7 +355,8 @@ def test_fake_engine_scripts_replies_and_cuts_them():
     assert isinstance(eng, InferenceEngine)
 
     async def main():
-        return await asyncio.gather(eng.generate([1], SamplingParams()), eng.generate([1, 2], SamplingParams(max_new_tokens=2)),
+        return await asyncio.gather(eng.generate([1], SamplingParams()),
+                                    eng.generate([1, 2], SamplingParams(max_new_tokens=2)),
                                     eng.generate([3], SamplingParams(stop_token_ids=(16,))))
 
     a, b, c = asyncio.run(main())
