@@ -1,0 +1,167 @@
+"""Reaper decisions, owner liveness, exit-time cleanups and the CLI, with a fake Docker client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import docker.errors
+import pytest
+from typer.testing import CliRunner
+
+from relax_agent.sandboxes import cli, reaper
+from relax_agent.sandboxes.reaper import (
+    LABEL_CREATED,
+    LABEL_EXPIRES,
+    LABEL_OWNER,
+    LABEL_SANDBOX,
+    owner_alive,
+    owner_token,
+    reap,
+    reap_own,
+)
+
+NOW = 1_000_000.0
+
+
+def _dead_pid_token() -> str:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    token = owner_token(proc.pid)
+    proc.wait()
+    return token
+
+
+class FakeAPI:
+    def __init__(self, containers):
+        self.items = containers
+        self.removed: list[str] = []
+        self.fail: dict[str, Exception] = {}
+
+    def containers(self, all=False, filters=None):  # noqa: A002 - docker-py's name
+        label = (filters or {}).get("label", "")
+        key, _, value = label.partition("=")
+        out = [c for c in self.items if key in c["Labels"] and (not value or c["Labels"][key] == value)]
+        return [c for c in out if c["Id"] not in self.removed]
+
+    def remove_container(self, cid, force=False):
+        assert force
+        if cid in self.fail:
+            raise self.fail[cid]
+        self.removed.append(cid)
+
+
+class FakeClient:
+    def __init__(self, containers):
+        self.api = FakeAPI(containers)
+
+
+def container(cid, run="r1", owner=None, expires=NOW + 100, state="running"):
+    labels = {LABEL_SANDBOX: run, LABEL_OWNER: owner or owner_token(), LABEL_CREATED: str(int(NOW - 10)),
+              LABEL_EXPIRES: str(int(expires))}
+    return {"Id": cid, "Names": [f"/relax-sb-{cid}"], "Labels": labels, "State": state}
+
+
+def test_owner_liveness():
+    assert owner_alive(owner_token()) is True
+    assert owner_alive(_dead_pid_token()) is False
+    host, pid, ticks = owner_token().split(":")
+    assert owner_alive(f"{host}:{pid}:{int(ticks) + 1}") is False, "a reused pid (other start time) is dead"
+    assert owner_alive(f"not-{socket.gethostname()}:1:1") is None, "other hosts are unknown, not dead"
+    assert owner_alive("garbage") in (None, False)
+
+
+def test_reap_removes_dead_expired_and_stopped_only():
+    dead = _dead_pid_token()
+    client = FakeClient([
+        container("live"),
+        container("expired", expires=NOW - 1),
+        container("dead", owner=dead),
+        container("stopped", state="exited"),
+        container("elsewhere", owner="other-host:1:1"),
+    ])
+    reaped = reap(client, now=NOW, dry_run=True)
+    assert {r.id: r.reason for r in reaped} == {"expired": "expired", "dead": "owner-dead", "stopped": "stopped"}
+    assert client.api.removed == []
+    reap(client, now=NOW)
+    assert sorted(client.api.removed) == ["dead", "expired", "stopped"]
+
+
+def test_reap_by_run_id_and_everything():
+    client = FakeClient([container("a", run="r1"), container("b", run="r2")])
+    assert [r.id for r in reap(client, run_id="r2", now=NOW)] == ["b"]
+    assert [r.id for r in reap(client, everything=True, now=NOW)] == ["a"]
+
+
+def test_reap_own_and_removal_races():
+    client = FakeClient([container("mine"), container("theirs", owner="other-host:1:1"), container("gone"),
+                         container("busy")])
+    client.api.fail["gone"] = docker.errors.NotFound("gone")
+    client.api.fail["busy"] = docker.errors.APIError("in progress", response=type("R", (), {"status_code": 409})())
+    assert reap_own(client) == 3
+    assert client.api.removed == ["mine"]
+    client.api.fail["x"] = docker.errors.APIError("boom", response=type("R", (), {"status_code": 500})())
+    with pytest.raises(docker.errors.APIError):
+        reaper.remove_container(client, "x")
+
+
+def test_cleanups_run_once_and_swallow_errors():
+    calls = []
+    reaper.register_cleanup("test-a", lambda: calls.append("a"))
+    reaper.register_cleanup("test-b", lambda: 1 / 0)
+    reaper.register_cleanup("test-c", lambda: calls.append("c"))
+    reaper.unregister_cleanup("test-c")
+    reaper.run_cleanups()
+    assert calls == ["a"]
+    reaper.run_cleanups()
+    assert calls == ["a"]
+
+
+def test_sigterm_handler_respects_an_existing_handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert reaper.install_sigterm_handler() is True
+        with pytest.raises(SystemExit) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler interrupts this
+        assert info.value.code == 128 + signal.SIGTERM
+
+        def mine(signum, frame):
+            pass
+
+        signal.signal(signal.SIGTERM, mine)
+        assert reaper.install_sigterm_handler() is False
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_cli_reap_lists_and_removes(monkeypatch):
+    client = FakeClient([container("old", expires=0), container("live", expires=time.time() + 3600)])
+    monkeypatch.setattr(cli, "_client", lambda docker_host: client)
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["reap", "--dry-run"])
+    assert res.exit_code == 0 and "would remove relax-sb-old (run r1: expired)" in res.output
+    assert client.api.removed == []
+    res = runner.invoke(cli.app, ["reap"])
+    assert res.exit_code == 0 and "removed 1 sandbox container(s)" in res.output and client.api.removed == ["old"]
+    res = runner.invoke(cli.app, ["reap", "--all"])
+    assert "removed 1" in res.output and client.api.removed == ["old", "live"]
+
+
+def test_cli_build_image_skips_existing_and_rejects_bad_method(monkeypatch):
+    class Images:
+        def get(self, name):
+            return object()
+
+    client = type("C", (), {"images": Images()})()
+    monkeypatch.setattr(cli, "_client", lambda docker_host: client)
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["build-image", "--image", "x/y:z"])
+    assert res.exit_code == 0 and "x/y:z already exists" in res.output
+    res = runner.invoke(cli.app, ["build-image", "--method", "magic"])
+    assert res.exit_code != 0 and "magic" in res.output
