@@ -248,8 +248,9 @@ class RewardClient:
         """Results aligned to ``items`` by id; a missing or malformed result marks its item error."""
         try:
             raw = resp.json()["results"]
-            assert isinstance(raw, list)
-        except (ValueError, KeyError, TypeError, AssertionError):
+        except (ValueError, KeyError, TypeError):
+            raw = None
+        if not isinstance(raw, list):
             cause = f"reward service at {self.base_url} sent a body without a 'results' list: {resp.text[:200]!r}"
             return [RewardResult.failed(i.id, RewardStatus.ERROR, cause) for i in items]
         wanted = {i.id for i in items}
@@ -409,20 +410,25 @@ class _MicroBatcher:
     async def _sender(self) -> None:
         while True:
             batch = [await self._next()]
-            await self._fill(batch)
-            live = [(item, fut) for item, fut in batch if not fut.done()]  # drop cancelled callers
-            if not live:
-                continue
             try:
-                results = await self._send([item for item, _ in live])
-            except Exception as exc:
-                for _, fut in live:
+                await self._fill(batch)
+                await self._dispatch(batch)
+            except BaseException as exc:  # the callers must hear of it, whatever it is
+                failure = exc if isinstance(exc, Exception) else RewardServiceError("reward client closed mid-request")
+                for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for (_, fut), result in zip(live, results):
-                if not fut.done():
-                    fut.set_result(result)
+                        fut.set_exception(failure)
+                if not isinstance(exc, Exception):
+                    raise
+
+    async def _dispatch(self, batch: list[tuple[RewardItem, asyncio.Future[RewardResult]]]) -> None:
+        live = [(item, fut) for item, fut in batch if not fut.done()]  # drop cancelled callers
+        if not live:
+            return
+        results = await self._send([item for item, _ in live])
+        for (_, fut), result in zip(live, results):
+            if not fut.done():
+                fut.set_result(result)
 
     async def _fill(self, batch: list[tuple[RewardItem, asyncio.Future[RewardResult]]]) -> None:
         assert self._queue is not None
@@ -453,8 +459,11 @@ class _MicroBatcher:
         await asyncio.gather(*self._senders, return_exceptions=True)
         self._senders = []
         closed = RewardServiceError("reward client closed before this item was sent")
+        pending = list(self._carry)
+        self._carry.clear()
         while self._queue is not None and not self._queue.empty():
-            _, fut = self._queue.get_nowait()
+            pending.append(self._queue.get_nowait())
+        for _, fut in pending:
             if not fut.done():
                 fut.set_exception(closed)
         self._queue = None

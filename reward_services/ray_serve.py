@@ -72,8 +72,7 @@ def serve_ray(target: str, *, host: str = "127.0.0.1", port: int = 8001, replica
     token = read_token(token_env) if token_env else None
     LocalReward.from_target(resolve_target(target), options.get("kwargs"))  # fail fast, before Ray starts
     if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus if num_cpus is not None else replicas, include_dashboard=False,
-                 log_to_driver=False)
+        ray.init(num_cpus=num_cpus if num_cpus is not None else replicas, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(target, replicas=replicas, token=token, **options), name=APP_NAME, route_prefix="/")
     if not blocking:

@@ -243,3 +243,16 @@ def test_one_client_serves_successive_event_loops():
                 assert [o[0].reward for o in asyncio.run(step())] == [1.0] * 6
             asyncio.run(c.aclose())
             assert c.metrics()[rc.ITEMS_OK] == 18
+
+
+def test_aclose_mid_flight_fails_waiting_callers_instead_of_hanging():
+    c = client(Script(delay_s=5.0), max_concurrency=1, batch_wait_s=0.0)
+
+    async def main():
+        calls = [asyncio.create_task(c.score([RewardItem(id=f"s{k}", response="1")])) for k in range(3)]
+        await asyncio.sleep(0.05)
+        await c.aclose()
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 1.0)
+
+    outs = asyncio.run(main())
+    assert all(isinstance(o, RewardServiceError) and "closed" in str(o) for o in outs)
