@@ -19,7 +19,7 @@ import time
 import pytest
 
 from relax_agent.errors import SandboxError
-from relax_agent.sandboxes import SandboxConfig
+from relax_agent.sandboxes import PoolConfig, SandboxConfig, SandboxPool
 from relax_agent.sandboxes.reaper import LABEL_OWNER, LABEL_SANDBOX, owner_token, reap, remove_container
 from relax_agent.sandboxes.testing import require_backend
 
@@ -224,7 +224,7 @@ def test_escaped_daemon_is_killed_by_marker_then_container():
 
 TRAINER = textwrap.dedent("""
     import asyncio, sys
-    from relax_agent.sandboxes import SandboxConfig
+    from relax_agent.sandboxes import PoolConfig, SandboxConfig, SandboxPool
 
     async def main():
         async with await SandboxConfig(ttl_s=float(sys.argv[1]), memory_mb=64, reap_on_start=False,
@@ -297,3 +297,37 @@ def test_interrupted_trainer_removes_its_container(client, trainer, sig):
     proc.wait(20)
     assert _wait_gone(client, cid, 5), f"container left after {sig.name}"
     assert not client.api.containers(all=True, filters={"label": f"{LABEL_SANDBOX}=adversarial-trainer"})
+
+
+def test_pool_reset_leaves_nothing_for_the_next_episode():
+    async def body():
+        cfg = SandboxConfig(**LIMITS, pool=PoolConfig(size=1, max_size=1))
+        async with SandboxPool(cfg.build()) as pool:
+            async with pool.sandbox() as sb:
+                r = await sb.exec("sleep 299 > /dev/null 2>&1 & echo s > s.txt; echo t > /tmp/t; echo d > /dev/shm/d")
+                assert r.ok, r
+            async with pool.sandbox() as sb2:
+                assert sb2 is sb, "the pool reused the container"
+                procs = await sb2.exec("for p in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $p; echo; done")
+                files = await sb2.exec("ls -A /work /tmp /dev/shm")
+        return procs, files
+
+    procs, files = run(body())
+    assert "sleep 299" not in procs.stdout and "sleep 300" in procs.stdout, "only the keeper's sleep TTL is left"
+    assert files.stdout.split() == ["/dev/shm:", "/tmp:", "/work:"], files
+
+
+def test_python_exec_env_runs_model_code_in_docker():
+    from relax_agent.envs.python_exec import PythonExecEnv
+
+    env = PythonExecEnv(sandbox=LIMITS, exec_timeout_s=3)
+    env.reset(options={"task": {"id": "t", "question": "digit sum of 25!", "answer": 72}})
+    code = "import math\nprint(sum(map(int, str(math.factorial(25)))))"
+    obs, *_ = env.step({"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "run_python", "arguments": {"code": code}}}]})
+    hog, *_ = env.step({"role": "assistant", "content": "", "tool_calls": [
+        {"id": "d", "type": "function", "function": {"name": "run_python", "arguments": {"code": "while 1: pass"}}}]})
+    _, reward, terminated, _, _ = env.step({"role": "assistant", "content": f"Answer: {obs[0]['content']}"})
+    env.close()
+    assert obs[0]["content"] == "72" and hog[0]["content"] == "[killed: timed out after 3 s]"
+    assert reward == 1.0 and terminated
