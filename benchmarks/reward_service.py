@@ -8,6 +8,8 @@ workers do -- measures samples/s and p50/p99 latency per sample for
 - client:    :class:`RewardClient` without micro-batching (one request per call);
 - client+mb: :class:`RewardClient` with micro-batching (concurrent calls share requests).
 
+``requests`` counts the HTTP requests sent, warm-up included.
+
 Run: ``python benchmarks/reward_service.py [--seconds 1] [--rounds 3] [--callers 1 16 64]``.
 The three modes take turns for ``--rounds`` rounds of ``--seconds`` each per caller count (so
 load from other processes hits them alike); rates and percentiles pool the rounds. Ratios
