@@ -21,7 +21,7 @@ app = typer.Typer(
 )
 envs_app = typer.Typer(help="List and inspect registered environments.", no_args_is_help=True)
 app.add_typer(envs_app, name="envs")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. trainer.lr=1e-6 rollout.group_size=4")
 

@@ -38,6 +38,15 @@ def check_env_id(env_id: str) -> None:
 
     import relax_agent.envs  # noqa: F401  (registers the built-in envs)
 
+    module, _, name = env_id.rpartition(":")
+    if module:  # "pkg.module:ns/Name-v0": gymnasium imports the module, which registers the env
+        import importlib
+
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"env.id={env_id!r}: cannot import module {module!r}: {exc}") from exc
+        env_id = name
     if env_id in gymnasium.registry:
         return
     close = difflib.get_close_matches(env_id, list(gymnasium.registry), n=3, cutoff=0.5)

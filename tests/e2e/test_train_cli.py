@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
-    common = [f"model.path={tiny_model_dir}", "eval.at_start=false", "eval.num_tasks=2"]
+    common = [f"model.path={tiny_model_dir}", "env.id=examples.custom_env:examples/Echo-v0",
+              "eval.at_start=false", "eval.num_tasks=2"]
     a, b = base / "a", base / "b"
     full = _cli(*common, f"run.output_dir={a}", "trainer.steps=3", cwd=REPO)
     assert full.returncode == 0, full.stderr[-3000:]
