@@ -9,8 +9,9 @@ pid 2 of its own pid namespace, so every process it started dies when it ends or
 When the trainer runs as root, ``bwrap`` itself is started as ``config.user`` (``setpriv``),
 so the sandbox has no more rights on the host than ``nobody``.
 
-Limits are rlimits set with ``prlimit``: address space ``memory_mb`` per process, ``nofile``,
-processes ``pids_limit`` (counted per user namespace on Linux >= 5.14), largest file
+Limits are rlimits set with ``prlimit`` inside the jail: address space ``memory_mb`` per process,
+``nofile``, processes ``pids_limit`` (counted in the sandbox's own user namespace on
+Linux >= 5.14, so sandboxes and other processes of the same uid do not share it), largest file
 ``workdir_mb``. There is no cgroup here, so total memory and total disk use of the work
 directory are *not* bounded and ``oom_killed`` is never set; use Docker for heavy or
 hostile workloads.
@@ -91,7 +92,9 @@ class BubblewrapSandbox(BaseSandbox):
             "--bind", self.host_dir, self.workdir, "--remount-ro", "/", "--chdir", cwd,
             "--uid", str(uid), "--gid", str(gid), "--hostname", "sandbox", "--",
         ]
-        return [*drop, *prlimit_prefix(cfg, nproc=True), *jail, *argv]
+        # rlimits are set inside the jail: RLIMIT_NPROC then counts this sandbox's user namespace
+        # only, not every process of the uid on the host (Linux >= 5.14 ucounts)
+        return [*drop, *jail, *prlimit_prefix(cfg, nproc=True), *argv]
 
     async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
                    cwd: str, max_output_bytes: int) -> RawResult:

@@ -77,3 +77,20 @@ def test_processes_do_not_outlive_their_command():
 
     started, late = asyncio.run(body())
     assert started.stdout == "started\n" and late.exit_code != 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start processes as another uid")
+def test_process_limit_is_per_sandbox_not_per_host_uid():
+    import subprocess
+
+    require_backend("bubblewrap")
+    uid, gid = SandboxConfig().uid_gid
+    others = [subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "sleep", "30"])
+              for _ in range(40)]
+    try:
+        r, _ = _run("print('ok')", pids_limit=16)
+        assert r.stdout == "ok\n", "40 other processes of the same host uid do not eat this sandbox's budget"
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
