@@ -297,8 +297,8 @@ def _check_env(env: Mapping[str, str]) -> dict[str, str]:
 class BaseSandbox:
     """Shared implementation of :class:`Sandbox` on top of one primitive, :meth:`_run`.
 
-    Subclasses set ``id`` and implement ``_run`` (run ``argv`` with a timeout, caps and a
-    marker) and ``_close``; they may override ``reset`` and ``health``.
+    Subclasses implement ``_run`` (run ``argv`` with a timeout, output caps and the exec
+    marker), ``reset`` and ``_close``; they may override ``health``.
     """
 
     def __init__(self, config: SandboxConfig, sandbox_id: str, workdir: str):
@@ -421,10 +421,7 @@ class BaseSandbox:
         Raises:
             SandboxError: the reset failed (the sandbox should then be closed and replaced).
         """
-        wipe = f"kill -9 -1 2>/dev/null; find {shlex.quote(self.workdir)} /tmp -mindepth 1 -delete 2>/dev/null; true"
-        res = await self._raw(["/bin/sh", "-c", wipe], 30.0, None, None, "/", 4096)
-        if res.exit_code != 0:
-            raise SandboxError(f"reset of sandbox {self.id} failed (exit {res.exit_code})")
+        raise NotImplementedError
 
     async def health(self) -> bool:
         """True when the sandbox answers a trivial command in time."""
@@ -441,7 +438,8 @@ class BaseSandbox:
         if self._close_task is None:
             self.closed = True
             self._close_task = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._close_task)
+        if not self._close_task.done():
+            await asyncio.shield(self._close_task)
 
     async def __aenter__(self: T) -> T:
         return self
