@@ -19,6 +19,7 @@ only covers the main process, measured with Docker 20.10).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import socket
@@ -44,6 +45,14 @@ _KILL_MARKED = (
 _shared_lock = threading.Lock()
 _shared: dict[str | None, tuple[Any, ThreadPoolExecutor]] = {}
 _started: set[str | None] = set()
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions meaning "the daemon failed or is unreachable" (docker-py's and requests')."""
+    import docker.errors
+    import requests
+
+    return docker.errors.DockerException, requests.exceptions.RequestException
 
 
 def docker_client(config: SandboxConfig) -> tuple[Any, ThreadPoolExecutor]:
@@ -107,9 +116,9 @@ class DockerBackend:
                 return
             _started.add(self.config.docker_host)
         reaper.register_cleanup(f"docker-reap-own:{self.config.docker_host}", lambda: reaper.reap_own(client))
-        if self.config.reap_on_start:
-            reaper.reap(client)
         try:
+            if self.config.reap_on_start:
+                reaper.reap(client)
             client.images.get(self.config.image)
         except docker.errors.ImageNotFound:
             with _shared_lock:
@@ -118,6 +127,10 @@ class DockerBackend:
                 f"sandbox image {self.config.image!r} not found; build it with `relax-agent sandbox build-image "
                 f"--image {self.config.image}`"
             ) from None
+        except _transport_errors() as exc:
+            with _shared_lock:
+                _started.discard(self.config.docker_host)
+            raise SandboxError(f"Docker daemon failed while starting up sandboxes: {exc}") from exc
 
     def container_kwargs(self, name: str, now: float) -> dict[str, Any]:
         """Keyword arguments of ``containers.create`` for one sandbox (limits, labels, mounts)."""
@@ -150,12 +163,13 @@ class DockerBackend:
             container = client.containers.create(**self.container_kwargs(name, time.time()))
         except docker.errors.ImageNotFound as exc:
             raise SandboxError(f"sandbox image {self.config.image!r} not found; run `relax-agent sandbox build-image`") from exc
-        except docker.errors.APIError as exc:
+        except _transport_errors() as exc:
             raise SandboxError(f"could not create sandbox container: {exc}") from exc
         try:
             container.start()
-        except docker.errors.APIError as exc:
-            reaper.remove_container(client, container.id)
+        except _transport_errors() as exc:
+            with contextlib.suppress(*_transport_errors()):
+                reaper.remove_container(client, container.id)
             raise SandboxError(f"could not start sandbox container {name}: {exc}") from exc
         return DockerSandbox(self.config, client, executor, container.id, name)
 
@@ -179,15 +193,17 @@ class _Frames:
         self.total = 0
 
     def feed(self, data: bytes) -> None:
-        self.buf += data
+        buf = self.buf + data if self.buf else data
         self.total += len(data)
-        while len(self.buf) >= 8:
-            stream, size = self.buf[0], struct.unpack(">I", self.buf[4:8])[0]
-            if len(self.buf) < 8 + size:
-                return
-            payload, self.buf = self.buf[8:8 + size], self.buf[8 + size:]
+        pos = 0
+        while len(buf) - pos >= 8:
+            stream, size = buf[pos], struct.unpack_from(">I", buf, pos + 4)[0]
+            if len(buf) - pos < 8 + size:
+                break
             if stream in self.caps:
-                self.caps[stream].feed(payload)
+                self.caps[stream].feed(buf[pos + 8:pos + 8 + size])
+            pos += 8 + size
+        self.buf = buf[pos:]
 
 
 class DockerSandbox(BaseSandbox):
@@ -205,17 +221,15 @@ class DockerSandbox(BaseSandbox):
     # -- blocking helpers (run on worker threads) -------------------------------------------
     def _api_exec(self, argv: list[str], *, stdin: bool = False, env: dict[str, str] | None = None,
                   cwd: str | None = None) -> tuple[str, socket.socket]:
-        import docker.errors
-
         try:
             exec_id = self.client.api.exec_create(
                 self.container_id, argv, stdin=stdin, stdout=True, stderr=True, tty=False,
                 environment=env, workdir=cwd, user=self.config.user,
             )["Id"]
             sock = self.client.api.exec_start(exec_id, socket=True)
-        except docker.errors.APIError as exc:
+        except _transport_errors() as exc:
             self._mark_broken_if_gone(exc)
-            raise SandboxError(f"docker exec in sandbox {self.id} failed: {exc.explanation or exc}") from exc
+            raise SandboxError(f"docker exec in sandbox {self.id} failed: {getattr(exc, 'explanation', None) or exc}") from exc
         return exec_id, getattr(sock, "_sock", sock)
 
     def _mark_broken_if_gone(self, exc: Exception) -> None:
@@ -259,12 +273,10 @@ class DockerSandbox(BaseSandbox):
         return fresh
 
     def _exit_code(self, exec_id: str) -> int | None:
-        import docker.errors
-
         for _ in range(50):
             try:
                 info = self.client.api.exec_inspect(exec_id)
-            except docker.errors.APIError as exc:
+            except _transport_errors() as exc:
                 self._mark_broken_if_gone(exc)
                 return None
             if not info.get("Running"):
@@ -308,7 +320,8 @@ class DockerSandbox(BaseSandbox):
                     hard_kill_at = time.monotonic() + cfg.kill_grace_s
                 elif hard_kill_at is not None and now > hard_kill_at:
                     self.broken = f"command did not end {cfg.kill_grace_s} s after being killed; container removed"
-                    reaper.remove_container(self.client, self.container_id)
+                    with contextlib.suppress(*_transport_errors()):
+                        reaper.remove_container(self.client, self.container_id)
                     break
                 try:
                     data = sock.recv(1 << 18)
@@ -331,10 +344,18 @@ class DockerSandbox(BaseSandbox):
                          duration_s=duration)
 
     def close_blocking(self) -> None:
-        """Remove the container now (used by ``close`` and at interpreter exit)."""
+        """Remove the container now (used by ``close`` and at interpreter exit).
+
+        Raises:
+            SandboxError: the daemon failed; the container still ends by itself after ``ttl_s``.
+        """
         self.closed = True
         reaper.unregister_cleanup(f"docker:{self.container_id}")
-        reaper.remove_container(self.client, self.container_id)
+        try:
+            reaper.remove_container(self.client, self.container_id)
+        except _transport_errors() as exc:
+            raise SandboxError(f"could not remove sandbox container {self.id} ({exc}); it exits after "
+                               f"sandbox.ttl_s={self.config.ttl_s} s, or run `relax-agent sandbox reap`") from exc
 
     # -- async surface ------------------------------------------------------------------------
     async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],

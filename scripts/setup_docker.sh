@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up the sandbox backends on a Debian machine; safe to run again (each step is skipped when done).
-#   1. apt-get install docker.io, bubblewrap, debootstrap (only those missing)
+#   1. apt-get install docker.io (ships docker-init for init=True), bubblewrap, debootstrap (only those missing)
 #   2. start dockerd without iptables or a bridge (containers use network_mode=none), log to a file,
 #      and wait (bounded) until `docker info` answers
 #   3. build the base sandbox image offline (debootstrap + docker import) unless it exists
