@@ -79,7 +79,7 @@ class RolloutConfig(Section):
     system_prompt: str | None = None
     """Overrides the default system prompt that introduces the tools."""
     tool_example: bool = True
-    """Add one worked tool-call example to the system prompt (helps small models)."""
+    """Show one worked tool call as a demonstration exchange before the request (helps small models)."""
 
 
 class EngineConfig(Section):

@@ -26,11 +26,13 @@ HERMES_SYSTEM = (
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>'
 )
 
-HERMES_EXAMPLE = (
-    "\n\nExample. For the request \"What is the weather in Paris in celsius?\" and a tool "
-    "get_weather(city, unit), the reply is:\n"
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+EXAMPLE_TURNS = (
+    {"role": "user", "content": "Example request (the tool get_weather(city, unit) is only for this example): "
+                                "What is the weather in Paris in celsius?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                                     '"unit": "celsius"}}\n</tool_call>'},
 )
+"""A worked tool call shown as one demonstration exchange before the real request."""
 
 _REF_USER = "ping"
 _REF_ASSISTANT = "pong"
@@ -73,7 +75,9 @@ class ChatRenderer:
             prompt), or "auto" (template when it reads ``tools``, else system).
         system_prompt: replaces the default tool-introducing system prompt; may contain
             ``{tools}`` (the tool schemas, one JSON object per line).
-        tool_example: append one worked tool-call example to the system prompt.
+        tool_example: show one worked tool call as a demonstration exchange (a user request and
+            the assistant's ``<tool_call>`` reply) after the system prompt; small models follow
+            a demonstrated format far more often than a described one.
 
     Raises:
         ConfigError: the tokenizer has no chat template.
@@ -102,6 +106,8 @@ class ChatRenderer:
                 msgs = self._with_system(msgs, self.system_prompt.replace("{tools}", ""))
         elif tools or self.system_prompt:
             msgs = self._with_system(msgs, self._tool_system_prompt(tools))
+            if tools and self.tool_example:
+                msgs = msgs[:1] + list(EXAMPLE_TURNS) + msgs[1:]
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return RenderedPrompt(tuple(ids), tuple(msgs))
@@ -110,8 +116,7 @@ class ChatRenderer:
         schemas = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
         if self.system_prompt is not None:
             return self.system_prompt.replace("{tools}", schemas)
-        prompt = HERMES_SYSTEM.format(tools=schemas)
-        return prompt + HERMES_EXAMPLE if self.tool_example else prompt
+        return HERMES_SYSTEM.format(tools=schemas)
 
     @staticmethod
     def _with_system(msgs: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:

@@ -8,7 +8,6 @@ environment can grade them (a malformed call is a wrong answer, not a crash).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -51,33 +50,53 @@ def _call(index: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes / Qwen style).
 
-    A final block whose closing tag is missing (the turn ended) is still parsed.
-    ``arguments`` may be an object or a JSON string holding one; ``parameters`` is accepted
-    as an alias.
+    The JSON object right after ``<tool_call>`` is decoded on its own, so a call whose closing
+    tag is missing (the turn ended, or the model rambled on) still parses when its JSON is
+    complete. ``arguments`` may be an object or a JSON string holding one; ``parameters`` is
+    accepted as an alias.
     """
 
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _decoder = json.JSONDecoder()
 
     def parse(self, text: str) -> ParsedAction:
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
-        for match in self._BLOCK.finditer(text):
-            call, error = self._parse_block(match.group(1).strip(), len(calls))
+        content: list[str] = []
+        pos = 0
+        while (start := text.find(self.OPEN, pos)) != -1:
+            content.append(text[pos:start])
+            body_start = start + len(self.OPEN)
+            call, error, pos = self._parse_block(text, body_start, len(calls))
             if call is not None:
                 calls.append(call)
             else:
                 errors.append(error)
-        content = self._BLOCK.sub("", text).strip()
-        return ParsedAction(content, tuple(calls), tuple(errors))
+        content.append(text[pos:])
+        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors))
+
+    def _parse_block(self, text: str, i: int, index: int) -> tuple[dict[str, Any] | None, str, int]:
+        """Decode the call starting at ``text[i]``; returns (call, error, position after the block)."""
+        close = text.find(self.CLOSE, i)
+        end = len(text) if close == -1 else close + len(self.CLOSE)
+        j = i + len(text[i:]) - len(text[i:].lstrip())
+        try:
+            obj, stop = self._decoder.raw_decode(text, j)
+        except json.JSONDecodeError as exc:
+            body = text[i:close if close != -1 else len(text)].strip()
+            return None, f"tool call is not valid JSON ({exc.msg}): {body[:200]!r}", end
+        rest = text[stop:]
+        if rest.lstrip().startswith(self.CLOSE):
+            end = stop + (len(rest) - len(rest.lstrip())) + len(self.CLOSE)
+        elif close == -1 or text[stop:close].strip():
+            end = stop  # no closing tag right after the object: keep what follows as content
+        call, error = self._to_call(obj, index)
+        return call, error, end
 
     @staticmethod
-    def _parse_block(body: str, index: int) -> tuple[dict[str, Any] | None, str]:
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            return None, f"tool call is not valid JSON ({exc.msg} at char {exc.pos}): {body[:200]!r}"
+    def _to_call(obj: Any, index: int) -> tuple[dict[str, Any] | None, str]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None, f"tool call must be an object with a string 'name': {body[:200]!r}"
+            return None, f"tool call must be an object with a string 'name', got {json.dumps(obj)[:200]}"
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:

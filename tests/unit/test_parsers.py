@@ -35,3 +35,16 @@ def test_no_call_is_plain_content():
 def test_unknown_parser_name():
     with pytest.raises(ConfigError, match="rollout.tool_parser='nope'"):
         build_parser("nope")
+
+
+def test_complete_json_without_closing_tag_parses_and_keeps_the_rest_as_content():
+    text = '<tool_call>\n{"name": "math.factorial", "arguments": {"number": 5}}\n```\nmore text'
+    p = HermesParser().parse(text)
+    assert [c["function"]["name"] for c in p.tool_calls] == ["math.factorial"]
+    assert p.tool_calls[0]["function"]["arguments"] == {"number": 5}
+    assert p.content == "```\nmore text"
+
+
+def test_truncated_json_is_an_error():
+    p = HermesParser().parse('<tool_call>{"name": "f", "arguments": {"x": ')
+    assert p.tool_calls == () and len(p.errors) == 1
