@@ -31,9 +31,10 @@ def register(id: str, entry_point: str | Callable[..., gymnasium.Env], **kwargs:
 
 def register_envs() -> None:
     """Register every built-in environment (gymnasium's ``gymnasium.envs`` entry point)."""
-    from relax_agent.envs import bfcl
+    from relax_agent.envs import bfcl, python_exec
 
     bfcl.register_all()
+    python_exec.register()
 
 
 register_envs()

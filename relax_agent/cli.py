@@ -69,8 +69,7 @@ def train(
     try:
         cfg = _load(config, overrides)
         ckpt = _checkpoint_to_resume(cfg, resume)
-        console.print(f"loading policy {cfg.model.path if ckpt is None else ckpt / 'model'} ...")
-        roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model")
+        roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce)
         controller = Controller(cfg, roles)
         if ckpt is not None:
             controller.restore(ckpt)
@@ -91,6 +90,10 @@ def train(
     if summary.get("interrupted"):
         console.print("[yellow]interrupted: saved; continue with --resume[/]")
         raise typer.Exit(130)
+
+
+def _announce(path: str) -> None:
+    console.print(f"loading policy {path} ...")
 
 
 class _null:
@@ -123,7 +126,7 @@ def eval_cmd(
     try:
         cfg = _load(config, overrides)
         model_path = resolve(checkpoint) / "model" if checkpoint else None
-        roles = build_roles(cfg, model_path=model_path, train=False)
+        roles = build_roles(cfg, model_path=model_path, train=False, on_load=_announce)
         e, r = cfg.eval, cfg.rollout
         params = SamplingParams(r.max_new_tokens, e.temperature, r.top_p)
         result = evaluate(roles.runner, roles.heldout_tasks[: e.num_tasks], e.seeds, params)

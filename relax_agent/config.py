@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from relax_agent.configbase import Section
 from relax_agent.errors import ConfigError
+from relax_agent.reward_services.config import RewardConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -154,6 +155,9 @@ class RelaxConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Where the env's reward comes from: its own (default), a local function, a reward
+    service, or a weighted mix (see ``relax_agent.reward_services.config``)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

@@ -11,7 +11,7 @@ import difflib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -92,6 +92,10 @@ class Roles:
 
     def close(self) -> None:
         self.engine.close()
+        if self.runner.reward is not None:
+            import asyncio
+
+            asyncio.run(self.runner.reward.aclose())
 
 
 def load_tasks(cfg: RelaxConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -104,8 +108,13 @@ def load_tasks(cfg: RelaxConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
         env.close()
 
 
-def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: bool = True) -> Roles:
-    """Load the policy (from ``model_path`` when resuming) and build engine, trainer and runner."""
+def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: bool = True,
+                on_load: Callable[[str], None] | None = None) -> Roles:
+    """Load the policy (from ``model_path`` when resuming) and build engine, trainer and runner.
+
+    Checks that need no model (config, env id, reward service and its token) run first;
+    ``on_load(path)`` is called right before the policy starts loading.
+    """
     from relax_agent.models import load_policy
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.engines.hf import HFEngine
@@ -113,18 +122,36 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
 
     device = preflight(cfg)
+    reward = build_checked_reward(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     train_tasks, heldout_tasks = load_tasks(cfg)
     model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
+    if on_load is not None:
+        on_load(model_cfg.path)
     model, tokenizer = load_policy(model_cfg, dtype="fp32" if train else cfg.engine.dtype, device=device)
     engine_model = copy.deepcopy(model).to(_DTYPES[cfg.engine.dtype]) if train else model
     engine = HFEngine(engine_model, tokenizer, cfg.engine, device=device, seed=cfg.run.seed)
     trainer = _build_trainer(cfg, model, device) if train else None
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
     limits = RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens)
-    runner = RolloutRunner(make_env_factory(cfg), engine, renderer, build_parser(cfg.rollout.tool_parser), limits)
+    runner = RolloutRunner(make_env_factory(cfg), engine, renderer, build_parser(cfg.rollout.tool_parser), limits,
+                           reward=reward, env_id=cfg.env.id)
     return Roles(cfg, device, model, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks)
+
+
+def build_checked_reward(cfg: RelaxConfig) -> Any:
+    """The configured reward, checked once (a wrong URL or token fails here); None for the env's own."""
+    import asyncio
+
+    from relax_agent.reward_services import build_reward, check_reward
+    from relax_agent.rollout.rewarding import needs_scoring
+
+    if not needs_scoring(cfg.reward):
+        return None
+    reward = build_reward(cfg.reward)
+    asyncio.run(check_reward(reward))
+    return reward
 
 
 def _build_trainer(cfg: RelaxConfig, model: Any, device: str) -> Any:

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from relax_agent.rollout import rewarding
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.orchestrator import EpisodeSpec, run_episode
@@ -31,11 +32,15 @@ class RolloutRunner:
         renderer: chat renderer for prompts and observation deltas.
         parser: tool-call parser.
         limits: turn and token limits.
+        reward: a ``RewardFunction`` that re-scores each finished episode; None keeps the env's reward.
+        env_id: recorded in reward requests' metadata.
     """
 
     def __init__(self, make_env: Callable[[], Any], engine: InferenceEngine, renderer: ChatRenderer,
-                 parser: ToolCallParser, limits: RolloutLimits):
+                 parser: ToolCallParser, limits: RolloutLimits, reward: Any = None, env_id: str = ""):
         self.make_env = make_env
+        self.reward = reward
+        self.env_id = env_id
         self.engine = engine
         self.renderer = renderer
         self.parser = parser
@@ -61,6 +66,8 @@ class RolloutRunner:
         async def one(spec: EpisodeSpec) -> Trajectory:
             env = await asyncio.to_thread(self.make_env)
             traj = await run_episode(env, spec, self.engine, self.renderer, self.parser, params)
+            if self.reward is not None:
+                traj = await rewarding.score(self.reward, traj, spec.task, self.env_id)
             if on_done is not None:
                 on_done(traj)
             return traj
