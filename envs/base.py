@@ -23,6 +23,8 @@ class TextEnv(gym.Env):
 
     metadata = {"render_modes": []}
     reward_description: str = ""
+    split: str = "train"
+    """The split ``reset`` draws a task from when ``options`` holds none."""
 
     def __init__(self) -> None:
         self.observation_space = ConversationSpace()
@@ -44,7 +46,7 @@ class TextEnv(gym.Env):
         super().reset(seed=seed)
         task = (options or {}).get("task")
         if task is None:
-            pool = self.tasks("train")
+            pool = self.tasks(self.split)
             task = pool[int(self.np_random.integers(len(pool)))]
         self.task = task
         return self._reset_task(task)

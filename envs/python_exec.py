@@ -204,15 +204,6 @@ class PythonExecEnv(TextEnv):
         """Task dicts ``{"id", "kind", "question", "answer"}`` of ``split`` (see :func:`make_tasks`)."""
         return make_tasks(split)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Start an episode on ``options["task"]`` (or one drawn from ``self.split``) with a fresh sandbox."""
-        if (options or {}).get("task") is None:
-            super(TextEnv, self).reset(seed=seed)
-            pool = self.tasks(self.split)
-            options = {**(options or {}), "task": pool[int(self.np_random.integers(len(pool)))]}
-            seed = None
-        return super().reset(seed=seed, options=options)
-
     def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if "question" not in task or "answer" not in task:
             raise DataError(f"PythonExec task needs 'question' and 'answer', got keys {sorted(task)}")

@@ -71,15 +71,6 @@ class BFCLEnv(TextEnv):
         """
         return split_tasks(load_tasks(self.category), split, self.heldout_fraction)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Start an episode on ``options["task"]``, or on a task drawn from ``self.split``."""
-        if (options or {}).get("task") is None:
-            super(TextEnv, self).reset(seed=seed)
-            pool = self.tasks(self.split)
-            options = {**(options or {}), "task": pool[int(self.np_random.integers(len(pool)))]}
-            seed = None
-        return super().reset(seed=seed, options=options)
-
     def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         self._done = False
         messages = copy.deepcopy(task["question"])
