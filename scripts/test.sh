@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/setup_docker.sh
+PYTHON=.venv/bin/python bash scripts/setup_docker.sh
 exec .venv/bin/python -m pytest -q "$@"
