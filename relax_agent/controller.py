@@ -9,13 +9,13 @@ an update in flight is finished, and a checkpoint of the last complete step is w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 import torch
 
@@ -48,22 +48,58 @@ def rollout_metrics(trajs: list[Trajectory], rollout_s: float) -> dict[str, floa
     return out
 
 
-@contextlib.contextmanager
-def deferred_sigint() -> Iterator[Callable[[], bool]]:
-    """Hold Ctrl-C until the block ends (an update and weight sync are never cut in half)."""
-    caught: list[bool] = []
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        signal.signal(signal.SIGINT, lambda *_: caught.append(True))
-    except ValueError:  # not the main thread: nothing to defer
-        yield lambda: False
-        return
-    try:
-        yield lambda: bool(caught)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
+class StopRequest:
+    """Ctrl-C handling for a run: the first SIGINT asks for a clean stop, the second aborts.
+
+    The first SIGINT cancels a running rollout (its envs and sandboxes are closed by the
+    cancelled episodes) and lets an update in flight finish, so weights, optimizer and
+    policy version never disagree; the controller then saves the last complete step.
+    Outside the main thread (no signals there) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._cancel: Callable[[], None] | None = None
+        self._previous: Any = None
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _on_sigint(self, *_: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now
+        self.requested = True
+        if self._cancel is not None:
+            self._cancel()
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt when a stop was requested."""
+        if self.requested:
             raise KeyboardInterrupt
+
+    def run(self, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        """``asyncio.run(coro_fn())`` that a first Ctrl-C cancels (raising KeyboardInterrupt)."""
+
+        async def main() -> Any:
+            loop, task = asyncio.get_running_loop(), asyncio.current_task()
+            self._cancel = lambda: loop.call_soon_threadsafe(task.cancel)
+            return await coro_fn()
+
+        try:
+            result = asyncio.run(main())
+        except asyncio.CancelledError:
+            raise KeyboardInterrupt from None
+        finally:
+            self._cancel = None
+        self.check()
+        return result
 
 
 class Controller:
@@ -85,6 +121,7 @@ class Controller:
         self.sampler = TaskSampler(len(roles.train_tasks), cfg.run.seed)
         self.step = 0
         self.version = 0
+        self.stop = StopRequest()
 
     # -- resume -----------------------------------------------------------------------------
     def restore(self, ckpt: Path) -> None:
@@ -108,23 +145,24 @@ class Controller:
     def train(self) -> dict[str, Any]:
         """Run until ``trainer.steps``; returns the last step's metrics and eval results."""
         summary: dict[str, Any] = {}
-        try:
-            if self.cfg.eval.at_start and self.step == 0:
-                summary["eval_start"] = self.run_eval()
-            while self.step < self.cfg.trainer.steps:
-                summary["last"] = self.train_step()
-                if self._due(self.cfg.eval.every_steps) and self.step < self.cfg.trainer.steps:
-                    self.run_eval()
-                if self._due(self.cfg.checkpoint.every_steps):
-                    self.save()
-            if self.cfg.eval.at_end:
-                summary["eval_end"] = self.run_eval()
-        except KeyboardInterrupt:
-            summary["interrupted"] = True
-        finally:
-            summary["checkpoint"] = str(self.save()) if self.cfg.trainer.steps else None
-            summary["plot"] = str(self.plot())
-            self.logger.close()
+        with self.stop:
+            try:
+                if self.cfg.eval.at_start and self.step == 0:
+                    summary["eval_start"] = self.run_eval()
+                while self.step < self.cfg.trainer.steps:
+                    summary["last"] = self.train_step()
+                    if self._due(self.cfg.eval.every_steps) and self.step < self.cfg.trainer.steps:
+                        self.run_eval()
+                    if self._due(self.cfg.checkpoint.every_steps):
+                        self.save()
+                if self.cfg.eval.at_end:
+                    summary["eval_end"] = self.run_eval()
+            except KeyboardInterrupt:
+                summary["interrupted"] = True
+            finally:
+                summary["checkpoint"] = str(self.save()) if self.cfg.trainer.steps else None
+                summary["plot"] = str(self.plot())
+                self.logger.close()
         return summary
 
     def _due(self, every: int) -> bool:
@@ -139,14 +177,14 @@ class Controller:
         except BaseException:
             self.sampler.load_state_dict(sampler_state)  # the interrupted step is redrawn on resume
             raise
-        with deferred_sigint():
-            train_metrics = self._update(trajs)
-            self.step += 1
+        train_metrics = self._update(trajs)  # a Ctrl-C here is honoured once the update is done
+        self.step += 1
         self._dump_rollouts(trajs)
         row = {**rollout_metrics(trajs, rollout_s), **train_metrics,
                M.STEP_TIME: time.perf_counter() - t0, "policy_version": self.version}
         self.logger.log(self.step, row)
         self._report("step", row)
+        self.stop.check()
         return row
 
     def _dump_rollouts(self, trajs: list[Trajectory]) -> None:
@@ -169,7 +207,7 @@ class Controller:
         specs = self.roles.runner.specs(tasks, r.group_size, prefix=f"s{self.step}", seed=self.cfg.run.seed + self.step * 10_007)
         self._report("rollout_start", {"total": len(specs)})
         t0 = time.perf_counter()
-        trajs = asyncio.run(self.roles.runner.run(specs, self.params(), on_done=lambda t: self._report("episode", {})))
+        trajs = self.stop.run(lambda: self.roles.runner.run(specs, self.params(), on_done=lambda t: self._report("episode", {})))
         return trajs, time.perf_counter() - t0
 
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
@@ -201,7 +239,7 @@ class Controller:
         tasks = self.roles.heldout_tasks[: e.num_tasks]
         self._report("eval_start", {"total": len(tasks) * len(e.seeds)})
         result = evaluate(self.roles.runner, tasks, e.seeds, self.params(e.temperature),
-                          on_done=lambda t: self._report("episode", {}))
+                          on_done=lambda t: self._report("episode", {}), run=self.stop.run)
         self.logger.log(self.step, {k: v for k, v in result.items() if not isinstance(v, list)})
         self._report("eval", result)
         return result

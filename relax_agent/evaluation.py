@@ -29,12 +29,16 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def evaluate(runner: RolloutRunner, tasks: Sequence[dict[str, Any]], seeds: Sequence[int],
-             params: SamplingParams, on_done: Callable[[Trajectory], None] | None = None) -> dict[str, Any]:
-    """Run every task once per seed; returns ``eval/<metric>`` means, ``_std`` over seeds and per-seed values."""
+             params: SamplingParams, on_done: Callable[[Trajectory], None] | None = None,
+             run: Callable[[Callable[[], Any]], Any] = lambda fn: asyncio.run(fn())) -> dict[str, Any]:
+    """Run every task once per seed; returns ``eval/<metric>`` means, ``_std`` over seeds and per-seed values.
+
+    ``run`` drives each seed's coroutine (the controller passes one that Ctrl-C cancels).
+    """
     per_seed: list[dict[str, float]] = []
     for seed in seeds:
         specs = runner.specs(tasks, 1, prefix=f"eval-s{seed}", seed=seed * 100_003)
-        per_seed.append(summarize(asyncio.run(runner.run(specs, params, on_done))))
+        per_seed.append(summarize(run(lambda: runner.run(specs, params, on_done))))
     out: dict[str, Any] = {"eval/num_tasks": len(tasks), "eval/seeds": list(seeds)}
     for key in per_seed[0]:
         vals = [r[key] for r in per_seed]
