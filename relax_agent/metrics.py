@@ -88,19 +88,22 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    colors = {"reward": "tab:blue", "accuracy": "tab:green", "well-formed calls": "tab:orange"}
     for key, label in ((REWARD, "reward"), (ACCURACY, "accuracy"), (FORMAT_RATE, "well-formed calls")):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            axes[0].plot(*zip(*pts), marker=".", label=label)
+            axes[0].plot(*zip(*pts), marker=".", label=label, color=colors[label])
     axes[0].set_title("training rollouts")
-    for key, label in ((EVAL_ACCURACY, "accuracy"), (EVAL_FORMAT_RATE, "well-formed calls"), (EVAL_REWARD, "reward")):
+    for key, label in ((EVAL_REWARD, "reward"), (EVAL_ACCURACY, "accuracy"), (EVAL_FORMAT_RATE, "well-formed calls")):
         pts = [(r["step"], r[key], r.get(key + "_std") or 0.0) for r in rows if r.get(key) is not None]
         if pts:
             s, m, e = zip(*pts)
-            axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label)
+            axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label, color=colors[label])
     axes[1].set_title("held-out evaluation (mean ± std over seeds)")
+    last = max((r["step"] for r in rows), default=1)
     for ax in axes:
+        ax.set_xlim(-0.5, last + 0.5)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
