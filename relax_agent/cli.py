@@ -19,11 +19,25 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
 )
-envs_app = typer.Typer(help="List and inspect registered environments.", no_args_is_help=True)
+envs_app = typer.Typer(help="Registered environments.", no_args_is_help=True)
 app.add_typer(envs_app, name="envs")
 console = Console(stderr=True, soft_wrap=True)
 
-OVERRIDES = typer.Argument(None, help="Dotted overrides, e.g. trainer.lr=1e-6 rollout.group_size=4")
+OVERRIDES = typer.Argument(None, help="Dotted overrides of the config, e.g. rollout.group_size=4 eval.num_tasks=100")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from relax_agent import __version__
+
+        typer.echo(f"relax-agent {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Asynchronous RL post-training for agentic, tool-using language models."""
 
 
 def _fail(exc: RelaxError) -> None:
@@ -58,8 +72,8 @@ def _checkpoint_to_resume(cfg: Any, resume: bool) -> Optional[Path]:
 def train(
     config: Path = typer.Argument(..., help="YAML run config (see examples/)."),
     overrides: Optional[list[str]] = OVERRIDES,
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.output_dir."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
+    resume: bool = typer.Option(False, "--resume", is_flag=True, help="Continue from the latest checkpoint in run.output_dir."),
+    quiet: bool = typer.Option(False, "--quiet", is_flag=True, help="No progress bars."),
 ) -> None:
     """Train a policy with GRPO on a registered environment."""
     from relax_agent.controller import Controller

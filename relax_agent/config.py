@@ -150,8 +150,8 @@ class LoggingConfig(Section):
 class RelaxConfig(Section):
     """The whole run."""
 
-    mode: Literal["colocate", "async"] = "colocate"
-    max_staleness: int = Field(default=0, ge=0)
+    mode: Literal["colocate"] = "colocate"
+    """"colocate": rollout and training take turns on one device, strictly on-policy."""
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -167,10 +167,6 @@ class RelaxConfig(Section):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "RelaxConfig":
-        if self.mode == "colocate" and self.max_staleness != 0:
-            raise ValueError(
-                f"max_staleness={self.max_staleness} needs mode: async; colocate is strictly on-policy"
-            )
         if self.trainer.clip_eps_high < self.trainer.clip_eps_low:
             raise ValueError(
                 f"trainer.clip_eps_high={self.trainer.clip_eps_high} is below "

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from relax_agent.config import RelaxConfig
-from relax_agent.errors import ConfigError
+from relax_agent.errors import ConfigError, RewardServiceError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,15 +33,23 @@ def resolve_device(name: str) -> str:
 
 
 def check_env_id(env_id: str) -> None:
-    """Raise ConfigError (with close matches) when ``env_id`` is not registered."""
+    """Raise ConfigError (with close matches) when ``env_id`` is not registered.
+
+    ``"pkg.module:ns/Name-v0"`` imports ``pkg.module`` first (from the working directory too,
+    as ``python -m`` would), which registers the env.
+    """
     import gymnasium
 
     import relax_agent.envs  # noqa: F401  (registers the built-in envs)
 
     module, _, name = env_id.rpartition(":")
-    if module:  # "pkg.module:ns/Name-v0": gymnasium imports the module, which registers the env
+    if module:
         import importlib
+        import os
+        import sys
 
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             importlib.import_module(module)
         except ImportError as exc:
@@ -54,15 +62,34 @@ def check_env_id(env_id: str) -> None:
     raise ConfigError(f"env.id={env_id!r} is not a registered environment{hint} (see `relax-agent envs list`)")
 
 
+def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
+    """Raise ConfigError naming an ``env.kwargs`` key the env's constructor does not take."""
+    import inspect
+
+    import gymnasium
+    from gymnasium.envs.registration import load_env_creator
+
+    spec = gymnasium.spec(env_id.rpartition(":")[2])
+    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    params = inspect.signature(creator).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; {env_id} takes {sorted(accepted)}"
+            raise ConfigError(f"env.kwargs.{key}: unknown argument of {env_id}{hint}")
+
+
 def preflight(cfg: RelaxConfig) -> str:
     """Checks that need no model: parser name, env id, device, dtype per device. Returns the device."""
     from relax_agent.rollout.parsers import build_parser
 
     build_parser(cfg.rollout.tool_parser)
     check_env_id(cfg.env.id)
+    check_env_kwargs(cfg.env.id, cfg.env.kwargs)
     device = resolve_device(cfg.run.device)
-    if cfg.mode != "colocate":
-        raise ConfigError(f"mode={cfg.mode!r} is not available in this version; use mode: colocate")
     if device == "cpu" and cfg.engine.dtype == "fp16":
         raise ConfigError("engine.dtype=fp16 is not supported on cpu (half-precision matmuls are missing or very slow); use fp32 or bf16")
     return device
@@ -140,6 +167,10 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     return Roles(cfg, device, model, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks)
 
 
+REWARD_STARTUP_TIMEOUT_S = 15.0
+"""How long the start-up check waits for a remote reward service (it may still be starting)."""
+
+
 def build_checked_reward(cfg: RelaxConfig) -> Any:
     """The configured reward, checked once (a wrong URL or token fails here); None for the env's own."""
     import asyncio
@@ -150,7 +181,14 @@ def build_checked_reward(cfg: RelaxConfig) -> Any:
     if not needs_scoring(cfg.reward):
         return None
     reward = build_reward(cfg.reward)
-    asyncio.run(check_reward(reward))
+    try:
+        asyncio.run(asyncio.wait_for(check_reward(reward), REWARD_STARTUP_TIMEOUT_S))
+    except asyncio.TimeoutError:
+        urls = [c.url for c in cfg.reward.components if c.source == "remote"]
+        raise RewardServiceError(
+            f"reward service {', '.join(map(str, urls))} did not answer its start-up check within "
+            f"{REWARD_STARTUP_TIMEOUT_S:.0f} s; is it running? (reward.url)"
+        ) from None
     return reward
 
 

@@ -26,7 +26,7 @@ class Runtime(str, Enum):
 def serve_reward(
     target: Annotated[str, typer.Argument(help="The reward function: module:function or path/to/file.py:function.")],
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8001,
+    port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8001,
     workers: Annotated[int, typer.Option(help="uvicorn worker processes (--runtime local).")] = 1,
     token_env: Annotated[Optional[str], typer.Option(help="Environment variable holding the bearer token clients must send.")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Deadline per item, seconds (per call for a batched function).")] = 30.0,

@@ -89,8 +89,14 @@ class BFCLEnv(TextEnv):
         """
         if self.task is None or self._done:
             raise EnvError("BFCLEnv.step() needs a fresh episode: call reset() first")
-        if not isinstance(action, dict):
-            raise EnvError(f"action must be an assistant message dict, got {type(action).__name__}")
+        if not isinstance(action, dict) or action.get("role", "assistant") != "assistant":
+            got = type(action).__name__ if not isinstance(action, dict) else f"role {action.get('role')!r}"
+            raise EnvError(f"action must be an assistant message dict, got {got}")
+        if not isinstance(action.get("tool_calls") or [], list):
+            raise EnvError(
+                "action['tool_calls'] must be a list of {'type': 'function', 'function': {'name', 'arguments'}}, "
+                f"got {type(action['tool_calls']).__name__}"
+            )
         self._done = True
         calls = calls_from_message(action)
         result = check_calls(calls, self.task)
@@ -106,12 +112,13 @@ class BFCLEnv(TextEnv):
 def calls_from_message(message: dict[str, Any]) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` as ``[{"name", "arguments"}]``.
 
-    ``arguments`` may be a dict or a JSON string; a string that does not parse is kept as
-    is, which the checker judges not well-formed.
+    Entries are OpenAI-format (``{"type": "function", "function": {...}}``) or flat
+    ``{"name", "arguments"}``. ``arguments`` may be a dict or a JSON string; a string that
+    does not parse is kept as is, which the checker judges not well-formed.
     """
     calls = []
     for tool_call in message.get("tool_calls") or []:
-        function = tool_call.get("function") if isinstance(tool_call, dict) else None
+        function = tool_call.get("function", tool_call) if isinstance(tool_call, dict) else None
         function = function if isinstance(function, dict) else {}
         arguments = function.get("arguments")
         if isinstance(arguments, str):

@@ -192,3 +192,21 @@ def test_calls_from_message():
         {"name": "c", "arguments": "not json"},
     ]
     assert calls_from_message({"role": "assistant", "content": "hi"}) == []
+
+
+def test_badly_shaped_actions_are_refused_or_read_leniently():
+    import gymnasium
+
+    import relax_agent.envs  # noqa: F401
+    from relax_agent.envs.bfcl.env import calls_from_message
+    from relax_agent.errors import EnvError
+
+    env = gymnasium.make("relax/BFCL-simple-v0")
+    env.reset(seed=0)
+    with pytest.raises(EnvError, match="must be a list"):
+        env.step({"role": "assistant", "content": "", "tool_calls": "junk"})
+    env.reset(seed=0)
+    with pytest.raises(EnvError, match="role 'user'"):
+        env.step({"role": "user", "content": "hi"})
+    flat = {"role": "assistant", "tool_calls": [{"name": "f", "arguments": '{"a": 1}'}]}
+    assert calls_from_message(flat) == [{"name": "f", "arguments": {"a": 1}}]
