@@ -1,6 +1,7 @@
 """A custom reward function, ready to serve with ``relax-agent serve-reward``.
 
-The policy must end its answer with ``Answer: <value>``; the reward is 1 for the right
+The policy must end its answer with ``Answer: <value>``; ``ground_truth`` is the value, or a
+task dict holding it under ``"answer"`` (what training sends); the reward is 1 for the right
 value, 0 for a wrong or missing one, minus 0.1 for an answer longer than
 ``metadata["max_chars"]`` (default 2000 characters).
 """
@@ -19,7 +20,8 @@ def score(item: RewardItem) -> dict:
     text = item.response_text()
     found = _ANSWER.findall(text)
     answer = found[-1].strip().rstrip(".") if found else None
-    correct = answer is not None and answer.lower() == str(item.ground_truth).strip().lower()
+    truth = item.ground_truth.get("answer") if isinstance(item.ground_truth, dict) else item.ground_truth
+    correct = answer is not None and answer.lower() == str(truth).strip().lower()
     too_long = len(text) > int(item.metadata.get("max_chars", 2000))
     return {
         "reward": float(correct) - 0.1 * too_long,

@@ -60,6 +60,13 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-def test_example_configs_validate():
-    for name in ("examples/bfcl.yaml", "examples/tiny.yaml"):
-        load_config(name)
+def test_every_example_config_passes_preflight():
+    from pathlib import Path
+
+    from relax_agent.roles import preflight
+
+    repo = Path(__file__).resolve().parents[2]
+    configs = sorted(repo.glob("examples/**/*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        preflight(load_config(path))
