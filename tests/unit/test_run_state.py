@@ -1,0 +1,59 @@
+"""Task order, checkpoints and metrics files: the parts of a run that make resume exact."""
+
+import json
+
+import pytest
+
+from relax_agent.checkpoint import CheckpointManager, resolve
+from relax_agent.errors import CheckpointError, DataError
+from relax_agent.metrics import MetricsLogger, plot_curves, read_metrics
+from relax_agent.sampler import TaskSampler
+
+
+def test_sampler_is_a_seeded_permutation_per_epoch_and_resumes_exactly():
+    s = TaskSampler(5, seed=3)
+    first = s.next(3) + s.next(3)  # crosses into epoch 1
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4] and s.epoch == 1 and s.offset == 1
+    state = s.state_dict()
+    expected = s.next(7)
+    t = TaskSampler(5, seed=3)
+    t.load_state_dict(state)
+    assert t.next(7) == expected
+    assert TaskSampler(5, seed=4).next(5) != TaskSampler(5, seed=3).next(5)
+
+
+def test_sampler_refuses_empty_data_and_a_different_dataset():
+    with pytest.raises(DataError):
+        TaskSampler(0, seed=0)
+    with pytest.raises(CheckpointError, match="5 tasks, this run has 6"):
+        TaskSampler(6, 0).load_state_dict(TaskSampler(5, 0).state_dict())
+
+
+class _Saveable:
+    def save_pretrained(self, path, **_):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "weights.txt").write_text("w")
+
+
+def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        m.save(step, _Saveable(), _Saveable(), {"opt": step}, {"policy_version": step}, "a: 1\n")
+    assert [p.name for p in m.all()] == ["step_000002", "step_000003"]
+    (tmp_path / "checkpoints" / ".step_000004.tmp").mkdir()  # a crash mid-save
+    (tmp_path / "checkpoints" / "step_000005").mkdir()        # no state.json: incomplete
+    assert resolve(tmp_path).name == "step_000003"
+    assert json.loads((resolve(tmp_path) / "state.json").read_text()) == {"step": 3, "policy_version": 3}
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resolve(tmp_path / "nowhere")
+
+
+def test_metrics_keep_the_last_row_per_step_and_plot(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log(0, {"eval/accuracy": 0.1, "eval/accuracy_std": 0.01})
+    log.log(1, {"rollout/reward": 0.5, "bad": float("nan")})
+    log.log(1, {"rollout/reward": 0.7})  # the step redone after a resume
+    log.log(2, {"rollout/reward": 0.9})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r.get("rollout/reward")) for r in rows] == [(0, None), (1, 0.7), (2, 0.9)]
+    assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "p.png").stat().st_size > 5000
