@@ -98,6 +98,8 @@ def test_run_sync_returns_raises_and_refuses_its_own_loop():
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs the main thread")
 def test_ctrl_c_during_run_sync_cancels_and_cleans_up():
+    # Python's own SIGINT handler, whatever earlier tests (Ray, uvicorn) installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     closed = threading.Event()
 
     async def episode():
@@ -111,8 +113,11 @@ def test_ctrl_c_during_run_sync_cancels_and_cleans_up():
     timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        run_sync(episode())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_sync(episode())
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert closed.wait(5) and time.monotonic() - t0 < 5
 
 
