@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -61,7 +62,13 @@ class RolloutRunner:
 
     async def run(self, specs: Sequence[EpisodeSpec], params: SamplingParams,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        """Play every spec concurrently; results come back in spec order."""
+        """Play every spec concurrently; results come back in spec order.
+
+        Synchronous env calls run in worker threads, one per episode (asyncio's default pool
+        has only ``cpu_count + 4`` threads, which would serialize slow tool calls).
+        """
+        workers = min(256, max(8, len(specs)))
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(workers, thread_name_prefix="env"))
 
         async def one(spec: EpisodeSpec) -> Trajectory:
             env = await asyncio.to_thread(self.make_env)

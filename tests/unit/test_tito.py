@@ -157,3 +157,24 @@ def test_hanging_env_times_out_without_blocking(tokenizer):
     traj = asyncio.run(run_episode(Slow(), spec, ScriptedEngine(tokenizer, ["x"]), ChatRenderer(tokenizer),
                                    HermesParser(), SamplingParams(8)))
     assert traj.reward_status == "timeout" and "step_timeout_s=0.2" in traj.error
+
+
+def test_slow_sync_envs_do_not_serialize(tokenizer):
+    import time
+
+    from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
+
+    class SlowStep(EchoToolEnv):
+        def step(self, action):
+            time.sleep(0.5)
+            return [], 1.0, True, False, {}
+
+    texts = ["x"] * 32
+    runner = RolloutRunner(SlowStep, ScriptedEngine(tokenizer, texts), ChatRenderer(tokenizer), HermesParser(),
+                           RolloutLimits(max_turns=1))
+    specs = runner.specs([{"id": f"t{i}", "question": "q"} for i in range(4)], 8, prefix="s", seed=0)
+    t0 = time.perf_counter()
+    trajs = asyncio.run(runner.run(specs, SamplingParams(8)))
+    assert len(trajs) == 32 and all(t.reward == 1.0 for t in trajs)
+    # 32 half-second steps: ~0.5 s when they overlap, >= 2.7 s through a 6-thread default pool
+    assert time.perf_counter() - t0 < 2.0
