@@ -50,14 +50,23 @@ def _call(index: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes / Qwen style).
 
-    The JSON object right after ``<tool_call>`` is decoded on its own, so a call whose closing
-    tag is missing (the turn ended, or the model rambled on) still parses when its JSON is
-    complete. ``arguments`` may be an object or a JSON string holding one; ``parameters`` is
-    accepted as an alias.
+    The JSON object right after ``<tool_call>`` is decoded on its own. ``arguments`` may be an
+    object or a JSON string holding one; ``parameters`` is accepted as an alias.
+
+    Args:
+        strict: when False (``"hermes"``), a complete JSON object is a call even if junk
+            follows it instead of ``</tool_call>`` (the junk is kept as content): a weak policy
+            gets credit for the call itself. When True (``"hermes_strict"``), only whitespace
+            and then ``</tool_call>`` (or the end of the turn) may follow the object; anything
+            else makes the block a parse error. A policy trained with the lenient parser can
+            learn to emit junk after its calls: evaluate with the strict one to see it.
     """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _decoder = json.JSONDecoder()
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
 
     def parse(self, text: str) -> ParsedAction:
         calls: list[dict[str, Any]] = []
@@ -88,6 +97,8 @@ class HermesParser:
         rest = text[stop:]
         if rest.lstrip().startswith(self.CLOSE):
             end = stop + (len(rest) - len(rest.lstrip())) + len(self.CLOSE)
+        elif self.strict and rest.strip():
+            return None, f"tool call JSON is followed by {rest.strip()[:40]!r} instead of {self.CLOSE}", end
         elif close == -1 or text[stop:close].strip():
             end = stop  # no closing tag right after the object: keep what follows as content
         call, error = self._to_call(obj, index)
@@ -108,7 +119,10 @@ class HermesParser:
         return _call(index, obj["name"], args), ""
 
 
-_PARSERS: dict[str, Callable[[], ToolCallParser]] = {"hermes": HermesParser}
+_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
+    "hermes": HermesParser,
+    "hermes_strict": lambda: HermesParser(strict=True),
+}
 
 
 def register_parser(name: str, factory: Callable[[], ToolCallParser]) -> None:

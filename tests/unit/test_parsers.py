@@ -48,3 +48,13 @@ def test_complete_json_without_closing_tag_parses_and_keeps_the_rest_as_content(
 def test_truncated_json_is_an_error():
     p = HermesParser().parse('<tool_call>{"name": "f", "arguments": {"x": ')
     assert p.tool_calls == () and len(p.errors) == 1
+
+
+def test_strict_mode_refuses_junk_after_the_call():
+    junk = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}}}}}</tool_call}'
+    assert [c["function"]["name"] for c in HermesParser().parse(junk).tool_calls] == ["f"]
+    strict = build_parser("hermes_strict").parse(junk)
+    assert strict.tool_calls == () and "instead of </tool_call>" in strict.errors[0]
+    clean = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert len(build_parser("hermes_strict").parse(clean).tool_calls) == 1
+    assert len(build_parser("hermes_strict").parse('<tool_call>{"name": "f", "arguments": {}}  ').tool_calls) == 1
