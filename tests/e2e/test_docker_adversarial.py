@@ -237,7 +237,11 @@ TRAINER = textwrap.dedent("""
 
 
 def _start_trainer(ttl_s: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(ttl_s)], stdout=subprocess.PIPE, text=True)
+    # A job started in the background (nohup, `cmd &`) inherits SIGINT as ignored; a user's
+    # trainer in a terminal has Python's default handler, which is what this test is about.
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(ttl_s)], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=restore_sigint)
     cid = proc.stdout.readline().strip()
     assert cid, "trainer did not start a sandbox"
     time.sleep(0.5)  # mid-episode: the exec is running
