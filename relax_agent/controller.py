@@ -17,8 +17,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-import torch
-
 from relax_agent import metrics as M
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
@@ -211,16 +209,12 @@ class Controller:
         return trajs, time.perf_counter() - t0
 
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        from relax_agent.train.algorithms import group_advantages
-        from relax_agent.train.batch import collate
+        from relax_agent.train.batch import collate, trajectory_advantages
 
-        groups = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
-        rewards = torch.tensor([t.reward if t.trainable else 0.0 for t in trajs], dtype=torch.float32)
-        index = torch.tensor([groups[t.group_id] for t in trajs])
-        valid = torch.tensor([t.trainable and t.num_policy_tokens > 0 for t in trajs])
-        adv = group_advantages(rewards, index, valid, std_normalize=self.cfg.trainer.adv_std_normalize)
-        keep = [i for i in range(len(trajs)) if bool(valid[i]) and float(adv[i]) != 0.0]
-        out = {"train/samples": float(len(keep)), "train/zero_advantage": float(int(valid.sum()) - len(keep))}
+        adv = trajectory_advantages(trajs, std_normalize=self.cfg.trainer.adv_std_normalize)
+        keep = [i for i, t in enumerate(trajs) if t.trainable and float(adv[i]) != 0.0]
+        n_valid = sum(t.trainable for t in trajs)
+        out = {"train/samples": float(len(keep)), "train/zero_advantage": float(n_valid - len(keep))}
         if not keep:
             return out  # every group was uniform: no gradient, no new version
         batch = collate([trajs[i] for i in keep], adv[keep], self.roles.tokenizer.pad_token_id)
