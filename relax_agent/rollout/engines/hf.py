@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from relax_agent.config import EngineConfig, ModelConfig
+from relax_agent.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.rollout.engines.base import Generation, SamplingParams
 
@@ -168,7 +168,7 @@ class HFEngine:
         for prompt, p in zip(prompts, per_prompt):
             fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
             futures.append(fut)
-            self._submit(list(prompt), p, lambda r, f=fut: _resolve_sync(f, r))
+            self._submit(list(prompt), p, lambda r, f=fut: _resolve(f, r))
         return [f.result() for f in futures]
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
@@ -451,25 +451,8 @@ def default_stop_ids(tokenizer: Any) -> list[int]:
     return sorted(set(ids))
 
 
-def build_hf_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig, device: str = "cpu",
-                    seed: int = 0) -> HFEngine:
-    """Load the policy in ``engine_cfg.dtype`` on ``device`` and wrap it in an :class:`HFEngine`."""
-    from relax_agent.models import load_policy
-
-    model, tokenizer = load_policy(model_cfg, dtype=engine_cfg.dtype, device=device)
-    return HFEngine(model, tokenizer, engine_cfg, device=device, seed=seed)
-
-
-def _resolve(fut: asyncio.Future[Generation], result: Generation | BaseException) -> None:
-    if fut.done():
-        return
-    if isinstance(result, BaseException):
-        fut.set_exception(result)
-    else:
-        fut.set_result(result)
-
-
-def _resolve_sync(fut: concurrent.futures.Future[Generation], result: Generation | BaseException) -> None:
+def _resolve(fut: asyncio.Future[Generation] | concurrent.futures.Future[Generation],
+             result: Generation | BaseException) -> None:
     if fut.done():
         return
     if isinstance(result, BaseException):
