@@ -8,24 +8,50 @@ import numpy as np
 from gymnasium import spaces
 
 _ROLES = ("system", "user", "assistant", "tool")
+CONTENT_PART_TYPES = ("text", "image_url", "image", "input_audio", "audio", "video_url", "video", "file")
+"""Content-part ``type`` values accepted in a message's ``content`` list (OpenAI's, plus the
+``image``/``audio``/``video`` parts of Hugging Face chat templates)."""
+
+
+def _valid_part(part: Any) -> bool:
+    if not isinstance(part, dict) or part.get("type") not in CONTENT_PART_TYPES:
+        return False
+    kind = part["type"]
+    if kind == "text":
+        return isinstance(part.get("text"), str)
+    if kind in ("image_url", "video_url"):
+        ref = part.get(kind)
+        return isinstance(ref, str) or (isinstance(ref, dict) and isinstance(ref.get("url"), str))
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        return isinstance(audio, dict) and isinstance(audio.get("data"), str)
+    return True
 
 
 def _valid_content(content: Any) -> bool:
     if content is None or isinstance(content, str):
         return True
-    if isinstance(content, list):
-        return all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
-    return False
+    return isinstance(content, list) and all(_valid_part(p) for p in content)
+
+
+def _valid_call(call: Any) -> bool:
+    """An OpenAI tool call ``{"id", "type", "function": {"name", "arguments"}}`` or a flat ``{"name", "arguments"}``."""
+    if not isinstance(call, dict):
+        return False
+    function = call.get("function", call)
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def is_message(msg: Any) -> bool:
-    """True when ``msg`` is one OpenAI-format chat message."""
+    """True when ``msg`` is one OpenAI-format chat message: a known ``role``, ``content`` that is
+    None, a string or a list of content parts (:data:`CONTENT_PART_TYPES`), and ``tool_calls``
+    (if any) a list of tool calls."""
     if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
         return False
     if not _valid_content(msg.get("content")):
         return False
     calls = msg.get("tool_calls")
-    return calls is None or (isinstance(calls, list) and all(isinstance(c, dict) for c in calls))
+    return calls is None or (isinstance(calls, list) and all(_valid_call(c) for c in calls))
 
 
 class MessageSpace(spaces.Space):
