@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from relax_agent.configbase import Section
 from relax_agent.errors import ConfigError
+from relax_agent.moe.config import MoEConfig
 from relax_agent.reward_services.config import RewardConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -118,6 +119,14 @@ class TrainerConfig(Section):
     adv_std_normalize: bool = True
     """Divide group-centred rewards by the group std (GRPO); False gives Dr. GRPO."""
     freeze_embeddings: bool = False
+    off_policy: Literal["none", "tis"] = "none"
+    """Correction for samples the trainer's policy did not generate (stale async samples,
+    train/rollout kernel mismatch). "none": the PPO ratio is taken against the rollout
+    log-probs. "tis": truncated importance sampling (Yao et al. 2025): the PPO ratio is taken
+    against the trainer's own pre-update log-probs and each token's loss is weighted by
+    ``min(pi_old / pi_rollout, tis_cap)`` (see ``relax_agent.train.algorithms.tis_weights``)."""
+    tis_cap: float = Field(default=2.0, ge=1.0)
+    """Upper bound C of the truncated importance weight (``off_policy: tis``)."""
 
 
 class EvalConfig(Section):
@@ -150,8 +159,14 @@ class LoggingConfig(Section):
 class RelaxConfig(Section):
     """The whole run."""
 
-    mode: Literal["colocate"] = "colocate"
-    """"colocate": rollout and training take turns on one device, strictly on-policy."""
+    mode: Literal["colocate", "async"] = "colocate"
+    """"colocate": rollout and training take turns, strictly on-policy. "async": rollout
+    producers and the trainer run at the same time and meet in the TransferQueue; with
+    ``max_staleness: 0`` still exactly on-policy, with ``k > 0`` fully asynchronous."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Most policy versions a trained sample may lag the trainer (async mode): a rollout group
+    starts only while ``trainer_version - sample_version <= max_staleness``; it also sizes the
+    TransferQueue (``tasks_per_step x (max_staleness + 1) x group_size`` rows)."""
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -161,6 +176,8 @@ class RelaxConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
+    """Mixture-of-experts policies: routing replay (R3) on or off (see ``relax_agent.moe.config``)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -171,6 +188,11 @@ class RelaxConfig(Section):
             raise ValueError(
                 f"trainer.clip_eps_high={self.trainer.clip_eps_high} is below "
                 f"trainer.clip_eps_low={self.trainer.clip_eps_low}"
+            )
+        if self.max_staleness > 0 and self.mode == "colocate":
+            raise ValueError(
+                f"max_staleness={self.max_staleness} needs mode=async (mode=colocate is always "
+                "on-policy); set mode=async or max_staleness=0"
             )
         if self.rollout.max_new_tokens >= self.rollout.max_total_tokens:
             raise ValueError(

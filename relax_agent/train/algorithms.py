@@ -12,6 +12,9 @@ Sources:
     DAPO: Yu et al., arXiv 2503.14476 (clip-higher, token-level mean).
     PPO: Schulman et al., arXiv 1707.06347. k3: J. Schulman, "Approximating KL Divergence"
     (2020 blog note).
+    TIS: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training" (2025 blog post, fengyao.notion.site/off-policy-rl): truncated importance
+    sampling against the rollout engine's log-probs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ MISMATCH_ABS_DIFF_MEAN = "mismatch/abs_logprob_diff_mean"
 MISMATCH_ABS_DIFF_MAX = "mismatch/abs_logprob_diff_max"
 MISMATCH_FRAC_GT_LN2 = "mismatch/frac_abs_diff_gt_ln2"
 MISMATCH_FRAC_GT_LN5 = "mismatch/frac_abs_diff_gt_ln5"
+IW_MEAN = "off_policy/iw_mean"
+IW_MAX = "off_policy/iw_max"
+IW_CLIPPED_FRAC = "off_policy/iw_clipped_frac"
 
 _K3_MAX_DELTA = 20.0
 """Log-ratios above this are clamped in :func:`k3_kl` so exp() stays finite (exp(20) ≈ 4.9e8)."""
@@ -186,6 +192,7 @@ def ppo_clip_loss(
     clip_eps_high: float,
     agg: LossAgg = "token_mean",
     normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss with asymmetric clipping, per token, aggregated over the batch.
 
@@ -210,6 +217,8 @@ def ppo_clip_loss(
         clip_eps_high: ratio upper bound is ``1 + clip_eps_high``.
         agg: "token_mean" (DAPO) or "seq_mean" (GRPO).
         normalizer: global denominator (see above); None: this batch is the whole batch.
+        token_weights: optional [B, T] constant per-token weights (no gradient) multiplying
+            each token's loss, e.g. truncated importance weights from :func:`tis_weights`.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss, and detached 0-dim tensors, each a mean over
@@ -236,6 +245,10 @@ def ppo_clip_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        if token_weights.shape != logprobs.shape:
+            raise DataError(f"token_weights must be [B, T]={tuple(logprobs.shape)}; got {tuple(token_weights.shape)}")
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     loss = masked_aggregate(per_token, mask, agg, normalizer)
     with torch.no_grad():
         metrics = {
@@ -326,3 +339,55 @@ def mismatch_metrics(
         MISMATCH_FRAC_GT_LN2: float((abs_diff > math.log(2.0)).double().mean()),
         MISMATCH_FRAC_GT_LN5: float((abs_diff > math.log(5.0)).double().mean()),
     }
+
+
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` per token, without gradient.
+
+    The rollout engine samples from ``pi_rollout`` (an older policy version in async mode,
+    and other kernels / dtypes even when on-policy); the PPO ratio is then taken against
+    ``pi_old``, the trainer's own log-probs of the same tokens before the update, and each
+    token's loss is weighted by this truncated ratio (TIS, Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). Truncation at
+    ``cap`` bounds the variance; it biases towards ``pi_rollout`` only on the truncated tokens.
+
+    Args:
+        old_logprobs: [B, T] trainer log-probs before the update (detached).
+        rollout_logprobs: [B, T] log-probs the rollout engine reported for the same tokens.
+        cap: truncation C >= 1.
+
+    Returns:
+        [B, T] weights in (0, cap], float32 at least; positions off the loss mask carry
+        meaningless values (mask them).
+
+    Raises:
+        DataError: shapes disagree or ``cap`` < 1.
+    """
+    if old_logprobs.shape != rollout_logprobs.shape:
+        raise DataError(f"old_logprobs and rollout_logprobs must share one shape; got "
+                        f"{tuple(old_logprobs.shape)} and {tuple(rollout_logprobs.shape)}")
+    if not cap >= 1.0:
+        raise DataError(f"the TIS cap must be >= 1; got {cap}")
+    dtype = torch.promote_types(old_logprobs.dtype, torch.float32)
+    log_w = old_logprobs.detach().to(dtype) - rollout_logprobs.detach().to(dtype)
+    return torch.exp(log_w.clamp(max=math.log(cap)))
+
+
+def importance_weight_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> dict[str, float]:
+    """Stats of the per-token importance weights ``pi_old / pi_rollout`` (before truncation).
+
+    Args:
+        old_logprobs, rollout_logprobs: [N] log-probs of the N policy tokens of a step.
+        cap: the TIS truncation C.
+
+    Returns:
+        :data:`IW_MEAN` and :data:`IW_MAX` of the untruncated weights, and
+        :data:`IW_CLIPPED_FRAC`, the fraction of tokens whose weight exceeds ``cap``. All
+        0.0 when N is 0.
+    """
+    if old_logprobs.numel() == 0:
+        return {IW_MEAN: 0.0, IW_MAX: 0.0, IW_CLIPPED_FRAC: 0.0}
+    log_w = old_logprobs.detach().double() - rollout_logprobs.detach().double()
+    w = torch.exp(log_w.clamp(max=_K3_MAX_DELTA))
+    return {IW_MEAN: float(w.mean()), IW_MAX: float(w.max()),
+            IW_CLIPPED_FRAC: float((log_w > math.log(cap)).double().mean())}

@@ -26,11 +26,13 @@ from relax_agent.train.algorithms import (
     APPROX_KL,
     CLIP_FRAC,
     RATIO_MEAN,
+    importance_weight_metrics,
     k3_kl,
     loss_normalizer,
     masked_aggregate,
     mismatch_metrics,
     ppo_clip_loss,
+    tis_weights,
 )
 from relax_agent.train.batch import TrainBatch
 
@@ -257,7 +259,8 @@ class TorchTrainer:
         ``train/grad_norm`` (before clipping), ``train/clip_frac``, ``train/ratio_mean``,
         ``train/approx_kl``, ``train/entropy`` (per-token means over policy tokens),
         ``mismatch/*`` (trainer vs rollout log-probs, pre-update; see
-        :func:`~relax_agent.train.algorithms.mismatch_metrics`), ``train/lr`` (the lr of
+        :func:`~relax_agent.train.algorithms.mismatch_metrics`), ``off_policy/iw_*`` (importance
+        weights pi_old / pi_rollout: mean, max, fraction above ``tis_cap``), ``train/lr`` (the lr of
         this update), ``train/tokens``, ``train/policy_tokens``, ``train/sequences``,
         ``train/skipped_step`` (1 when gradients were non-finite and no update was made),
         ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``.
@@ -316,9 +319,12 @@ class TorchTrainer:
         cfg = self.cfg
         with self._autocast():
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+        old, weights = mb.rollout_logprobs, None
+        if cfg.off_policy == "tis":  # ratio against the pre-update policy, TIS weight against the rollout
+            old, weights = logprobs.detach(), tis_weights(logprobs.detach(), mb.rollout_logprobs, cfg.tis_cap)
         loss, pg_metrics = ppo_clip_loss(
-            logprobs, mb.rollout_logprobs, mb.advantages, mb.loss_mask,
-            cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg, normalizer,
+            logprobs, old, mb.advantages, mb.loss_mask,
+            cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg, normalizer, token_weights=weights,
         )
         mask = mb.loss_mask.bool()
         n_policy = mask.sum()
@@ -348,6 +354,7 @@ class TorchTrainer:
             out[key] = totals.get(key, n_policy)
         train_lp, rollout_lp = torch.cat(totals.train_lp), torch.cat(totals.rollout_lp)
         out.update(mismatch_metrics(train_lp, rollout_lp, torch.ones_like(train_lp, dtype=torch.bool)))
+        out.update(importance_weight_metrics(train_lp, rollout_lp, self.cfg.tis_cap))
         out.update({TOKENS: float(batch.num_tokens), POLICY_TOKENS: n_policy, SEQUENCES: float(batch.size)})
         return out
 
