@@ -38,8 +38,11 @@ def test_out_of_range_value():
 
 
 def test_impossible_combinations():
+    with pytest.raises(ConfigError, match="max_staleness=2 needs mode=async"):
+        load_config(None, ["max_staleness=2"])
+    assert load_config(None, ["mode=async", "max_staleness=2"]).max_staleness == 2
     with pytest.raises(ConfigError, match="mode"):
-        load_config(None, ["mode=async"])
+        load_config(None, ["mode=disaggregated"])
     with pytest.raises(ConfigError, match="clip_eps_high"):
         load_config(None, ["trainer.clip_eps_low=0.3", "trainer.clip_eps_high=0.1"])
     with pytest.raises(ConfigError, match="max_new_tokens"):
