@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from relax_agent.rollout import rewarding
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
-from relax_agent.rollout.orchestrator import EpisodeSpec, run_episode
+from relax_agent.envs.tool_env import call_in_thread
+from relax_agent.rollout.orchestrator import EpisodeSpec, failed_episode, run_episode
 from relax_agent.rollout.parsers import ToolCallParser
 from relax_agent.rollout.trajectory import Trajectory
 
@@ -64,15 +64,19 @@ class RolloutRunner:
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """Play every spec concurrently; results come back in spec order.
 
-        Synchronous env calls run in worker threads, one per episode (asyncio's default pool
-        has only ``cpu_count + 4`` threads, which would serialize slow tool calls).
+        Every spec yields exactly one trajectory: an env that cannot be built (raises, or takes
+        longer than ``step_timeout_s``) gives a failed record with the cause, like a failing step.
+        Synchronous env calls (building included) run in a daemon thread each, so slow tools
+        overlap and a hung one cannot hold up the run (see :mod:`relax_agent.rollout.orchestrator`).
         """
-        workers = min(256, max(8, len(specs)))
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(workers, thread_name_prefix="env"))
 
         async def one(spec: EpisodeSpec) -> Trajectory:
-            env = await asyncio.to_thread(self.make_env)
-            traj = await run_episode(env, spec, self.engine, self.renderer, self.parser, params)
+            try:
+                env = await asyncio.wait_for(call_in_thread(self.make_env), spec.step_timeout_s)
+            except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
+                traj = failed_episode(spec, exc, during="make_env")
+            else:
+                traj = await run_episode(env, spec, self.engine, self.renderer, self.parser, params)
             if self.reward is not None:
                 traj = await rewarding.score(self.reward, traj, spec.task, self.env_id)
             if on_done is not None:
