@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 RewardStatus = Literal["ok", "error", "timeout"]
 """ok: the reward is real (0 can be a wrong answer); error/timeout: the reward could not be
 obtained; the sample is masked out of the policy gradient and counted."""
@@ -26,6 +28,8 @@ class Turn:
         logprobs: [n] log-prob of each sampled token under the rollout policy.
         policy_version: weights version that sampled this turn.
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_new_tokens).
+        routed_experts: MoE routing replay only: [n, layers, top_k] uint8/int16 experts chosen,
+            per MoE layer, by the forward pass that scored each sampled token; None otherwise.
     """
 
     start: int
@@ -33,6 +37,7 @@ class Turn:
     logprobs: tuple[float, ...]
     policy_version: int
     finish_reason: str
+    routed_experts: Any = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,9 @@ class Trajectory:
         stop_reason: why the episode ended: "terminated", "truncated", "max_turns",
             "max_total_tokens", "env_error".
         error: cause when the episode failed (env exception, bad return); None otherwise.
-        routed_experts: optional [T, layers, top_k] expert indices (MoE routing replay).
+
+    MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
+    assemble the turns' routes at the turns' token positions.
     """
 
     sample_id: str
@@ -72,7 +79,6 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: str = "terminated"
     error: str | None = None
-    routed_experts: Any = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -91,3 +97,24 @@ class Trajectory:
     @property
     def policy_versions(self) -> tuple[int, ...]:
         return tuple(t.policy_version for t in self.turns)
+
+    @property
+    def routes_mask(self) -> np.ndarray:
+        """[T] bool, True on the tokens of turns that carry ``routed_experts``."""
+        mask = np.zeros(len(self.token_ids), dtype=bool)
+        for turn in self.turns:
+            if turn.routed_experts is not None:
+                mask[turn.start:turn.start + len(turn.token_ids)] = True
+        return mask
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        """[T, layers, top_k] the turns' routes at their token positions, 0 elsewhere; None without routes."""
+        routed = [t for t in self.turns if t.routed_experts is not None]
+        if not routed:
+            return None
+        first = np.asarray(routed[0].routed_experts)
+        out = np.zeros((len(self.token_ids), *first.shape[1:]), dtype=first.dtype)
+        for turn in routed:
+            out[turn.start:turn.start + len(turn.token_ids)] = turn.routed_experts
+        return out
