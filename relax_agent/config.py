@@ -21,6 +21,7 @@ from relax_agent.configbase import Section
 from relax_agent.errors import ConfigError
 from relax_agent.moe.config import MoEConfig
 from relax_agent.reward_services.config import RewardConfig
+from relax_agent.weights.config import WeightSyncConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -178,6 +179,8 @@ class RelaxConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)
     """Mixture-of-experts policies: routing replay (R3) on or off (see ``relax_agent.moe.config``)."""
+    weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """How new policy versions reach the rollout engines: inproc, tcp or nccl (see ``relax_agent.weights.config``)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

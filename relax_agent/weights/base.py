@@ -1,0 +1,49 @@
+"""The transport protocol: one implementation per file (inproc, tcp, nccl).
+
+A version goes through three calls:
+
+1. ``Sender.stage(state_dict, version)`` on the publisher: make the bytes fetchable (or
+   ready to send) and return the :class:`VersionMeta` (layout, checksums, address);
+2. the coordinator commits that meta; ``Sender.send(meta)`` then pushes it where the
+   transport pushes (nccl broadcasts; tcp and inproc serve on demand);
+3. ``Receiver.receive(meta)`` on each subscriber returns name -> tensor for the version,
+   without touching the engine (applying is :class:`~relax_agent.weights.subscriber.EngineSubscriber`'s job).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import torch
+
+from relax_agent.weights.meta import VersionMeta
+
+
+class Sender(Protocol):
+    """Publisher side of a transport."""
+
+    @property
+    def address(self) -> str | None:
+        """Where subscribers fetch bytes ("host:port"), or None when nothing is served."""
+        ...
+
+    def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
+        """Make ``version`` fetchable; returns its metadata. Raises ``WeightSyncError``."""
+        ...
+
+    def send(self, meta: VersionMeta) -> None:
+        """Push a committed version (no-op for pull transports)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Receiver(Protocol):
+    """Subscriber side of a transport."""
+
+    def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
+        """Fetch ``meta.version``: publisher name -> tensor (valid until the next call), and
+        stats (``receive_s``, ``bytes``, ``resumes``). Raises ``WeightSyncError``."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,66 @@
+"""In-process transport (colocate): engines copy straight from the trainer's tensors.
+
+No serialization and no staging copy: the receiver hands the publisher's own tensors to the
+engine, whose ``load_weights`` copies (and casts) them into its parameters between decode
+batches. The tensors are the trainer's live ones, so a receive must happen before the next
+train step changes them (``WeightSync.publish`` applies to every engine before it returns).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+import torch
+
+from relax_agent.errors import WeightSyncError
+from relax_agent.weights.meta import VersionMeta, plan_layout
+
+
+class InprocSender:
+    """Holds references to the latest published state dict."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self._bucket_bytes = bucket_bytes
+        self._state: Mapping[str, torch.Tensor] | None = None
+        self._version: int | None = None
+
+    @property
+    def address(self) -> str | None:
+        return None
+
+    def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
+        tensors, total = plan_layout(state_dict)
+        self._state, self._version = state_dict, version
+        return VersionMeta(version, tensors, total, self._bucket_bytes, "none", (), "inproc", None)
+
+    def send(self, meta: VersionMeta) -> None:
+        """Nothing to push: receivers read the held tensors."""
+
+    def tensors(self, version: int) -> Mapping[str, torch.Tensor]:
+        """The held state dict of ``version``.
+
+        Raises:
+            WeightSyncError: a newer version replaced it (or none was published).
+        """
+        if self._state is None or self._version != version:
+            raise WeightSyncError(f"in-process sender holds version {self._version}, not {version}")
+        return self._state
+
+    def close(self) -> None:
+        self._state = None
+
+
+class InprocReceiver:
+    """Reads the tensors an :class:`InprocSender` in the same process holds."""
+
+    def __init__(self, sender: InprocSender) -> None:
+        self._sender = sender
+
+    def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
+        start = time.perf_counter()
+        tensors = self._sender.tensors(meta.version)
+        return tensors, {"receive_s": time.perf_counter() - start, "bytes": 0.0, "resumes": 0.0}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,153 @@
+"""Engine side of weight sync: check a version's layout, receive it, apply it atomically.
+
+An :class:`EngineSubscriber` binds one inference engine to a coordinator and a receiver.
+For each new version it
+
+1. maps publisher names to the engine's (``name_map``) and compares names, shapes and
+   dtypes with the engine's ``weight_layout()``: any difference refuses the version with a
+   :class:`WeightSyncError` listing them, before a byte is fetched or applied;
+2. receives the bytes (the tcp receiver verifies each bucket's checksum);
+3. calls ``engine.load_weights(tensors, version)``, which swaps them in between decode
+   batches (casting fp32 master weights to the engine's bf16/fp16), so no generation mixes
+   versions; the engine keeps serving its last complete version if anything fails;
+4. reports the outcome and timings to the coordinator.
+
+``sync_latest()`` is what a late-joining replica calls before it serves; ``start()`` follows
+new versions in a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+
+from relax_agent.errors import WeightSyncError
+from relax_agent.weights.base import Receiver
+from relax_agent.weights.coordinator import ApplyReport, CoordinatorApi
+from relax_agent.weights.meta import VersionMeta, format_diff, layout_diff
+
+log = logging.getLogger("relax_agent.weights")
+
+NameMap = Mapping[str, str] | Callable[[str], "str | None"]
+"""Publisher name -> engine name; a callable may return None to skip a tensor."""
+
+
+def map_names(names: list[str], name_map: NameMap | None) -> dict[str, str]:
+    """Publisher name -> engine name for every name the engine takes (dict: unlisted names unchanged)."""
+    if name_map is None:
+        return {n: n for n in names}
+    if callable(name_map):
+        mapped = {n: name_map(n) for n in names}
+        return {n: m for n, m in mapped.items() if m is not None}
+    return {n: name_map.get(n, n) for n in names}
+
+
+class EngineSubscriber:
+    """Keeps one engine on the latest published policy version.
+
+    Args:
+        engine: an ``InferenceEngine``; when it has ``weight_layout()`` (name -> (shape,
+            dtype)) versions are checked against it before any byte moves.
+        receiver: the transport's subscriber side.
+        coordinator: in-process :class:`Coordinator` or ``HttpCoordinator``.
+        name: label in the coordinator and in errors.
+        name_map: publisher name -> engine name, when layouts name parameters differently.
+        poll_timeout_s: long-poll length of the follow thread.
+    """
+
+    def __init__(self, engine: Any, receiver: Receiver, coordinator: CoordinatorApi, name: str = "engine",
+                 name_map: NameMap | None = None, poll_timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self._receiver = receiver
+        self._coordinator = coordinator
+        self._name_map = name_map
+        self._poll_timeout_s = poll_timeout_s
+        self.id = coordinator.register_subscriber(name)
+        self.applied_version: int | None = None
+        self.last_report: ApplyReport | None = None
+        self._apply_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self, meta: VersionMeta) -> dict[str, str]:
+        """Publisher name -> engine name for ``meta``'s tensors.
+
+        Raises:
+            WeightSyncError: names, shapes or dtypes differ from the engine's layout; the
+                message lists every difference.
+        """
+        names = map_names([t.name for t in meta.tensors], self._name_map)
+        layout_fn = getattr(self.engine, "weight_layout", None)
+        if layout_fn is None:
+            return names
+        published = meta.layout()
+        diff = layout_diff({names[n]: published[n] for n in names}, layout_fn())
+        if diff:
+            raise WeightSyncError(f"{self.id} refuses version {meta.version}: the published weights do not fit "
+                                  f"the engine's layout; {format_diff(diff)}")
+        return names
+
+    def apply(self, meta: VersionMeta) -> ApplyReport:
+        """Check, receive and load ``meta.version``; report the outcome to the coordinator.
+
+        Returns the report (``error`` set when refused: the engine keeps its old weights).
+        """
+        with self._apply_lock:
+            try:
+                names = self.check(meta)
+                tensors, stats = self._receiver.receive(meta)
+                stats["pause_s"] = self._load(tensors, names, meta.version)
+                report = ApplyReport(self.id, meta.version, None, stats)
+                self.applied_version = meta.version
+            except WeightSyncError as exc:
+                log.warning("%s", exc)
+                report = ApplyReport(self.id, meta.version, str(exc))
+            self.last_report = report
+            self._coordinator.report(report)
+            return report
+
+    def _load(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], version: int) -> float:
+        """engine.load_weights; returns the engine's pause in seconds (time it could not decode)."""
+        stats = getattr(self.engine, "stats", None)
+        before = getattr(stats, "weight_load_s", None)
+        start = time.perf_counter()
+        self.engine.load_weights({names[n]: t for n, t in tensors.items() if n in names}, version)
+        if before is None:
+            return time.perf_counter() - start
+        return stats.weight_load_s - before
+
+    def sync_latest(self, timeout_s: float = 0.0) -> ApplyReport | None:
+        """Apply the latest complete version if it is newer than the applied one (late join).
+
+        Waits up to ``timeout_s`` for a version to exist; returns None if none came.
+        """
+        meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id)
+        return None if meta is None else self.apply(meta)
+
+    def start(self) -> "EngineSubscriber":
+        """Follow new versions in a daemon thread until :meth:`close`."""
+        self._thread = threading.Thread(target=self._follow, name=f"weights-{self.id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync_latest(self._poll_timeout_s)
+            except Exception:  # the coordinator went away or broke: retry after a pause
+                log.exception("%s: waiting for a new version failed", self.id)
+                self._stop.wait(1.0)
+
+    def close(self, join_timeout_s: float = 5.0) -> None:
+        """Stop following and unregister. The receiver is closed too."""
+        self._stop.set()
+        try:
+            self._coordinator.unregister_subscriber(self.id)
+        finally:
+            self._receiver.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(join_timeout_s)

@@ -1,0 +1,218 @@
+"""The publisher-side facade: ``build_weight_sync(cfg, engines)`` and ``WeightSync.publish``.
+
+Example::
+
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), [engine])
+    stats = sync.publish(trainer.policy_state_dict(), version=step)   # every engine now on `step`
+    sync.attach(new_engine)                                          # late join: pulls the latest first
+    sync.close()
+
+Rollout replicas in other processes subscribe through the coordinator's HTTP service
+(``weights.service_port``) with :func:`relax_agent.weights.remote.connect_subscriber`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from relax_agent.errors import WeightSyncError
+from relax_agent.weights.base import Receiver, Sender
+from relax_agent.weights.config import WeightSyncConfig
+from relax_agent.weights.coordinator import ApplyReport, Coordinator
+from relax_agent.weights.subscriber import EngineSubscriber, NameMap
+
+SYNC_S = "timing/weight_sync_s"
+SYNC_GB_PER_S = "weights/gb_per_s"
+PAUSE_S = "weights/engine_pause_s"
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """Timings of one publish.
+
+    Attributes:
+        version: the published policy version.
+        bytes: bytes of the version's flat layout (what each subscriber receives or copies).
+        seconds: wall time of ``publish``, from the call until every subscriber applied it.
+        gb_per_s: ``bytes * subscribers / seconds / 1e9`` (delivered, end to end).
+        pause_s: longest engine pause (time an engine could not decode while loading).
+        stage_s: publisher time to snapshot and checksum the weights.
+        transfer_s: longest subscriber receive time (bytes on the wire, checksums verified).
+        subscribers: how many subscribers applied it.
+        resumes: reconnections that resumed a transfer mid-way (tcp).
+    """
+
+    version: int
+    bytes: int
+    seconds: float
+    gb_per_s: float
+    pause_s: float
+    stage_s: float
+    transfer_s: float
+    subscribers: int
+    resumes: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        """Namespaced metric keys for the metrics log."""
+        return {SYNC_S: self.seconds, SYNC_GB_PER_S: self.gb_per_s, PAUSE_S: self.pause_s}
+
+
+class WeightSync:
+    """Publishes versions through one transport to every registered subscriber.
+
+    Built by :func:`build_weight_sync`; ``coordinator``, ``sender`` and ``make_receiver``
+    are the transport's parts.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, coordinator: Coordinator, sender: Sender,
+                 make_receiver: Callable[[], Receiver] | None, service: Any = None) -> None:
+        self.cfg = cfg
+        self.coordinator = coordinator
+        self._sender = sender
+        self._make_receiver = make_receiver
+        self._service = service
+        self._local: list[EngineSubscriber] = []
+        coordinator.register_publisher(sender.address)
+
+    @property
+    def latest_version(self) -> int:
+        """Latest complete version (-1 before the first publish)."""
+        latest = self.coordinator.latest_version
+        return -1 if latest is None else latest
+
+    @property
+    def service_url(self) -> str | None:
+        """Base URL of the coordinator's HTTP service, when ``weights.service_port`` is set."""
+        return None if self._service is None else self._service.url
+
+    @property
+    def subscribers(self) -> list[EngineSubscriber]:
+        """Engines attached in this process."""
+        return list(self._local)
+
+    def attach(self, engine: Any, name: str = "engine", name_map: NameMap | None = None) -> EngineSubscriber:
+        """Subscribe an engine of this process; it applies the latest version (if any) before returning.
+
+        Raises:
+            WeightSyncError: no in-process receiver for this transport (nccl), or the
+                latest version does not fit the engine (the subscriber is removed again).
+        """
+        if self._make_receiver is None:
+            raise WeightSyncError(f"weights.transport={self.cfg.transport!r} has no in-process subscribers; "
+                                  "start one per rollout process with relax_agent.weights.remote.connect_subscriber")
+        sub = EngineSubscriber(engine, self._make_receiver(), self.coordinator, name,
+                               name_map if name_map is not None else (self.cfg.name_map or None),
+                               self.cfg.poll_timeout_s)
+        latest = self.coordinator.latest()
+        if latest is not None:
+            report = sub.apply(latest)
+            if report.error is not None:
+                sub.close()
+                raise WeightSyncError(report.error)
+        if self.cfg.transport != "inproc":
+            sub.start()
+        self._local.append(sub)
+        return sub
+
+    def detach(self, sub: EngineSubscriber) -> None:
+        """Stop syncing an attached engine."""
+        self._local.remove(sub)
+        sub.close()
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> SyncStats:
+        """Publish ``state_dict`` as ``version`` and wait until every subscriber applied it.
+
+        Args:
+            state_dict: name -> tensor (the trainer's fp32 weights; any device).
+            version: policy version, greater than :attr:`latest_version`.
+
+        Raises:
+            WeightSyncError: ``version`` is not newer, a subscriber refused it (message lists
+                each refusal; those engines keep serving their previous version), or a
+                subscriber did not report within ``weights.publish_timeout_s``.
+        """
+        if version <= self.latest_version:
+            raise WeightSyncError(f"publish(version={version}): not newer than the latest version {self.latest_version}")
+        start = time.perf_counter()
+        meta = self._sender.stage(state_dict, version)
+        stage_s = time.perf_counter() - start
+        if self.cfg.transport == "inproc":
+            for sub in self._local:  # refuse before any engine changes
+                sub.check(meta)
+        waiting = self.coordinator.subscribers()
+        self.coordinator.commit(meta)
+        self._sender.send(meta)
+        if self.cfg.transport == "inproc":
+            for sub in self._local:
+                sub.apply(meta)
+        reports = self.coordinator.wait_applied(version, waiting, self.cfg.publish_timeout_s)
+        seconds = time.perf_counter() - start
+        _raise_refusals(version, reports)
+        return _stats(meta.version, meta.total_bytes, seconds, stage_s, reports)
+
+    def close(self) -> None:
+        """Detach every local engine, stop serving. Idempotent."""
+        for sub in self._local:
+            sub.close()
+        self._local.clear()
+        self._sender.close()
+        if self._service is not None:
+            self._service.close()
+            self._service = None
+
+
+def _raise_refusals(version: int, reports: dict[str, ApplyReport]) -> None:
+    refused = [r for r in reports.values() if r.error is not None and r.version == version]
+    if refused:
+        lines = "\n".join(r.error or "" for r in refused)
+        raise WeightSyncError(f"version {version} was refused by {len(refused)} of {len(reports)} subscribers "
+                              f"(they keep their previous version):\n{lines}")
+
+
+def _stats(version: int, nbytes: int, seconds: float, stage_s: float, reports: dict[str, ApplyReport]) -> SyncStats:
+    done = [r.stats for r in reports.values() if r.version == version]
+    n = len(done)
+    return SyncStats(version=version, bytes=nbytes, seconds=seconds,
+                     gb_per_s=nbytes * n / seconds / 1e9 if seconds > 0 else 0.0,
+                     pause_s=max((s.get("pause_s", 0.0) for s in done), default=0.0), stage_s=stage_s,
+                     transfer_s=max((s.get("receive_s", 0.0) for s in done), default=0.0), subscribers=n,
+                     resumes=int(sum(s.get("resumes", 0.0) for s in done)))
+
+
+def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> WeightSync:
+    """A :class:`WeightSync` for ``cfg.transport`` with ``engines`` of this process attached.
+
+    Raises:
+        WeightSyncError: nccl with in-process engines, or the transport could not start.
+    """
+    coordinator = Coordinator()
+    service = None
+    if cfg.service_port is not None:
+        from relax_agent.weights.service import serve_coordinator
+
+        service = serve_coordinator(coordinator, cfg.host, cfg.service_port)
+    sender, make_receiver = _transport(cfg)
+    sync = WeightSync(cfg, coordinator, sender, make_receiver, service)
+    for i, engine in enumerate(engines):
+        sync.attach(engine, name=f"engine{i}")
+    return sync
+
+
+def _transport(cfg: WeightSyncConfig) -> tuple[Sender, Callable[[], Receiver] | None]:
+    if cfg.transport == "inproc":
+        from relax_agent.weights.inproc import InprocReceiver, InprocSender
+
+        inproc = InprocSender(cfg.bucket_bytes)
+        return inproc, lambda: InprocReceiver(inproc)
+    if cfg.transport == "tcp":
+        from relax_agent.weights.tcp import TcpReceiver, TcpSender
+
+        tcp = TcpSender(cfg)
+        return tcp, lambda: TcpReceiver(cfg)
+    from relax_agent.weights.nccl import NcclSender
+
+    return NcclSender(cfg), None
