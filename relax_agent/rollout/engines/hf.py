@@ -52,6 +52,8 @@ class EngineStats:
         sequences: requests served.
         new_tokens: tokens sampled.
         max_batch_rows: largest batch served.
+        weight_loads: :meth:`HFEngine.load_weights` calls applied.
+        weight_load_s: seconds spent copying weights in, during which no batch could decode.
     """
 
     batches: int = 0
@@ -59,6 +61,8 @@ class EngineStats:
     sequences: int = 0
     new_tokens: int = 0
     max_batch_rows: int = 0
+    weight_loads: int = 0
+    weight_load_s: float = 0.0
 
 
 @dataclass
@@ -189,9 +193,16 @@ class HFEngine:
                 raise WeightSyncError(f"load_weights: {name} has shape {tuple(value.shape)}, "
                                       f"the model expects {tuple(target[name].shape)}")
         with self._weights_lock, torch.no_grad():
+            start = time.perf_counter()
             for name, value in state_dict.items():
                 target[name].copy_(value)
             self._version = int(version)
+            self.stats.weight_loads += 1
+            self.stats.weight_load_s += time.perf_counter() - start
+
+    def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (weight sync checks it)."""
+        return {name: (tuple(t.shape), t.dtype) for name, t in self._model.state_dict().items()}
 
     def reseed(self, seed: int) -> None:
         """Restart the engine generator (seeds of requests submitted from now on)."""
