@@ -1,0 +1,39 @@
+"""Every registered ``relax/`` env passes gymnasium's env checker and our contract suite
+(relax_agent.envs.testing); envs registered later (by other modules) are picked up automatically."""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium
+import pytest
+
+import relax_agent.envs  # noqa: F401  (registers the built-in envs)
+from relax_agent.envs.testing import CHECKS, EnvContract, run_check
+
+KWARGS: dict[str, dict] = {
+    "relax/PythonExec-v0": {"sandbox": {"backend": "fake"}},  # no Docker needed: in-memory sandbox
+    "relax/Calculator-v0": {"num_tasks": 200},
+    "relax/ReasoningGym-v0": {"dataset": "leg_counting", "size": 100},
+}
+"""Constructor overrides that keep the suite fast and daemon-free."""
+
+RELAX_IDS = sorted(i for i in gymnasium.registry if i.startswith("relax/"))
+
+
+def test_builtins_are_registered():
+    expected = {"relax/BFCL-simple-v0", "relax/PythonExec-v0", "relax/Calculator-v0", "relax/ReasoningGym-v0"}
+    assert expected <= set(RELAX_IDS)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("env_id", RELAX_IDS)
+def test_builtin_env_contract(env_id, check):
+    run_check(functools.partial(gymnasium.make, env_id, **KWARGS.get(env_id, {})), check)
+
+
+class TestCalculatorDifficulty5(EnvContract):
+    """The mixin a user's own test uses, here on the hardest calculator level."""
+
+    def make_env(self):
+        return gymnasium.make("relax/Calculator-v0", difficulty=5, num_tasks=100)
