@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from relax_agent.configbase import Section
+from relax_agent.data.config import DataConfig
 from relax_agent.errors import ConfigError
 from relax_agent.moe.config import MoEConfig
 from relax_agent.reward_services.config import RewardConfig
@@ -175,6 +176,8 @@ class RelaxConfig(Section):
     """Where the env's reward comes from: its own (default), a local function, a reward
     service, or a weighted mix (see ``relax_agent.reward_services.config``)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The TransferQueue data bus between roles: in-process or Ray (see ``relax_agent.data.config``)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     moe: MoEConfig = Field(default_factory=MoEConfig)

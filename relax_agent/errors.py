@@ -41,6 +41,14 @@ class DataError(RelaxError, ValueError):
     """A dataset, task or data-bus row is malformed (wrong field, dtype, shape or id)."""
 
 
+class QueueTimeoutError(RelaxError, TimeoutError):
+    """A data-bus put waited for free capacity, or a get for ready rows, longer than its ``timeout_s``."""
+
+
+class LeaseError(RelaxError, LookupError):
+    """A data-bus lease id is unknown, or expired and its rows were already handed out again."""
+
+
 class CheckpointError(RelaxError, OSError):
     """A checkpoint is missing, incomplete or does not match the run's config."""
 

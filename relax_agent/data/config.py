@@ -1,0 +1,62 @@
+"""Data-bus config and the one place a backend is picked.
+
+YAML::
+
+    data:
+      backend: ray          # or local (in-process, the default)
+      lease_timeout_s: 120
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from relax_agent.configbase import Section
+from relax_agent.data.protocol import TransferQueue
+from relax_agent.errors import ConfigError
+
+
+class DataConfig(Section):
+    """The TransferQueue data bus."""
+
+    backend: Literal["local", "ray"] = "local"
+    """"local": in-process (threads of one process); "ray": a metadata actor plus the Ray
+    object store, shared by every process of the Ray cluster (needs ``ray.init`` first)."""
+    lease_timeout_s: float = Field(default=300.0, gt=0.0)
+    """Seconds a consumer may hold rows without acking before they are handed out again;
+    set it above the longest step that consumes one batch."""
+    ray_actor_name: str = "relax_transfer_queue"
+    """Name of the metadata actor; processes that build the bus with the same name share it."""
+    ray_inline_max_bytes: int = Field(default=64 * 1024, ge=0)
+    """Field values up to this size travel inside the actor's messages; larger ones go
+    through the Ray object store once (zero-copy numpy on get)."""
+
+
+def queue_capacity(rollout_batch: int, max_staleness: int, group_size: int) -> int:
+    """Rows a rollout queue must hold: ``rollout_batch x (max_staleness + 1) x group_size``.
+
+    ``rollout_batch`` counts groups (tasks) per training step; with ``max_staleness=k`` the
+    rollout may run up to ``k`` steps ahead of the trainer, so ``k + 1`` steps of samples can
+    be in flight (Relax, arXiv 2604.11554, sec. on the staleness knob).
+
+    Raises:
+        ConfigError: a negative staleness or a non-positive batch or group size.
+    """
+    if rollout_batch < 1 or group_size < 1 or max_staleness < 0:
+        raise ConfigError(f"queue_capacity needs rollout_batch>=1, group_size>=1, max_staleness>=0; got "
+                         f"{rollout_batch}, {group_size}, {max_staleness}")
+    return rollout_batch * (max_staleness + 1) * group_size
+
+
+def build_transfer_queue(cfg: DataConfig | None = None) -> TransferQueue:
+    """The data bus ``cfg.backend`` names (the Ray backend imports ray only here)."""
+    cfg = cfg or DataConfig()
+    if cfg.backend == "ray":
+        from relax_agent.data.ray import RayTransferQueue
+
+        return RayTransferQueue(cfg)
+    from relax_agent.data.local import LocalTransferQueue
+
+    return LocalTransferQueue(cfg)
