@@ -1,0 +1,285 @@
+"""TCP transport: bucketed streaming of raw tensor bytes, resumable, several subscribers at once.
+
+Wire protocol (all integers big-endian int64), one version per connection:
+
+    subscriber -> server   b"RLXW" version first_bucket
+    server -> subscriber   b"RLXW" served_version num_buckets     (served_version != version: not
+                                                                   served any more; connection closes)
+    then per bucket b = first_bucket .. num_buckets-1:
+                           b nbytes, followed by nbytes raw bytes of the flat layout
+
+The server sends straight from tensor storage (memoryviews of the snapshot buffer, or of
+the state dict's tensors with ``snapshot: false``): no pickling, no intermediate copy. The
+receiver ``recv_into``\\ s a pre-allocated [total_bytes] uint8 tensor, verifies each bucket's
+checksum against the coordinator's metadata, and after a dropped connection reconnects and
+resumes after the last complete bucket. Each connection gets its own server thread
+(socket calls release the GIL), so several subscribers are served concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from relax_agent.errors import WeightSyncError
+from relax_agent.weights.config import WeightSyncConfig
+from relax_agent.weights.meta import (
+    FlatSource,
+    VersionMeta,
+    bucket_checksums,
+    checksum_fn,
+    flat_views,
+    plan_layout,
+    snapshot_into,
+)
+
+log = logging.getLogger("relax_agent.weights")
+
+MAGIC = b"RLXW"
+_HELLO = struct.Struct("!4sqq")
+_BUCKET = struct.Struct("!qq")
+_RECONNECT_PAUSE_S = 0.05
+
+
+@dataclass
+class _Offer:
+    """One staged version: its metadata, its bytes, and how many connections read it."""
+
+    meta: VersionMeta
+    source: FlatSource
+    buffer: torch.Tensor | None
+    readers: int = 0
+
+
+class TcpSender:
+    """Serves the latest staged version to any number of :class:`TcpReceiver`\\ s.
+
+    Args:
+        cfg: ``host``/``port`` to bind (port 0: a free one), ``bucket_bytes``, ``checksum``,
+            ``snapshot``, ``connect_timeout_s`` (idle limit of a socket write).
+
+    Raises:
+        WeightSyncError: the address cannot be bound.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig) -> None:
+        self._cfg = cfg
+        try:
+            self._listener = socket.create_server((cfg.host, cfg.port), backlog=64)
+        except OSError as exc:
+            raise WeightSyncError(f"weight server cannot listen on {cfg.host}:{cfg.port} "
+                                  f"(weights.host / weights.port): {exc}") from exc
+        self._address = f"{cfg.host}:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._current: _Offer | None = None
+        self._retired: _Offer | None = None
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._acceptor = threading.Thread(target=self._accept, name="weights-tcp-accept", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
+        """Snapshot (if configured) and checksum ``state_dict``; serve it from now on."""
+        tensors, total = plan_layout(state_dict)
+        buffer = None
+        if self._cfg.snapshot:
+            buffer = self._free_buffer(total)
+            snapshot_into(buffer, state_dict, tensors)
+            source = FlatSource(tensors, total, buffer=buffer)
+        else:
+            source = FlatSource(tensors, total, state_dict=state_dict)
+        checks = bucket_checksums(source, self._cfg.bucket_bytes, self._cfg.checksum)
+        meta = VersionMeta(version, tensors, total, self._cfg.bucket_bytes, self._cfg.checksum, checks, "tcp",
+                           self._address)
+        with self._lock:
+            self._retired, self._current = self._current, _Offer(meta, source, buffer)
+        return meta
+
+    def _free_buffer(self, total: int) -> torch.Tensor:
+        """A [total] uint8 buffer no connection reads: the retired version's when possible."""
+        with self._lock:
+            old = self._retired
+            if old is not None and old.readers == 0 and old.buffer is not None and old.buffer.numel() == total:
+                self._retired = None
+                return old.buffer
+        return torch.empty(total, dtype=torch.uint8)
+
+    def send(self, meta: VersionMeta) -> None:
+        """Nothing to push: subscribers pull."""
+
+    def close(self) -> None:
+        """Stop accepting and cut open connections. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns)
+        for conn in [self._listener, *conns]:
+            _shutdown(conn)
+        self._acceptor.join(5.0)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    _shutdown(conn)
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="weights-tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        offer = None
+        try:
+            conn.settimeout(self._cfg.connect_timeout_s)
+            magic, version, first = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            if magic != MAGIC:
+                return
+            with self._lock:
+                offer = self._current
+                if offer is not None and offer.meta.version == version:
+                    offer.readers += 1
+                else:
+                    offer = None
+            if offer is None:
+                latest = -1 if self._current is None else self._current.meta.version
+                conn.sendall(_HELLO.pack(MAGIC, latest, 0))
+                return
+            self._stream(conn, offer, first)
+        except OSError as exc:  # the subscriber went away; it reconnects and resumes
+            log.debug("weight server: connection ended: %s", exc)
+        finally:
+            with self._lock:
+                if offer is not None:
+                    offer.readers -= 1
+                self._conns.discard(conn)
+            _shutdown(conn)
+
+    def _stream(self, conn: socket.socket, offer: _Offer, first: int) -> None:
+        meta = offer.meta
+        conn.sendall(_HELLO.pack(MAGIC, meta.version, meta.num_buckets))
+        for b in range(max(first, 0), meta.num_buckets):
+            start, end = meta.bucket(b)
+            conn.sendall(_BUCKET.pack(b, end - start))
+            for segment in offer.source.segments(start, end):
+                conn.sendall(segment)
+
+
+class TcpReceiver:
+    """Fetches versions from a :class:`TcpSender` into one reused receive buffer.
+
+    Args:
+        cfg: ``connect_timeout_s`` (connect and idle read limit), ``max_reconnects``.
+        address: "host:port" to fetch from instead of the address in the metadata (e.g.
+            through a forwarder).
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, address: str | None = None) -> None:
+        self._cfg = cfg
+        self._address = address
+        self._buffer: torch.Tensor | None = None
+
+    def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
+        """Fetch ``meta.version``: publisher name -> view of the receive buffer, and stats.
+
+        Raises:
+            WeightSyncError: a bucket's checksum differs (names the bucket and both values),
+                the publisher no longer serves the version, or more than
+                ``max_reconnects`` connections dropped.
+        """
+        start_s = time.perf_counter()
+        if self._buffer is None or self._buffer.numel() != meta.total_bytes:
+            self._buffer = torch.empty(meta.total_bytes, dtype=torch.uint8)
+        view = memoryview(self._buffer.numpy())
+        verify = None if meta.checksum == "none" else checksum_fn(meta.checksum)
+        next_bucket, resumes = 0, 0
+        while next_bucket < meta.num_buckets:
+            try:
+                next_bucket = self._fetch(meta, view, next_bucket, verify)
+            except (OSError, EOFError) as exc:
+                resumes += 1
+                if resumes > self._cfg.max_reconnects:
+                    raise WeightSyncError(f"version {meta.version}: connection to {self._target(meta)} dropped "
+                                          f"{resumes} times (weights.max_reconnects={self._cfg.max_reconnects}); "
+                                          f"last error: {exc}") from exc
+                log.info("version %s: connection dropped at bucket %s (%s); resuming", meta.version, next_bucket, exc)
+                time.sleep(_RECONNECT_PAUSE_S)
+        stats = {"receive_s": time.perf_counter() - start_s, "bytes": float(meta.total_bytes),
+                 "resumes": float(resumes)}
+        return flat_views(self._buffer, meta.tensors), stats
+
+    def _target(self, meta: VersionMeta) -> str:
+        address = self._address or meta.address
+        if not address:
+            raise WeightSyncError(f"version {meta.version} has no tcp address in its metadata")
+        return address
+
+    def _fetch(self, meta: VersionMeta, view: memoryview, first: int, verify) -> int:
+        """Receive buckets from ``first`` on one connection; returns the next bucket still missing."""
+        host, _, port = self._target(meta).rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=self._cfg.connect_timeout_s) as conn:
+            conn.sendall(_HELLO.pack(MAGIC, meta.version, first))
+            magic, served, num_buckets = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            if magic != MAGIC or served != meta.version:
+                raise WeightSyncError(f"version {meta.version}: the publisher at {self._target(meta)} now serves "
+                                      f"version {served}; this one is gone")
+            assert num_buckets == meta.num_buckets, (num_buckets, meta.num_buckets)
+            for b in range(first, num_buckets):
+                index, nbytes = _BUCKET.unpack(_recv_exact(conn, _BUCKET.size))
+                start, end = meta.bucket(b)
+                assert (index, nbytes) == (b, end - start), ((index, nbytes), (b, end - start))
+                _recv_into(conn, view[start:end])
+                if verify is not None:
+                    _check_bucket(meta, b, verify(iter([view[start:end]])))
+                first = b + 1
+        return first
+
+    def close(self) -> None:
+        self._buffer = None
+
+
+def _check_bucket(meta: VersionMeta, index: int, got: int) -> None:
+    want = meta.bucket_checksums[index]
+    if got != want:
+        start, end = meta.bucket(index)
+        raise WeightSyncError(
+            f"version {meta.version}: bucket {index} (bytes {start}-{end}) has {meta.checksum} checksum "
+            f"{got:#018x}, the publisher's is {want:#018x}; the version is refused and the engine keeps its "
+            "previous weights (with weights.snapshot=false the trainer may have changed the tensors mid-send)")
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    pos, end = 0, len(view)
+    while pos < end:
+        n = conn.recv_into(view[pos:], end - pos)
+        if n == 0:
+            raise EOFError(f"connection closed after {pos} of {end} bytes of a bucket")
+        pos += n
+
+
+def _recv_exact(conn: socket.socket, nbytes: int) -> bytes:
+    buf = bytearray(nbytes)
+    _recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
