@@ -142,8 +142,8 @@ class ToolEnv(TextEnv):
         tools: the callables offered to the model (functions or bound methods), each with type
             hints and a docstring; names must be unique.
         max_tool_calls_per_turn: calls run per assistant message; later ones get an error message.
-        max_observation_chars: longest tool result (characters) before it is cut with
-            :data:`TRUNCATION_MARKER`.
+        max_observation_chars: longest tool result or tool error (characters) before it is cut
+            with :data:`TRUNCATION_MARKER` (the env's own short refusals are never cut).
         tool_timeout_s: seconds one tool call may take; a slower call becomes an error message
             (a sync tool's thread is abandoned, an async tool is cancelled).
 
@@ -240,8 +240,7 @@ class ToolEnv(TextEnv):
         results += [("", "", f"error: could not parse a tool call: {e}") for e in action.get("parse_errors") or []]
         self.num_tool_calls += len(calls)
         self.num_tool_errors += sum(text.startswith("error:") for *_, text in results)
-        obs = [{"role": "tool", "tool_call_id": cid, "name": name, "content": truncate(text, self.max_observation_chars)}
-               for cid, name, text in results]
+        obs = [{"role": "tool", "tool_call_id": cid, "name": name, "content": text} for cid, name, text in results]
         return obs, 0.0, False, False, self._counts()
 
     def _lookup(self, call: Any) -> tuple[str, str, Callable[..., Any] | None, Any, str | None]:
@@ -293,10 +292,12 @@ class ToolEnv(TextEnv):
 
     def _result_text(self, name: str, value: Any, error: BaseException | None) -> str:
         if error is None:
-            return _to_text(value)
-        if isinstance(error, TypeError) and "argument" in str(error):
-            return f"error: bad arguments for {name!r}: {error}"
-        return f"error: {type(error).__name__}: {error}"
+            text = _to_text(value)
+        elif isinstance(error, TypeError) and "argument" in str(error):
+            text = f"error: bad arguments for {name!r}: {error}"
+        else:
+            text = f"error: {type(error).__name__}: {error}"
+        return truncate(text, self.max_observation_chars)
 
 
 __all__ = ["TRUNCATION_MARKER", "ToolEnv", "call_in_thread", "tool_schema", "truncate"]
