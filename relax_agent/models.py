@@ -352,9 +352,33 @@ def _tiny_llama(tokenizer: Any) -> dict[str, Any]:
     )
 
 
-TINY_ARCHS: dict[str, Callable[[Any], dict[str, Any]]] = {"llama": _tiny_llama}
-"""arch name -> function(tokenizer) returning config kwargs (``model_type`` plus sizes).
-MoE architectures (e.g. ``qwen3_moe``) are added here with their expert counts."""
+def _tiny_moe_common() -> dict[str, Any]:
+    return dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.02,
+        num_experts_per_tok=2, output_router_logits=False,
+    )
+
+
+def _tiny_qwen3_moe(tokenizer: Any) -> dict[str, Any]:
+    return dict(model_type="qwen3_moe", **_tiny_moe_common(), num_experts=8, moe_intermediate_size=32,
+                intermediate_size=128, norm_topk_prob=True)
+
+
+def _tiny_mixtral(tokenizer: Any) -> dict[str, Any]:
+    return dict(model_type="mixtral", **_tiny_moe_common(), num_local_experts=8, intermediate_size=32)
+
+
+def _tiny_olmoe(tokenizer: Any) -> dict[str, Any]:
+    return dict(model_type="olmoe", **_tiny_moe_common(), num_experts=8, intermediate_size=32, norm_topk_prob=False)
+
+
+TINY_ARCHS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "llama": _tiny_llama, "qwen3_moe": _tiny_qwen3_moe, "mixtral": _tiny_mixtral, "olmoe": _tiny_olmoe,
+}
+"""arch name -> function(tokenizer) returning config kwargs (``model_type`` plus sizes). The MoE
+architectures (Qwen3-MoE with ``norm_topk_prob``, Mixtral, OLMoE without it) have 8 experts,
+top-2, in every one of their 2 layers."""
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:

@@ -90,9 +90,44 @@ def preflight(cfg: RelaxConfig) -> str:
     check_env_id(cfg.env.id)
     check_env_kwargs(cfg.env.id, cfg.env.kwargs)
     device = resolve_device(cfg.run.device)
-    if device == "cpu" and cfg.engine.dtype == "fp16":
-        raise ConfigError("engine.dtype=fp16 is not supported on cpu (half-precision matmuls are missing or very slow); use fp32 or bf16")
+    check_dtypes(device, cfg.engine.dtype, cfg.trainer.dtype)
     return device
+
+
+def check_dtypes(device: str, engine_dtype: str, trainer_dtype: str) -> None:
+    """Refuse rollout / training dtypes the device cannot run (ConfigError naming the key).
+
+    Checked by running the ops themselves (a matmul, softmax and attention in the dtype; for
+    fp16 training also autocast and a loss scaler), not by a table: torch 2.13 on CPU runs all
+    of fp32, bf16 and fp16 (fp16 matmul measured as fast as fp32 there), older builds lack fp16
+    kernels; CUDA GPUs before Ampere lack bf16.
+    """
+    for key, dtype in (("engine.dtype", engine_dtype), ("trainer.dtype", trainer_dtype)):
+        problem = _dtype_problem(device, dtype, training=key == "trainer.dtype")
+        if problem:
+            raise ConfigError(f"{key}={dtype} does not run on {device}: {problem}; use fp32"
+                              + ("" if dtype == "bf16" else " or bf16"))
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_problem(device: str, dtype: str, training: bool) -> str | None:
+    if dtype == "fp32":
+        return None
+    if dtype == "bf16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support"
+    try:
+        x = torch.ones(2, 4, 8, device=device)
+        if training:
+            with torch.autocast(torch.device(device).type, dtype=_DTYPES[dtype]):
+                torch.nn.functional.scaled_dot_product_attention(x, x, x @ torch.ones(8, 8, device=device)).sum()
+            if dtype == "fp16":
+                torch.amp.GradScaler(torch.device(device).type)
+        else:
+            h = x.to(_DTYPES[dtype])
+            torch.softmax(torch.nn.functional.scaled_dot_product_attention(h, h, h @ h.transpose(1, 2) @ h), -1)
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def make_env_factory(cfg: RelaxConfig) -> Any:
@@ -158,7 +193,8 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         on_load(model_cfg.path)
     model, tokenizer = load_policy(model_cfg, dtype="fp32" if train else cfg.engine.dtype, device=device)
     engine_model = copy.deepcopy(model).to(_DTYPES[cfg.engine.dtype]) if train else model
-    engine = HFEngine(engine_model, tokenizer, cfg.engine, device=device, seed=cfg.run.seed)
+    engine = HFEngine(engine_model, tokenizer, cfg.engine, device=device, seed=cfg.run.seed,
+                      record_routes=cfg.moe.replay)
     trainer = _build_trainer(cfg, model, device) if train else None
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
     limits = RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens)
@@ -200,4 +236,5 @@ def _build_trainer(cfg: RelaxConfig, model: Any, device: str) -> Any:
         ref_model = copy.deepcopy(model).eval()
         for p in ref_model.parameters():
             p.requires_grad_(False)
-    return TorchTrainer(model, cfg.trainer, device=device, ref_model=ref_model, temperature=cfg.rollout.temperature)
+    return TorchTrainer(model, cfg.trainer, device=device, ref_model=ref_model, temperature=cfg.rollout.temperature,
+                        routing_replay=cfg.moe.replay)

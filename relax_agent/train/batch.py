@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from relax_agent.errors import DataError
@@ -26,6 +27,9 @@ class TrainBatch:
         loss_mask: [B, T] bool, True on policy-sampled tokens that enter the loss.
         rollout_logprobs: [B, T] float32 log-probs from the rollout policy (0 off-policy tokens).
         advantages: [B] float32, one advantage per sequence.
+        routed_experts: MoE routing replay only: [B, T, layers, top_k] uint8/int16 experts of
+            the rollout forward that scored token ``t`` (see :mod:`relax_agent.moe.record`); else None.
+        routes_mask: [B, T] bool, True where ``routed_experts`` holds recorded routes; None with it.
     """
 
     input_ids: torch.Tensor
@@ -33,6 +37,8 @@ class TrainBatch:
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     advantages: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+    routes_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -44,6 +50,13 @@ class TrainBatch:
                 raise DataError(f"{name} must have the shape of input_ids {shape}; got {got}")
         if tuple(self.advantages.shape) != shape[:1]:
             raise DataError(f"advantages must be [B]={shape[0]}; got shape {tuple(self.advantages.shape)}")
+        if (self.routed_experts is None) != (self.routes_mask is None):
+            raise DataError("routed_experts and routes_mask come together (both set or both None)")
+        if self.routed_experts is not None and (tuple(self.routed_experts.shape[:2]) != shape
+                                                or self.routed_experts.dim() != 4
+                                                or tuple(self.routes_mask.shape) != shape):
+            raise DataError(f"routed_experts must be [B, T, layers, top_k] and routes_mask [B, T] with "
+                            f"[B, T]={shape}; got {tuple(self.routed_experts.shape)} and {tuple(self.routes_mask.shape)}")
 
     @property
     def size(self) -> int:
@@ -62,7 +75,7 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The same batch with every tensor on ``device``."""
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return TrainBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
     def split(self, micro_batch_size: int) -> list["TrainBatch"]:
         """Consecutive micro-batches of at most ``micro_batch_size`` sequences.
@@ -86,9 +99,15 @@ class TrainBatch:
                     loss_mask=self.loss_mask[rows, :length],
                     rollout_logprobs=self.rollout_logprobs[rows, :length],
                     advantages=self.advantages[rows],
+                    routed_experts=None if self.routed_experts is None else self.routed_experts[rows, :length],
+                    routes_mask=None if self.routes_mask is None else self.routes_mask[rows, :length],
                 )
             )
         return out
+
+
+def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    return None if value is None else value.to(device)
 
 
 def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: bool = True) -> torch.Tensor:
@@ -147,4 +166,27 @@ def collate(
         rollout_logprobs[i, :n] = torch.tensor(traj.rollout_logprobs, dtype=torch.float32)
         if traj.trainable:
             loss_mask[i, :n] = torch.tensor(traj.loss_mask, dtype=torch.bool)
-    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv)
+    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv, *collate_routes(trajectories, t_max))
+
+
+def collate_routes(trajectories: Sequence[Trajectory], t_max: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(routed_experts [B, T, layers, top_k], routes_mask [B, T])`` right-padded; (None, None) without routes.
+
+    Raises:
+        DataError: trajectories disagree on the routes' [layers, top_k] or dtype.
+    """
+    routes = [t.routed_experts for t in trajectories]
+    present = [r for r in routes if r is not None]
+    if not present:
+        return None, None
+    kinds = {(r.shape[1:], r.dtype) for r in present}
+    if len(kinds) > 1:
+        raise DataError(f"trajectories carry routed_experts of different [layers, top_k] / dtype: {sorted(map(str, kinds))}")
+    shape, dtype = kinds.pop()
+    out = np.zeros((len(trajectories), t_max, *shape), dtype=dtype)
+    mask = np.zeros((len(trajectories), t_max), dtype=bool)
+    for i, (traj, r) in enumerate(zip(trajectories, routes)):
+        if r is not None:
+            out[i, :len(r)] = r
+            mask[i, :len(r)] = traj.routes_mask
+    return torch.from_numpy(out), torch.from_numpy(mask)

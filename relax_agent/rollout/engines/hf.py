@@ -34,6 +34,7 @@ import torch
 
 from relax_agent.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.moe.record import build_route_recorder, stack_routes
 from relax_agent.rollout.engines.base import Generation, SamplingParams
 
 _STOP = object()
@@ -76,6 +77,8 @@ class _Request:
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[Any] = field(default_factory=list)
+    """Per sampled token, [layers, top_k] experts of the forward that scored it (MoE with record_routes)."""
 
 
 class _Closed(Exception):
@@ -95,6 +98,9 @@ class HFEngine:
         seed: seeds the engine's generator; each request without ``params.seed`` draws its
             own sampling seed from it in arrival order.
         stop_token_ids: replaces the default stop ids; ``params.stop_token_ids`` add to them.
+        record_routes: MoE policies: record each sampled token's top-k experts per MoE layer
+            into ``Generation.routed_experts`` for routing replay (see :mod:`relax_agent.moe.record`);
+            ignored, with a warning, for a dense model.
 
     Sampling is reproducible per request: a row samples from its own ``torch.Generator``
     seeded with ``params.seed`` (or a seed drawn from the engine generator), so what it
@@ -102,7 +108,7 @@ class HFEngine:
     """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: EngineConfig, device: str = "cpu", seed: int = 0,
-                 stop_token_ids: Sequence[int] | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
         self._model = model
         self._tokenizer = tokenizer
         self._cfg = cfg
@@ -121,6 +127,7 @@ class HFEngine:
         self._closed = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self.stats = EngineStats()
+        self._routes = build_route_recorder(model) if record_routes else None
         self._worker = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._worker.start()
 
@@ -333,7 +340,8 @@ class HFEngine:
         sampler = _RowSampler(rows, self._device)
         while True:
             tokens, logprobs = sampler.sample(logits)
-            keep = self._advance(rows, tokens.tolist(), logprobs.tolist(), version)
+            routes = self._routes.last_position(len(rows)) if self._routes is not None else None
+            keep = self._advance(rows, tokens.tolist(), logprobs.tolist(), version, routes)
             if not keep:
                 return
             if self._closed:
@@ -351,12 +359,15 @@ class HFEngine:
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-    def _advance(self, rows: list[_Request], tokens: list[int], logprobs: list[float], version: int) -> list[int]:
+    def _advance(self, rows: list[_Request], tokens: list[int], logprobs: list[float], version: int,
+                 routes: Any = None) -> list[int]:
         """Append each row's token; deliver rows that finished; return indices of rows still going."""
         keep = []
         for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs)):
             req.token_ids.append(tok)
             req.logprobs.append(lp)
+            if routes is not None:
+                req.routes.append(routes[i])
             self.stats.new_tokens += 1
             if tok in req.stop_ids:
                 self._finish(req, "stop", version)
@@ -369,7 +380,8 @@ class HFEngine:
     def _finish(self, req: _Request, reason: str, version: int) -> None:
         req.done = True
         self.stats.sequences += 1
-        req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason, version))
+        routed = stack_routes(req.routes) if req.routes else None
+        req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason, version, routed))
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """[rows, max_len] token ids (pad on the left) and attention mask (1 on real tokens)."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from relax_agent.config import TrainerConfig
 from relax_agent.errors import CheckpointError, ConfigError, DataError
+from relax_agent.moe.replay import build_routing_replay, replaying
 from relax_agent.train.algorithms import (
     APPROX_KL,
     CLIP_FRAC,
@@ -200,6 +201,8 @@ class TorchTrainer:
         ref_model: the frozen reference policy for the k3 KL term; required when
             ``cfg.kl_coef > 0``, ignored (with a warning) when it is 0.
         temperature: the rollout's sampling temperature (log-probs use the same one).
+        routing_replay: MoE policies: force the routers to the rollout's experts carried by
+            the batch (R3, :mod:`relax_agent.moe.replay`); ignored, with a warning, for a dense model.
 
     Raises:
         ConfigError: ``kl_coef > 0`` without a reference model, ``temperature`` <= 0,
@@ -213,6 +216,7 @@ class TorchTrainer:
         device: str | torch.device = "cpu",
         ref_model: nn.Module | None = None,
         temperature: float = 1.0,
+        routing_replay: bool = False,
     ) -> None:
         if not temperature > 0:
             raise ConfigError(f"temperature must be > 0; got {temperature}")
@@ -233,6 +237,7 @@ class TorchTrainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.dtype == "fp16" else None
         self.step = 0
         """Optimizer updates taken so far (skipped fp16 overflow steps not counted)."""
+        self.routing_replay = build_routing_replay(self.model, routing_replay)
 
     def _setup_ref_model(self, ref_model: nn.Module | None) -> nn.Module | None:
         if self.cfg.kl_coef > 0 and ref_model is None:
@@ -312,8 +317,11 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         totals = _Totals()
         for micro in batch.split(self.cfg.micro_batch_size):
-            self._backward_micro_batch(micro.to(self.device), normalizer, totals)
-        return self._summarize(totals, batch)
+            micro = micro.to(self.device)
+            with replaying(self.routing_replay, micro):  # R3: the rollout's experts, forward and backward
+                self._backward_micro_batch(micro, normalizer, totals)
+        metrics = self._summarize(totals, batch)
+        return metrics if self.routing_replay is None else {**metrics, **self.routing_replay.pop_metrics()}
 
     def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: _Totals) -> None:
         cfg = self.cfg
