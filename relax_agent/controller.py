@@ -4,6 +4,8 @@ Each step: draw ``rollout.tasks_per_step`` tasks, play ``group_size`` episodes p
 compute GRPO advantages, train on the batch, publish the new weights to the engine (policy
 version + 1), log, checkpoint. Ctrl-C stops cleanly: an interrupted rollout is discarded,
 an update in flight is finished, and a checkpoint of the last complete step is written.
+``mode: async`` runs the same steps with rollout and training overlapped
+(:mod:`relax_agent.async_controller`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class Controller:
         self.sampler = TaskSampler(len(roles.train_tasks), cfg.run.seed)
         self.step = 0
         self.version = 0
+        self.groups_drawn = 0
+        """Rollout groups drawn by the last complete step (names and seeds the next ones)."""
+        self.publish: Callable[[Any, int], Any] = roles.engine.load_weights
+        """Sends ``(state_dict, version)`` to the rollout engine (async mode: the weight sync)."""
         self.stop = StopRequest()
 
     # -- resume -----------------------------------------------------------------------------
@@ -128,10 +134,11 @@ class Controller:
         self.roles.trainer.load_state_dict(trainer_state)
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.version = state["step"], state["policy_version"]
+        self.groups_drawn = state.get("groups_drawn", self.step * self.cfg.rollout.tasks_per_step)
         self.roles.engine.load_weights(self.roles.trainer.policy_state_dict(), self.version)
 
     def save(self) -> Path:
-        state = {"policy_version": self.version, "sampler": self.sampler.state_dict()}
+        state = {"policy_version": self.version, "sampler": self.sampler.state_dict(), "groups_drawn": self.groups_drawn}
         trainer = self.roles.trainer
         return self.ckpts.save(self.step, trainer.model, self.roles.tokenizer, trainer.state_dict(), state, dump_config(self.cfg))
 
@@ -147,6 +154,10 @@ class Controller:
             try:
                 if self.cfg.eval.at_start and self.step == 0:
                     summary["eval_start"] = self.run_eval()
+                if self.cfg.mode == "async":
+                    from relax_agent.async_controller import AsyncLoop
+
+                    AsyncLoop(self).run()
                 while self.step < self.cfg.trainer.steps:
                     summary["last"] = self.train_step()
                     if self._due(self.cfg.eval.every_steps) and self.step < self.cfg.trainer.steps:
@@ -175,28 +186,38 @@ class Controller:
         except BaseException:
             self.sampler.load_state_dict(sampler_state)  # the interrupted step is redrawn on resume
             raise
-        train_metrics = self._update(trajs)  # a Ctrl-C here is honoured once the update is done
+        sample_version = self.version
+        train_metrics, kept = self._update(trajs)  # a Ctrl-C here is honoured once the update is done
         self.step += 1
-        self._dump_rollouts(trajs)
-        row = {**rollout_metrics(trajs, rollout_s), **train_metrics,
-               M.STEP_TIME: time.perf_counter() - t0, "policy_version": self.version}
+        self.groups_drawn += self.cfg.rollout.tasks_per_step
+        self._dump_rollouts(trajs, [sample_version] * len(trajs), sample_version, kept)
+        step_s = time.perf_counter() - t0
+        row = {**rollout_metrics(trajs, rollout_s), **train_metrics, M.STEP_TIME: step_s,
+               M.DATA_WAIT: rollout_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), "policy_version": self.version}
         self.logger.log(self.step, row)
         self._report("step", row)
         self.stop.check()
         return row
 
-    def _dump_rollouts(self, trajs: list[Trajectory]) -> None:
-        """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included."""
+    def _dump_rollouts(self, trajs: list[Trajectory], sample_versions: list[int], trained_at: int,
+                       kept: set[str]) -> None:
+        """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
+
+        Each row records ``sample_version`` (engine policy version when its group started),
+        ``trained_at_version`` (the trainer's version when the step trained) and ``trained``
+        (it entered the gradient: trainable with a non-zero advantage).
+        """
         path = self.out / "rollouts" / f"step_{self.step:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         tok = self.roles.tokenizer
         with path.open("w") as f:
-            for t in trajs:
+            for t, version in zip(trajs, sample_versions):
                 response = [tok.decode(turn.token_ids) for turn in t.turns]
                 f.write(json.dumps({
                     "sample_id": t.sample_id, "task_id": t.task_id, "reward": t.reward,
                     "reward_status": t.reward_status, "metrics": t.metrics, "stop_reason": t.stop_reason,
                     "error": t.error, "policy_versions": t.policy_versions, "response": response,
+                    "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
                 }) + "\n")
 
     def _rollout(self) -> tuple[list[Trajectory], float]:
@@ -208,32 +229,39 @@ class Controller:
         trajs = self.stop.run(lambda: self.roles.runner.run(specs, self.params(), on_done=lambda t: self._report("episode", {})))
         return trajs, time.perf_counter() - t0
 
-    def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
+    def _update(self, trajs: list[Trajectory], adv: Any = None) -> tuple[dict[str, float], set[str]]:
+        """Train on ``trajs`` (advantages [B], default: their GRPO advantages) and publish the
+        new version; returns the metrics and the ids of the samples that entered the gradient."""
         from relax_agent.train.batch import collate, trajectory_advantages
 
-        adv = trajectory_advantages(trajs, std_normalize=self.cfg.trainer.adv_std_normalize)
+        if adv is None:
+            adv = trajectory_advantages(trajs, std_normalize=self.cfg.trainer.adv_std_normalize)
         keep = [i for i, t in enumerate(trajs) if t.trainable and float(adv[i]) != 0.0]
+        kept = {trajs[i].sample_id for i in keep}
         n_valid = sum(t.trainable for t in trajs)
         out = {"train/samples": float(len(keep)), "train/zero_advantage": float(n_valid - len(keep))}
         if not keep:
-            return out  # every group was uniform: no gradient, no new version
+            return out, kept  # every group was uniform: no gradient, no new version
         batch = collate([trajs[i] for i in keep], adv[keep], self.roles.tokenizer.pad_token_id)
         t0 = time.perf_counter()
         out.update(self.roles.trainer.train_step(batch))
         out["timing/train_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.version += 1
-        self.roles.engine.load_weights(self.roles.trainer.policy_state_dict(), self.version)
+        stats = self.publish(self.roles.trainer.policy_state_dict(), self.version)
         out["timing/weight_sync_s"] = time.perf_counter() - t0
-        return out
+        if hasattr(stats, "as_metrics"):
+            out.update(stats.as_metrics())
+        return out, kept
 
     # -- evaluation and plots ---------------------------------------------------------------
-    def run_eval(self) -> dict[str, Any]:
+    def run_eval(self, run: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
+        """Evaluate on the held-out tasks; ``run`` drives the coroutines (default: Ctrl-C cancels them)."""
         e = self.cfg.eval
         tasks = self.roles.heldout_tasks[: e.num_tasks]
         self._report("eval_start", {"total": len(tasks) * len(e.seeds)})
         result = evaluate(self.roles.runner, tasks, e.seeds, self.params(e.temperature),
-                          on_done=lambda t: self._report("episode", {}), run=self.stop.run)
+                          on_done=lambda t: self._report("episode", {}), run=run or self.stop.run)
         self.logger.log(self.step, {k: v for k, v in result.items() if not isinstance(v, list)})
         self._report("eval", result)
         return result

@@ -18,6 +18,10 @@ ACCURACY = "rollout/accuracy"
 FORMAT_RATE = "rollout/well_formed"
 TOKENS_PER_S = "rollout/tokens_per_s"
 STEP_TIME = "timing/step_s"
+DATA_WAIT = "timing/data_wait_s"
+"""Seconds the trainer sat idle waiting for rollouts in a step (colocate: the whole rollout)."""
+SAMPLES_PER_S = "timing/samples_per_s"
+"""Samples consumed by the step per second of step wall time."""
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_FORMAT_RATE = "eval/well_formed"
 EVAL_REWARD = "eval/reward"
@@ -50,6 +54,14 @@ class MetricsLogger:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def log_histogram(self, step: int, key: str, values: list[float]) -> None:
+        """A TensorBoard histogram of ``values`` at ``step`` (the JSONL row carries the counts)."""
+        if self._tb is not None and values:
+            import numpy as np
+
+            self._tb.add_histogram(key, np.asarray(values, dtype=np.float64), step)
             self._tb.flush()
 
     def close(self) -> None:
