@@ -4,6 +4,10 @@ Environments live in gymnasium's own registry under the ``relax/`` namespace::
 
     import gymnasium, relax_agent.envs
     env = gymnasium.make("relax/BFCL-simple-v0")
+    env = gymnasium.make("relax_agent.envs:relax/Calculator-v0")   # same, without the import
+
+Importing this package also loads third-party packages' ``gymnasium.envs`` entry points
+(:func:`load_plugins`), so their envs appear in ``gymnasium.registry`` and ``relax-agent envs list``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,54 @@ def register(id: str, entry_point: str | Callable[..., gymnasium.Env], **kwargs:
     gymnasium.register(id=id, entry_point=entry_point, **kwargs)
 
 
+def env_ids() -> list[str]:
+    """Ids of the registered chat envs: relax-agent's and plugins' (gymnasium's own envs left out)."""
+    def builtin(entry_point: Any) -> bool:
+        name = entry_point if isinstance(entry_point, str) else getattr(entry_point, "__module__", "")
+        return str(name).startswith("gymnasium.")
+
+    return sorted(i for i, spec in gymnasium.registry.items() if not builtin(spec.entry_point))
+
+
+def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
+    """What ``relax-agent envs show`` prints: registration, reward, tasks per split, tool schemas.
+
+    ``env_id`` may be ``"module:ns/Name-v0"`` (the module is imported first, from the working
+    directory too). Tools come from the env's ``tool_schemas`` when it has them (:class:`ToolEnv`),
+    else from ``reset(seed=0)``; a failure there is reported in ``tools_error``, not raised.
+
+    Raises:
+        gymnasium.error.Error: unknown id (with gymnasium's "did you mean").
+    """
+    module, _, env_id = env_id.rpartition(":")
+    if module:
+        import importlib
+        import os
+        import sys
+
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        importlib.import_module(module)
+    env = gymnasium.make(env_id, **kwargs)
+    try:
+        inner, spec = env.unwrapped, env.spec
+        out: dict[str, Any] = {
+            "id": env_id, "entry_point": spec.entry_point if isinstance(spec.entry_point, str) else repr(spec.entry_point),
+            "kwargs": spec.kwargs, "max_episode_steps": spec.max_episode_steps,
+            "reward": getattr(inner, "reward_description", "") or "(not described)",
+        }
+        if callable(getattr(inner, "tasks", None)):
+            out["tasks"] = {split: len(inner.tasks(split)) for split in ("train", "heldout")}
+        try:
+            schemas = getattr(inner, "tool_schemas", None)
+            out["tools"] = list(schemas) if schemas is not None else env.reset(seed=0)[1].get("tools", [])
+        except Exception as exc:  # noqa: BLE001 - e.g. a sandbox backend that is not running here
+            out["tools_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    finally:
+        env.close()
+
+
 def register_envs() -> None:
     """Register every built-in environment (gymnasium's ``gymnasium.envs`` entry point)."""
     from relax_agent.envs import bfcl, calculator, python_exec, reasoning_gym
@@ -53,6 +105,40 @@ def register_envs() -> None:
     reasoning_gym.register()
 
 
-register_envs()
+def load_plugins() -> list[str]:
+    """Run every other package's ``gymnasium.envs`` entry point; returns the entry points loaded.
 
-__all__ = ["ConversationSpace", "MessageSpace", "TextEnv", "ToolEnv", "register", "register_envs", "tool_schema"]
+    gymnasium 1.x no longer loads this entry-point group itself, so relax-agent does, with
+    gymnasium's old semantics: an entry point named ``NS`` registers its ids in namespace ``NS``
+    (``register(id="Echo-v0")`` -> ``"NS/Echo-v0"``); ``__root__`` registers ids as given. A plugin
+    that fails to load is skipped with a warning naming it.
+    """
+    import contextlib
+    import warnings
+    from importlib.metadata import entry_points
+
+    from gymnasium.envs.registration import namespace
+
+    loaded = []
+    for ep in entry_points(group="gymnasium.envs"):
+        if ep.value.startswith("relax_agent.envs"):
+            continue
+        root = ep.name.startswith("__") and ep.name.endswith("__")
+        try:
+            with contextlib.nullcontext() if root else namespace(ep.name):
+                fn = ep.load()
+                if callable(fn):
+                    fn()
+        except Exception as exc:  # noqa: BLE001 - one broken plugin must not take the others down
+            warnings.warn(f"gymnasium.envs plugin {ep.name} = {ep.value} failed to load: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        loaded.append(f"{ep.name} = {ep.value}")
+    return loaded
+
+
+register_envs()
+load_plugins()
+
+__all__ = ["ConversationSpace", "MessageSpace", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "register",
+           "register_envs", "tool_schema"]

@@ -157,13 +157,42 @@ def eval_cmd(
 
 @envs_app.command("list")
 def envs_list() -> None:
-    """Registered relax-agent environments."""
+    """Registered environments: relax-agent's and those of installed plugin packages."""
+    from relax_agent.envs import env_ids
+
+    for env_id in env_ids():
+        typer.echo(env_id)
+
+
+@envs_app.command("show")
+def envs_show(
+    env_id: str = typer.Argument(..., help="Environment id, e.g. relax/Calculator-v0 (or module:ns/Name-v0)."),
+    kwargs: str = typer.Option("{}", "--kwargs", help='Constructor kwargs as JSON, e.g. \'{"difficulty": 3}\'.'),
+    as_json: bool = typer.Option(False, "--json", is_flag=True, help="Print the description as JSON."),
+) -> None:
+    """Tool schemas, tasks per split and reward of one environment."""
     import gymnasium
 
-    import relax_agent.envs  # noqa: F401
+    from relax_agent.envs import describe
 
-    for env_id in sorted(k for k in gymnasium.registry if k.startswith("relax/")):
-        typer.echo(env_id)
+    try:
+        info = describe(env_id, **json.loads(kwargs))
+    except (gymnasium.error.Error, json.JSONDecodeError, ImportError, TypeError) as exc:
+        _fail(ConfigError(f"{env_id}: {exc}"))
+        return
+    if as_json:
+        typer.echo(json.dumps(info, indent=2, default=str))
+        return
+    typer.echo(f"{info['id']}  ({info['entry_point']}, max_episode_steps={info['max_episode_steps']})")
+    typer.echo(f"kwargs: {json.dumps(info['kwargs'], default=str)}")
+    if "tasks" in info:
+        typer.echo("tasks: " + ", ".join(f"{k} {v}" for k, v in info["tasks"].items()))
+    typer.echo(f"reward: {info['reward']}")
+    tools = info.get("tools")
+    typer.echo(f"tools: {info['tools_error']}" if tools is None else f"tools ({len(tools)}):")
+    for tool in tools or []:
+        fn = tool["function"]
+        typer.echo(f"  {fn['name']}({', '.join(fn.get('parameters', {}).get('properties', {}))}): {fn.get('description', '')}")
 
 
 def _add_subcommands() -> None:
