@@ -239,7 +239,7 @@ def _failed(spec: EpisodeSpec, rec: _Recorder | None, messages: list[dict[str, A
         cause = f"env call exceeded step_timeout_s={spec.step_timeout_s}"
     else:
         frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-        where = f" at {frame.filename}:{frame.lineno}" if frame else ""
+        where = f" at {frame.filename}:{frame.lineno}" if frame and frame.filename != __file__ else ""
         cause = f"{type(exc).__name__}: {exc}{where}"
     rec = rec or _Recorder(())
     return Trajectory(
