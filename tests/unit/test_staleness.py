@@ -57,19 +57,27 @@ def test_gate_staleness_rule():
 
 
 class FakeRunner(RolloutRunner):
-    """Episodes that sleep (seeded, long-tailed, or per group), then generate once."""
+    """Episodes that wait (``delay_s(spec)``: seconds, or a condition), then generate once."""
 
     def __init__(self, engine, delay_s):
         self.engine, self.limits, self.delay_s = engine, RolloutLimits(), delay_s
-        self.cancelled = 0
+        self.cancelled = self.in_flight = 0
 
     async def run(self, specs, params, on_done=None):
         async def one(spec):
+            self.in_flight += 1
             try:
-                await asyncio.sleep(self.delay_s(spec))
+                delay = self.delay_s(spec)
+                if callable(delay):  # a condition to wait for
+                    while not delay():
+                        await asyncio.sleep(0.002)
+                else:
+                    await asyncio.sleep(delay)
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+            finally:
+                self.in_flight -= 1
             gen = await self.engine.generate(PROMPT, params)
             n = len(gen.token_ids)
             reward = float(np.random.default_rng(spec.seed).integers(0, 3))
@@ -152,8 +160,10 @@ def test_async_s0_draws_the_same_tasks_and_versions_as_colocate(tmp_path):
 
 
 def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):
-    slow = lambda spec: 0.2 if spec.group_id == "s0/g0" else 0.005  # noqa: E731
-    ctrl = make_controller(tmp_path, 1, slow, steps=12, train_s=0.03)  # the slow group ends mid-run
+    def delay(spec):  # group s0/g0 (version 0) finishes only once the trainer is at version 3
+        return (lambda: ctrl.version >= 3) if spec.group_id == "s0/g0" else 0.005
+
+    ctrl = make_controller(tmp_path, 1, delay, steps=8)
     AsyncLoop(ctrl).run()
     rows = dumped(tmp_path)
     assert not [r for r in rows if r["sample_id"].startswith("s0/g0/")]
@@ -162,12 +172,12 @@ def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):
 
 
 def test_stop_cancels_rollouts_and_finishes_the_update(tmp_path):
-    ctrl = make_controller(tmp_path, 1, lambda spec: 0.1, steps=1000, train_s=0.05)  # groups outlast an update
+    ctrl = make_controller(tmp_path, 1, lambda spec: 0.05, steps=1000, train_s=0.02)
     loop = AsyncLoop(ctrl)
 
     def interrupt():
-        while ctrl.step < 3:
-            time.sleep(0.01)
+        while ctrl.step < 3 or not ctrl.roles.runner.in_flight:
+            time.sleep(0.005)
         ctrl.stop._on_sigint()
 
     threading.Thread(target=interrupt, daemon=True).start()
