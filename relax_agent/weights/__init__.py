@@ -30,6 +30,7 @@ _LAZY = {
     "TensorMeta": "meta", "VersionMeta": "meta", "layout_diff": "meta",
     "HttpCoordinator": "service", "serve_coordinator": "service",
     "connect_subscriber": "remote",
+    "TensorEngine": "fake",
 }
 
 __all__ = ["WeightSyncConfig", *sorted(_LAZY)]

@@ -46,4 +46,9 @@ class Receiver(Protocol):
         stats (``receive_s``, ``bytes``, ``resumes``). Raises ``WeightSyncError``."""
         ...
 
+    def skip(self, meta: VersionMeta) -> None:
+        """The engine refused ``meta``: do what the transport needs without keeping the bytes
+        (a collective transport still takes part in the broadcast)."""
+        ...
+
     def close(self) -> None: ...

@@ -71,9 +71,9 @@ class Coordinator:
             self._publisher = address or "in-process"
 
     def register_subscriber(self, name: str) -> str:
-        """Add a subscriber; returns its id (``name#n``)."""
+        """Add a subscriber; returns its id (``name.n``)."""
         with self._cond:
-            sub_id = f"{name}#{next(self._ids)}"
+            sub_id = f"{name}.{next(self._ids)}"
             self._subscribers[sub_id] = name
             return sub_id
 

@@ -62,5 +62,8 @@ class InprocReceiver:
         tensors = self._sender.tensors(meta.version)
         return tensors, {"receive_s": time.perf_counter() - start, "bytes": 0.0, "resumes": 0.0}
 
+    def skip(self, meta: VersionMeta) -> None:
+        """Nothing to do: no bytes move."""
+
     def close(self) -> None:
         pass

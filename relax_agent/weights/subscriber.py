@@ -98,7 +98,11 @@ class EngineSubscriber:
         """
         with self._apply_lock:
             try:
-                names = self.check(meta)
+                try:
+                    names = self.check(meta)
+                except WeightSyncError:
+                    self._receiver.skip(meta)
+                    raise
                 tensors, stats = self._receiver.receive(meta)
                 stats["pause_s"] = self._load(tensors, names, meta.version)
                 report = ApplyReport(self.id, meta.version, None, stats)

@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
@@ -160,7 +160,7 @@ class TcpSender:
                 conn.sendall(_HELLO.pack(MAGIC, latest, 0))
                 return
             self._stream(conn, offer, first)
-        except OSError as exc:  # the subscriber went away; it reconnects and resumes
+        except (OSError, EOFError) as exc:  # the subscriber went away; it reconnects and resumes
             log.debug("weight server: connection ended: %s", exc)
         finally:
             with self._lock:
@@ -209,7 +209,8 @@ class TcpReceiver:
         next_bucket, resumes = 0, 0
         while next_bucket < meta.num_buckets:
             try:
-                next_bucket = self._fetch(meta, view, next_bucket, verify)
+                for done in self._fetch(meta, view, next_bucket, verify):
+                    next_bucket = done + 1
             except (OSError, EOFError) as exc:
                 resumes += 1
                 if resumes > self._cfg.max_reconnects:
@@ -228,8 +229,8 @@ class TcpReceiver:
             raise WeightSyncError(f"version {meta.version} has no tcp address in its metadata")
         return address
 
-    def _fetch(self, meta: VersionMeta, view: memoryview, first: int, verify) -> int:
-        """Receive buckets from ``first`` on one connection; returns the next bucket still missing."""
+    def _fetch(self, meta: VersionMeta, view: memoryview, first: int, verify) -> Iterator[int]:
+        """Receive buckets from ``first`` on one connection, yielding each bucket once it is complete and verified."""
         host, _, port = self._target(meta).rpartition(":")
         with socket.create_connection((host, int(port)), timeout=self._cfg.connect_timeout_s) as conn:
             conn.sendall(_HELLO.pack(MAGIC, meta.version, first))
@@ -245,8 +246,10 @@ class TcpReceiver:
                 _recv_into(conn, view[start:end])
                 if verify is not None:
                     _check_bucket(meta, b, verify(iter([view[start:end]])))
-                first = b + 1
-        return first
+                yield b
+
+    def skip(self, meta: VersionMeta) -> None:
+        """Nothing to do: a refused version is simply not fetched."""
 
     def close(self) -> None:
         self._buffer = None

@@ -1,0 +1,70 @@
+"""A weights-only engine for weight-sync tests: named tensors, ``load_weights``, ``weight_layout``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from relax_agent.errors import WeightSyncError
+
+
+@dataclass
+class TensorEngineStats:
+    """``weight_loads`` applied and ``weight_load_s`` spent copying them (the engine's pause)."""
+
+    weight_loads: int = 0
+    weight_load_s: float = 0.0
+
+
+class TensorEngine:
+    """Holds a copy of ``state_dict`` (cast to ``dtype`` for floating tensors) and applies versions atomically.
+
+    Args:
+        state_dict: the initial weights (version ``version``).
+        dtype: floating-point dtype the engine keeps (None: as given).
+        version: initial ``policy_version``.
+    """
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None,
+                 version: int = 0) -> None:
+        self.tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).clone()
+                        for k, v in state_dict.items()}
+        self._version = version
+        self._lock = threading.Lock()
+        self.stats = TensorEngineStats()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Copy (and cast) ``state_dict`` in under the lock.
+
+        Raises:
+            WeightSyncError: an unknown key (nothing is copied then).
+        """
+        unknown = [k for k in state_dict if k not in self.tensors]
+        if unknown:
+            raise WeightSyncError(f"load_weights: unknown keys {unknown[:3]}")
+        with self._lock, torch.no_grad():
+            start = time.perf_counter()
+            for name, value in state_dict.items():
+                self.tensors[name].copy_(value)
+            self._version = int(version)
+            self.stats.weight_loads += 1
+            self.stats.weight_load_s += time.perf_counter() - start
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, copy of the tensors), read atomically."""
+        with self._lock:
+            return self._version, {k: v.clone() for k, v in self.tensors.items()}
+
+    def close(self) -> None:
+        pass

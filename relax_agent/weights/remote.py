@@ -1,0 +1,63 @@
+"""Rollout replicas in other processes: subscribe an engine through the coordinator's HTTP service.
+
+Example (in the rollout process)::
+
+    sub = connect_subscriber("http://127.0.0.1:8600", engine, WeightSyncConfig(transport="tcp"))
+    # the engine now holds the latest published version (if any) and follows new ones
+    ...
+    sub.close()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_agent.errors import WeightSyncError
+from relax_agent.weights.base import Receiver
+from relax_agent.weights.config import WeightSyncConfig
+from relax_agent.weights.service import HttpCoordinator
+from relax_agent.weights.subscriber import EngineSubscriber, NameMap
+
+
+def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str = "replica",
+                       name_map: NameMap | None = None, rank: int | None = None, address: str | None = None,
+                       wait_first_s: float = 0.0, follow: bool = True) -> EngineSubscriber:
+    """Register ``engine`` with the coordinator at ``url``, pull the latest version, then follow.
+
+    Args:
+        url: the coordinator service (``WeightSync.service_url`` on the trainer side).
+        engine: the replica's inference engine.
+        cfg: the run's ``weights`` section (transport, timeouts, name map).
+        name: label in the coordinator.
+        name_map: overrides ``cfg.name_map``.
+        rank: nccl only: this process's rank in the weight-sync group (1 .. world_size-1).
+        address: tcp only: fetch from this "host:port" instead of the advertised address.
+        wait_first_s: wait this long for a first version to exist before returning.
+        follow: keep applying new versions in a background thread.
+
+    Raises:
+        WeightSyncError: the coordinator cannot be reached, the transport is inproc, or the
+            latest version does not fit the engine.
+    """
+    coordinator = HttpCoordinator(url, timeout_s=cfg.connect_timeout_s)
+    sub = EngineSubscriber(engine, _receiver(cfg, rank, address), coordinator, name,
+                           name_map if name_map is not None else (cfg.name_map or None), cfg.poll_timeout_s)
+    report = sub.sync_latest(wait_first_s)
+    if report is not None and report.error is not None:
+        sub.close()
+        raise WeightSyncError(report.error)
+    return sub.start() if follow else sub
+
+
+def _receiver(cfg: WeightSyncConfig, rank: int | None, address: str | None) -> Receiver:
+    if cfg.transport == "tcp":
+        from relax_agent.weights.tcp import TcpReceiver
+
+        return TcpReceiver(cfg, address)
+    if cfg.transport == "nccl":
+        from relax_agent.weights.nccl import NcclReceiver
+
+        if rank is None:
+            raise WeightSyncError("weights.transport=nccl: connect_subscriber needs this process's rank")
+        return NcclReceiver(cfg, rank)
+    raise WeightSyncError("weights.transport=inproc has no remote subscribers; use tcp or nccl")

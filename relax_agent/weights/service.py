@@ -1,0 +1,193 @@
+"""The coordinator as an HTTP service (FastAPI + uvicorn), and the client that talks to it.
+
+Endpoints (JSON)::
+
+    POST   /subscribers              {"name"}                 -> {"id"}
+    DELETE /subscribers/{id}
+    POST   /versions                 VersionMeta              (409: not newer than the latest)
+    GET    /versions/latest                                   -> VersionMeta | null
+    GET    /versions/wait?after=&timeout_s=&subscriber=       -> VersionMeta | null (long poll)
+    POST   /reports                  ApplyReport
+    GET    /status                                            -> publisher, subscribers, latest version
+
+``HttpCoordinator`` implements the same methods as the in-process
+:class:`~relax_agent.weights.coordinator.Coordinator`, so an ``EngineSubscriber`` in another
+process uses it unchanged.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel
+
+from relax_agent.errors import WeightSyncError
+from relax_agent.weights.coordinator import ApplyReport, Coordinator
+from relax_agent.weights.meta import VersionMeta
+
+_START_TIMEOUT_S = 15.0
+_MAX_POLL_S = 120.0
+
+
+class _Name(BaseModel):
+    name: str
+
+
+class _Report(BaseModel):
+    subscriber: str
+    version: int
+    error: str | None = None
+    stats: dict[str, float] = {}
+
+
+def create_coordinator_app(coordinator: Coordinator) -> FastAPI:
+    """A FastAPI app exposing ``coordinator`` (handlers are sync: long polls block a pool thread)."""
+    app = FastAPI(title="relax-agent weight coordinator")
+
+    @app.post("/subscribers")
+    def register(body: _Name) -> dict[str, str]:
+        return {"id": coordinator.register_subscriber(body.name)}
+
+    @app.delete("/subscribers/{subscriber}")
+    def unregister(subscriber: str) -> dict[str, bool]:
+        coordinator.unregister_subscriber(subscriber)
+        return {"ok": True}
+
+    @app.post("/versions")
+    def commit(meta: dict[str, Any]) -> dict[str, int]:
+        parsed = VersionMeta.from_json(meta)
+        try:
+            coordinator.commit(parsed)
+        except WeightSyncError as exc:
+            raise HTTPException(409, str(exc)) from exc
+        return {"version": parsed.version}
+
+    @app.get("/versions/latest")
+    def latest() -> dict[str, Any] | None:
+        meta = coordinator.latest()
+        return None if meta is None else meta.to_json()
+
+    @app.get("/versions/wait")
+    def wait(after: int | None = None, timeout_s: float = 30.0, subscriber: str | None = None) -> dict[str, Any] | None:
+        meta = coordinator.wait_for_version(after, min(timeout_s, _MAX_POLL_S), subscriber)
+        return None if meta is None else meta.to_json()
+
+    @app.post("/reports")
+    def report(body: _Report) -> dict[str, bool]:
+        coordinator.report(ApplyReport(body.subscriber, body.version, body.error, dict(body.stats)))
+        return {"ok": True}
+
+    @app.get("/status")
+    def status() -> dict[str, Any]:
+        return coordinator.describe()
+
+    return app
+
+
+class CoordinatorService:
+    """A coordinator app served by uvicorn in a daemon thread; ``url`` once started."""
+
+    def __init__(self, coordinator: Coordinator, host: str, port: int) -> None:
+        import uvicorn
+
+        self._sock = socket.create_server((host, port))
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(create_coordinator_app(coordinator), log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="weights-coordinator", daemon=True)
+
+    def start(self) -> "CoordinatorService":
+        """Start serving; returns once the server accepts requests.
+
+        Raises:
+            WeightSyncError: it did not start within 15 s.
+        """
+        self._thread.start()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise WeightSyncError(f"weight coordinator service at {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10.0)
+        self._sock.close()
+
+
+def serve_coordinator(coordinator: Coordinator, host: str = "127.0.0.1", port: int = 0) -> CoordinatorService:
+    """Serve ``coordinator`` over HTTP on ``host:port`` (0: a free port); returns the running service.
+
+    Raises:
+        WeightSyncError: the port cannot be bound or the server did not start.
+    """
+    try:
+        return CoordinatorService(coordinator, host, port).start()
+    except OSError as exc:
+        raise WeightSyncError(f"weight coordinator cannot listen on {host}:{port} (weights.service_port): {exc}") from exc
+
+
+class HttpCoordinator:
+    """Client of a :class:`CoordinatorService` with the in-process coordinator's methods.
+
+    Args:
+        url: base URL, e.g. ``http://127.0.0.1:8600``.
+        timeout_s: per-request timeout (long polls add their own wait to it).
+        transport: an ``httpx`` transport for tests.
+
+    Every method raises :class:`WeightSyncError` when the service cannot be reached or refuses.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._timeout_s = timeout_s
+        self._client = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+
+    def _call(self, method: str, path: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        try:
+            resp = self._client.request(method, path, timeout=timeout_s or self._timeout_s, **kwargs)
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(f"weight coordinator {self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise WeightSyncError(f"weight coordinator {self.url}{path} answered {resp.status_code}: {resp.text}")
+        return resp.json()
+
+    def register_subscriber(self, name: str) -> str:
+        return self._call("POST", "/subscribers", json={"name": name})["id"]
+
+    def unregister_subscriber(self, subscriber: str) -> None:
+        self._call("DELETE", f"/subscribers/{quote(subscriber, safe='')}")
+
+    def commit(self, meta: VersionMeta) -> None:
+        self._call("POST", "/versions", json=meta.to_json())
+
+    def latest(self) -> VersionMeta | None:
+        data = self._call("GET", "/versions/latest")
+        return None if data is None else VersionMeta.from_json(data)
+
+    def wait_for_version(self, after: int | None, timeout_s: float, subscriber: str | None = None) -> VersionMeta | None:
+        params: dict[str, Any] = {"timeout_s": timeout_s}
+        if after is not None:
+            params["after"] = after
+        if subscriber is not None:
+            params["subscriber"] = subscriber
+        data = self._call("GET", "/versions/wait", timeout_s=self._timeout_s + timeout_s, params=params)
+        return None if data is None else VersionMeta.from_json(data)
+
+    def report(self, report: ApplyReport) -> None:
+        self._call("POST", "/reports", json=asdict(report))
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/status")
+
+    def close(self) -> None:
+        self._client.close()
