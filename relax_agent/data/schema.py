@@ -200,9 +200,9 @@ def assemble(spec: FieldSpec, pieces: Sequence[np.ndarray | list]) -> np.ndarray
     when the batch is one contiguous slice of one chunk; other fields give a list of rows.
     """
     if spec.stacks:
-        if len(pieces) == 1:
-            return pieces[0]
-        return _readonly(np.concatenate(pieces))
+        arrays = [p if isinstance(p, np.ndarray) else np.asarray(p, spec.dtype).reshape(len(p), *spec.shape)
+                  for p in pieces]
+        return _readonly(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
     out: list = []
     for piece in pieces:
         out.extend(piece)

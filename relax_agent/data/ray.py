@@ -1,0 +1,218 @@
+"""Ray data bus: a metadata actor (asyncio, never blocks its loop) and the Ray object store.
+
+Any process of the Ray cluster builds a :class:`RayTransferQueue` with the same
+``ray_actor_name`` and shares one bus; the object pickles, so it can be handed to actors.
+
+- The actor holds one :class:`~relax_agent.data.store.Store`: rows, cursors and leases. Its
+  methods are coroutines; a blocked ``put`` or ``get`` awaits an ``asyncio.Condition`` (with
+  a timeout at the next lease deadline), so one waiting consumer never stalls the others.
+- A field value larger than ``ray_inline_max_bytes`` is ``ray.put`` once by the producer and
+  only its reference and shapes reach the actor; consumers ``ray.get`` it and receive
+  read-only numpy views of shared memory (zero-copy). Smaller values travel inside the
+  actor's messages and live in the actor.
+- Ray's ownership model applies to the large values: they live as long as the producer
+  process that put them. Rows whose large values were put by a process that has died can no
+  longer be read; ``get`` then raises :class:`DataError` naming them (``clear`` the partition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import ray
+
+from relax_agent.data.config import DataConfig
+from relax_agent.data.protocol import Batch
+from relax_agent.data.samplers import Sampler
+from relax_agent.data.schema import OBJECT, FieldSpec, assemble
+from relax_agent.data.store import RefField, Store
+from relax_agent.errors import ConfigError, DataError, QueueTimeoutError
+
+
+@dataclass(frozen=True)
+class _InStore:
+    """A reference to a chunk in the object store, as the actor hands it out (Ray passes
+    references nested in a value through without resolving them)."""
+
+    ref: Any
+
+
+class MetadataActor:
+    """The Ray actor behind :class:`RayTransferQueue` (created by it; ``max_concurrency`` high)."""
+
+    def __init__(self, lease_timeout_s: float) -> None:
+        self._store = Store(lease_timeout_s)
+        self._cond = asyncio.Condition()
+
+    async def call(self, method: str, *args: Any) -> tuple[bool, Any]:
+        """Run one bus method; returns ``(True, result)`` or ``(False, exception)`` so our own
+        errors reach the caller with their type."""
+        try:
+            async with self._cond:
+                return True, await getattr(self, "_" + method)(*args)
+        except (DataError, QueueTimeoutError, LookupError) as exc:
+            return False, exc
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def _create_partition(self, *args: Any) -> None:
+        self._store.create_partition(*args)
+
+    async def _put(self, partition: str, ids: list[str], fields: dict[str, Any], group_ids: list[str] | None,
+                   versions: list[int] | None, timeout_s: float | None, overwrite: bool) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._expire()
+            plan = self._store.plan_put(partition, ids, fields, group_ids, versions, overwrite)
+            free = self._store.free_rows(partition)
+            if free >= plan.new_rows:
+                break
+            if not await self._wait(deadline):
+                raise QueueTimeoutError(f"put of {plan.new_rows} new rows to partition {partition!r}: still "
+                                        f"{free} free rows after timeout_s={timeout_s}")
+        self._store.commit_put(plan)
+        self._cond.notify_all()
+
+    async def _get(self, partition: str, fields: list[str], consumer: str, batch_size: int,
+                   timeout_s: float | None, sampler: str | Sampler) -> tuple:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._expire()
+            taken = self._store.take(partition, fields, consumer, batch_size, sampler, time.monotonic())
+            if taken is not None:
+                break
+            if not await self._wait(deadline):
+                raise QueueTimeoutError(f"get of {batch_size} rows with fields {fields} for consumer {consumer!r} "
+                                        f"from partition {partition!r}: not ready after timeout_s={timeout_s}")
+        pieces = {
+            name: [(_InStore(stored.values), start, stop) if stored.is_ref else (stored.values[start:stop], 0, stop - start)
+                   for stored, start, stop in segments]
+            for name, segments in taken.segments.items()
+        }
+        return taken.lease_id, taken.sample_ids, taken.group_ids, taken.versions, pieces, taken.specs
+
+    async def _ack(self, lease_id: str) -> bool:
+        done = self._store.ack(lease_id)
+        self._cond.notify_all()
+        return done
+
+    async def _nack(self, lease_id: str) -> bool:
+        done = self._store.nack(lease_id)
+        self._cond.notify_all()
+        return done
+
+    async def _clear(self, partition: str) -> None:
+        self._store.clear(partition)
+        self._cond.notify_all()
+
+    async def _stats(self, partition: str) -> dict[str, Any]:
+        self._expire()
+        return self._store.stats(partition)
+
+    def _expire(self) -> None:
+        if self._store.expire(time.monotonic()):
+            self._cond.notify_all()
+
+    async def _wait(self, deadline: float | None) -> bool:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return False
+        wake = [t for t in (deadline, self._store.next_deadline()) if t is not None]
+        try:
+            await asyncio.wait_for(self._cond.wait(), timeout=max(0.0, min(wake) - now) if wake else None)
+        except asyncio.TimeoutError:
+            pass
+        return True
+
+
+class RayTransferQueue:
+    """The Ray backend of :class:`relax_agent.data.TransferQueue` (see there for the API).
+
+    Raises:
+        ConfigError: Ray is not initialised (call ``ray.init(num_cpus=...)`` first).
+    """
+
+    def __init__(self, cfg: DataConfig | None = None) -> None:
+        self.cfg = cfg or DataConfig(backend="ray")
+        if not ray.is_initialized():
+            raise ConfigError("data.backend='ray' needs a running Ray: call ray.init(num_cpus=...) first")
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
+        self._actor = actor_cls.options(name=self.cfg.ray_actor_name, get_if_exists=True).remote(
+            self.cfg.lease_timeout_s)
+
+    @property
+    def actor(self) -> Any:
+        """The metadata actor's handle."""
+        return self._actor
+
+    def _call(self, method: str, *args: Any) -> Any:
+        ok, value = ray.get(self._actor.call.remote(method, *args))
+        if not ok:
+            raise value
+        return value
+
+    def create_partition(self, partition: str, capacity_rows: int,
+                         schema: Mapping[str, FieldSpec | str | tuple] | None = None, *,
+                         group_size: int | None = None, retire_after: Sequence[str] = ()) -> None:
+        self._call("create_partition", partition, capacity_rows, None if schema is None else dict(schema),
+                   group_size, tuple(retire_after))
+
+    def put(self, partition: str, sample_ids: Sequence[str], fields: Mapping[str, Sequence[Any] | np.ndarray], *,
+            group_ids: Sequence[str] | None = None, versions: Sequence[int] | None = None,
+            timeout_s: float | None = None, overwrite: bool = False) -> None:
+        payload = {name: self._encode(values) for name, values in fields.items()}
+        self._call("put", partition, [str(s) for s in sample_ids], payload,
+                   None if group_ids is None else list(group_ids), None if versions is None else list(versions),
+                   timeout_s, overwrite)
+
+    def _encode(self, values: Sequence[Any] | np.ndarray) -> Any:
+        """Large arrays (or lists of arrays of one dtype) go to the object store, the rest inline."""
+        limit = self.cfg.ray_inline_max_bytes
+        if isinstance(values, np.ndarray):
+            if values.nbytes > limit and values.ndim >= 1 and values.dtype.kind != "O":
+                return RefField(ray.put(values), values.dtype.name, [values.shape[1:]] * len(values))
+            return values
+        rows = list(values)
+        if rows and all(isinstance(r, np.ndarray) for r in rows):
+            dtypes = {r.dtype.name for r in rows}
+            if len(dtypes) == 1 and OBJECT not in dtypes and sum(r.nbytes for r in rows) > limit:
+                return RefField(ray.put(rows), dtypes.pop(), [r.shape for r in rows])
+        return rows
+
+    def get(self, partition: str, fields: Sequence[str], consumer: str, batch_size: int,
+            timeout_s: float | None = None, sampler: str | Sampler = "fifo") -> Batch:
+        lease_id, ids, group_ids, versions, pieces, specs = self._call(
+            "get", partition, list(fields), consumer, batch_size, timeout_s, sampler)
+        refs = list({box.ref: None for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)})
+        try:
+            resolved = dict(zip(refs, ray.get(refs)))
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as exc:
+            raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
+                            f"({type(exc).__name__}); clear the partition") from exc
+        out = {}
+        for name, segs in pieces.items():
+            parts = [(resolved[box.ref] if isinstance(box, _InStore) else box)[start:stop] for box, start, stop in segs]
+            out[name] = assemble(specs[name], parts)
+        return Batch(lease_id, partition, consumer, ids, group_ids, versions, out)
+
+    def ack(self, lease_id: str) -> bool:
+        return self._call("ack", lease_id)
+
+    def nack(self, lease_id: str) -> bool:
+        return self._call("nack", lease_id)
+
+    def clear(self, partition: str) -> None:
+        self._call("clear", partition)
+
+    def stats(self, partition: str) -> dict[str, Any]:
+        return self._call("stats", partition)
+
+    def close(self) -> None:
+        """Stop the metadata actor (every process sharing this bus loses it)."""
+        ray.kill(self._actor)

@@ -1,0 +1,148 @@
+"""TransferQueue, Ray backend, against a real local Ray (started once for this module).
+
+Producers and consumers run as Ray actors in their own processes; the consumer that dies is
+killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from relax_agent.data import DataConfig, FieldSpec, build_transfer_queue  # noqa: E402
+from relax_agent.data.ray import RayTransferQueue  # noqa: E402
+from relax_agent.errors import DataError, LeaseError, QueueTimeoutError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LEASE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def tq():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    bus = build_transfer_queue(DataConfig(backend="ray", lease_timeout_s=LEASE_S, ray_inline_max_bytes=1024))
+    assert isinstance(bus, RayTransferQueue)
+    yield bus
+    bus.close()
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    """A consumer process that takes a batch and holds it."""
+
+    def __init__(self, bus: RayTransferQueue) -> None:
+        self.bus = bus
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def take(self, partition: str, consumer: str, n: int) -> list[str]:
+        return self.bus.get(partition, ["x"], consumer, n, timeout_s=30).sample_ids
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    """A producer process that puts rows one at a time (blocking while the partition is full)."""
+
+    def __init__(self, bus: RayTransferQueue) -> None:
+        self.bus = bus
+
+    def produce(self, partition: str, n: int, width: int) -> int:
+        for i in range(n):
+            self.bus.put(partition, [f"s{i}"], {"x": np.full((1, width), i, np.int64)}, group_ids=[f"g{i}"],
+                         versions=[i], timeout_s=60)
+        return n
+
+
+def test_large_and_small_fields_round_trip_zero_copy(tq):
+    tq.create_partition("rt", 64, {"tokens": FieldSpec("int64", (512,)), "reward": FieldSpec("float32"),
+                                   "experts": FieldSpec("int16", (2, 4), ragged=True), "msg": FieldSpec("object")})
+    tokens = np.arange(32 * 512, dtype=np.int64).reshape(32, 512)  # 128 KiB: object store
+    experts = [np.full((n, 2, 4), n, np.int16) for n in (100, 3)]  # 1.6 KiB: object store
+    ids = [f"s{i}" for i in range(32)]
+    tq.put("rt", ids, {"tokens": tokens}, group_ids=["g"] * 32, versions=[7] * 32)
+    tq.put("rt", ids, {"reward": np.linspace(0, 1, 32, dtype=np.float32), "msg": [{"i": i} for i in range(32)]})
+    tq.put("rt", ids[:2], {"experts": experts})
+    batch = tq.get("rt", ["tokens", "reward", "msg", "experts"], "trainer", 2)
+    assert batch.sample_ids == ["s0", "s1"] and batch.versions == [7, 7]
+    np.testing.assert_array_equal(batch.fields["tokens"], tokens[:2])
+    assert not batch.fields["tokens"].flags.writeable  # a view of shared memory
+    assert batch.fields["reward"].dtype == np.float32 and batch.fields["msg"] == [{"i": 0}, {"i": 1}]
+    assert [e.shape for e in batch.fields["experts"]] == [(100, 2, 4), (3, 2, 4)]
+    rest = tq.get("rt", ["tokens"], "trainer", 30)
+    np.testing.assert_array_equal(rest.fields["tokens"], tokens[2:])
+    assert tq.ack(batch.lease_id) is True and tq.ack(batch.lease_id) is False
+
+
+def test_bad_input_is_refused_over_ray_and_rows_stay_readable(tq):
+    tq.create_partition("bad", 8, {"x": FieldSpec("int64", (4,))})
+    tq.put("bad", ["a"], {"x": np.ones((1, 4), np.int64)}, group_ids=["g"], versions=[0])
+    with pytest.raises(DataError, match=r"field 'x' of sample 'b': dtype int32"):
+        tq.put("bad", ["b"], {"x": np.ones((1, 4), np.int32)}, group_ids=["g"], versions=[0])
+    with pytest.raises(DataError, match=r"sample 'b': shape \[1000\]"):  # large: checked from its shapes
+        tq.put("bad", ["b"], {"x": np.ones((1, 1000), np.int64)}, group_ids=["g"], versions=[0])
+    with pytest.raises(DataError, match="duplicate sample id 'a'"):
+        tq.put("bad", ["a"], {"x": np.ones((1, 4), np.int64)}, group_ids=["g"], versions=[0])
+    with pytest.raises(DataError, match="unknown field 'y'"):
+        tq.put("bad", ["c"], {"y": [1]}, group_ids=["g"], versions=[0])
+    with pytest.raises(QueueTimeoutError):
+        tq.get("bad", ["x"], "t", 2, timeout_s=0.1)
+    with pytest.raises(LeaseError):
+        tq.ack("nope")
+    assert tq.get("bad", ["x"], "t", 1).fields["x"].tolist() == [[1, 1, 1, 1]]
+
+
+def test_rows_of_a_killed_consumer_are_redelivered_without_loss(tq):
+    tq.create_partition("kill", 64)
+    n = 24
+    tq.put("kill", [f"s{i}" for i in range(n)], {"x": np.arange(n)}, group_ids=["g"] * n, versions=[0] * n)
+    victim = Consumer.remote(tq)
+    taken = ray.get(victim.take.remote("kill", "trainer", 8))
+    assert taken == [f"s{i}" for i in range(8)]
+    os.kill(ray.get(victim.pid.remote()), signal.SIGKILL)
+    seen = []
+    for _ in range(n // 8):  # the survivor gets the dead consumer's rows once their lease expires
+        batch = tq.get("kill", ["x"], "trainer", 8, timeout_s=30)
+        seen.extend(batch.sample_ids)
+        tq.ack(batch.lease_id)
+    assert sorted(seen) == sorted(f"s{i}" for i in range(n))
+    assert tq.stats("kill")["redelivered_rows"] == 8
+    with pytest.raises(QueueTimeoutError):  # nothing left, nothing twice
+        tq.get("kill", ["x"], "trainer", 1, timeout_s=0.1)
+
+
+def test_producer_process_blocks_on_a_full_partition_and_order_is_kept(tq):
+    tq.create_partition("bp", 4, retire_after=["trainer"])
+    n, width = 40, 2048  # 16 KiB per row: through the object store
+    done = Producer.remote(tq).produce.remote("bp", n, width)
+    seen, peak = [], 0
+    while len(seen) < n:
+        time.sleep(0.005)  # a slow consumer
+        peak = max(peak, tq.stats("bp")["rows"])
+        batch = tq.get("bp", ["x"], "trainer", 2, timeout_s=30)
+        assert batch.fields["x"][0].shape == (width,)
+        seen.extend(int(row[0]) for row in batch.fields["x"])
+        tq.ack(batch.lease_id)
+    assert ray.get(done) == n
+    assert seen == list(range(n)) and peak <= 4
+    assert tq.stats("bp")["retired_rows"] == n
+
+
+def test_a_waiting_get_does_not_block_other_calls(tq):
+    tq.create_partition("wait", 8)
+    waiter = Consumer.remote(tq)
+    pending = waiter.take.remote("wait", "reader", 1)  # blocks in the actor until a row arrives
+    time.sleep(0.2)
+    tq.put("wait", ["a"], {"x": [1]}, group_ids=["g"], versions=[0])
+    assert ray.get(pending, timeout=30) == ["a"]
+    ray.kill(waiter)
