@@ -32,8 +32,10 @@ INSTRUCTION = "Think it through, then give only the final answer inside <answer>
 
 @functools.lru_cache(maxsize=8)
 def _build(dataset: str, size: int, seed: int, config_json: str) -> Any:
-    import reasoning_gym
-
+    try:
+        import reasoning_gym
+    except ImportError as exc:
+        raise ConfigError(f"{ENV_ID} needs the reasoning-gym package: pip install 'relax-agent[reasoning]' ({exc})") from exc
     try:
         return reasoning_gym.create_dataset(dataset, size=size, seed=seed, **json.loads(config_json))
     except (ValueError, TypeError) as exc:

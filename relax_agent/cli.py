@@ -177,6 +177,9 @@ def envs_show(
 
     try:
         info = describe(env_id, **json.loads(kwargs))
+    except RelaxError as exc:
+        _fail(exc)
+        return
     except (gymnasium.error.Error, json.JSONDecodeError, ImportError, TypeError) as exc:
         _fail(ConfigError(f"{env_id}: {exc}"))
         return

@@ -142,3 +142,18 @@ def test_spaces_sample_members_and_compare():
     assert ConversationSpace().contains(ConversationSpace().sample())
     assert not ConversationSpace(max_messages=1).contains([{"role": "user", "content": "a"}] * 2)
     assert MessageSpace() == MessageSpace() and ConversationSpace(2) != ConversationSpace(3)
+
+
+def test_cli_envs_show_prints_tools_tasks_and_reward():
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    out = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--kwargs", '{"num_tasks": 50}'])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "relax/Calculator-v0  (relax_agent.envs.calculator:CalculatorEnv, max_episode_steps=8)"
+    assert "tools (4):" in lines and "  divide(a, b): Divide a by b." in lines
+    assert any(line.startswith("tasks: train ") for line in lines)
+    bad = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--kwargs", '{"difficulty": 9}'])
+    assert bad.exit_code == 2 and "error: difficulty=9; expected one of [1, 2, 3, 4, 5]" in bad.output
