@@ -187,8 +187,9 @@ class ToolEnv(TextEnv):
         return self.prompt(task), {"tools": tools, "task_id": task.get("id")}
 
     async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        """Async ``reset`` (the same episode start; override for I/O-bound set-up)."""
-        return self.reset(seed=seed, options=options)
+        """Async ``reset``: the same episode start, run in a worker thread so a subclass's
+        blocking set-up never stalls the event loop (override with ``async def`` for async I/O)."""
+        return await call_in_thread(self.reset, seed=seed, options=options)
 
     def step(self, action: dict[str, Any]):
         """Run the message's tool calls, or judge it as the final answer.
@@ -207,10 +208,11 @@ class ToolEnv(TextEnv):
         return self._observe([self._run_sync(c) for c in calls[: self.max_tool_calls_per_turn]], action, calls)
 
     async def astep(self, action: dict[str, Any]):
-        """Async :meth:`step`: tools run one after another, async tools awaited on the caller's loop."""
+        """Async :meth:`step`: tools run one after another, async tools awaited on the caller's loop,
+        sync tools and :meth:`score` in worker threads."""
         calls = self._begin_step(action)
         if calls is None:
-            return self._finish(action)
+            return await call_in_thread(self._finish, action)
         return self._observe([await self._run_async(c) for c in calls[: self.max_tool_calls_per_turn]], action, calls)
 
     # -- internals -------------------------------------------------------------------------------
