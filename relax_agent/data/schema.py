@@ -51,9 +51,15 @@ class FieldSpec:
             if np.dtype(name).kind not in _ACCEPTS:
                 raise DataError(f"FieldSpec dtype {self.dtype!r}: use a bool/int/float/complex dtype or 'object'")
             object.__setattr__(self, "dtype", name)
+            object.__setattr__(self, "_np_dtype", np.dtype(name))
         elif self.shape or self.ragged:
             raise DataError("FieldSpec('object') takes no shape and no ragged flag")
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype (numeric fields only)."""
+        return self._np_dtype  # type: ignore[attr-defined]
 
     @property
     def numeric(self) -> bool:
@@ -143,7 +149,7 @@ def _convert_row(value: Any, spec: FieldSpec, field: str, sample_id: str) -> np.
     where = f"field {field!r} of sample {sample_id!r}"
     if isinstance(value, (np.ndarray, np.generic)):
         arr = np.asarray(value)
-        if arr.dtype.name != spec.dtype:
+        if arr.dtype != spec.np_dtype:
             raise DataError(f"{where}: dtype {arr.dtype.name} does not match the partition's {spec}")
     else:
         try:
@@ -180,10 +186,10 @@ def make_chunk(
     spec = spec or infer_spec(values)
     if not spec.numeric:
         return Chunk(list(values), spec, [1] * n)
-    if isinstance(values, np.ndarray) and values.dtype.name == spec.dtype and spec.row_shape_ok(values.shape[1:]):
+    if isinstance(values, np.ndarray) and values.dtype == spec.np_dtype and spec.row_shape_ok(values.shape[1:]):
         length = values.shape[1] if spec.ragged else 1
         return Chunk(_readonly(values), spec, [length] * n)
-    if isinstance(values, np.ndarray) and values.dtype.name != spec.dtype:
+    if isinstance(values, np.ndarray) and values.dtype != spec.np_dtype:
         raise DataError(
             f"field {field!r} of sample {sample_ids[0]!r}: dtype {values.dtype.name} does not match the partition's {spec}"
         )
