@@ -9,6 +9,7 @@ the bytes; it travels as JSON through the coordinator.
 
 from __future__ import annotations
 
+import concurrent.futures
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -215,6 +216,31 @@ def snapshot_into(buffer: torch.Tensor, state_dict: Mapping[str, torch.Tensor],
     with torch.no_grad():
         for name, view in views.items():
             view.copy_(state_dict[name])
+
+
+def snapshot_with_checksums(buffer: torch.Tensor, state_dict: Mapping[str, torch.Tensor],
+                            tensors: tuple[TensorMeta, ...], bucket_bytes: int, algo: str) -> tuple[int, ...]:
+    """:func:`snapshot_into` plus :func:`bucket_checksums` of the result, overlapped.
+
+    Tensors are copied in offset order; each bucket is checksummed on a worker thread as
+    soon as every tensor it covers has been copied (both release the GIL).
+    """
+    if algo == "none":
+        snapshot_into(buffer, state_dict, tensors)
+        return ()
+    fn, total = checksum_fn(algo), buffer.numel()
+    view = memoryview(buffer.numpy())
+    starts = list(range(0, total, bucket_bytes))
+    futures: list[concurrent.futures.Future[int]] = []
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-checksum") as pool, torch.no_grad():
+        for t in sorted((t for t in tensors if t.alias_of is None), key=lambda t: t.offset):
+            buffer[t.offset:t.offset + t.nbytes].view(to_dtype(t.dtype)).view(t.shape).copy_(state_dict[t.name])
+            while len(futures) < len(starts) and min(starts[len(futures)] + bucket_bytes, total) <= t.offset + t.nbytes:
+                start = starts[len(futures)]
+                futures.append(pool.submit(fn, iter([view[start:min(start + bucket_bytes, total)]])))
+        for start in starts[len(futures):]:
+            futures.append(pool.submit(fn, iter([view[start:min(start + bucket_bytes, total)]])))
+        return tuple(f.result() for f in futures)
 
 
 def checksum_fn(algo: str) -> Callable[[Iterator[memoryview]], int]:

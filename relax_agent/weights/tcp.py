@@ -11,20 +11,21 @@ Wire protocol (all integers big-endian int64), one version per connection:
 The server sends straight from tensor storage (memoryviews of the snapshot buffer, or of
 the state dict's tensors with ``snapshot: false``): no pickling, no intermediate copy. The
 receiver ``recv_into``\\ s a pre-allocated [total_bytes] uint8 tensor, verifies each bucket's
-checksum against the coordinator's metadata, and after a dropped connection reconnects and
+checksum against the coordinator's metadata (on a worker thread, while the next bucket arrives), and after a dropped connection reconnects and
 resumes after the last complete bucket. Each connection gets its own server thread
 (socket calls release the GIL), so several subscribers are served concurrently.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -37,7 +38,7 @@ from relax_agent.weights.meta import (
     checksum_fn,
     flat_views,
     plan_layout,
-    snapshot_into,
+    snapshot_with_checksums,
 )
 
 log = logging.getLogger("relax_agent.weights")
@@ -95,11 +96,11 @@ class TcpSender:
         buffer = None
         if self._cfg.snapshot:
             buffer = self._free_buffer(total)
-            snapshot_into(buffer, state_dict, tensors)
+            checks = snapshot_with_checksums(buffer, state_dict, tensors, self._cfg.bucket_bytes, self._cfg.checksum)
             source = FlatSource(tensors, total, buffer=buffer)
         else:
             source = FlatSource(tensors, total, state_dict=state_dict)
-        checks = bucket_checksums(source, self._cfg.bucket_bytes, self._cfg.checksum)
+            checks = bucket_checksums(source, self._cfg.bucket_bytes, self._cfg.checksum)
         meta = VersionMeta(version, tensors, total, self._cfg.bucket_bytes, self._cfg.checksum, checks, "tcp",
                            self._address)
         with self._lock:
@@ -205,12 +206,25 @@ class TcpReceiver:
         if self._buffer is None or self._buffer.numel() != meta.total_bytes:
             self._buffer = torch.empty(meta.total_bytes, dtype=torch.uint8)
         view = memoryview(self._buffer.numpy())
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-verify") as pool:
+            resumes = self._fetch_all(meta, view, pool)
+        stats = {"receive_s": time.perf_counter() - start_s, "bytes": float(meta.total_bytes),
+                 "resumes": float(resumes)}
+        return flat_views(self._buffer, meta.tensors), stats
+
+    def _fetch_all(self, meta: VersionMeta, view: memoryview, pool: concurrent.futures.Executor) -> int:
+        """Receive every bucket, reconnecting after drops; checksums run on ``pool`` while the next bucket
+        arrives. Returns the number of reconnections."""
         verify = None if meta.checksum == "none" else checksum_fn(meta.checksum)
+        checks: list[concurrent.futures.Future[None]] = []
         next_bucket, resumes = 0, 0
         while next_bucket < meta.num_buckets:
             try:
-                for done in self._fetch(meta, view, next_bucket, verify):
+                for done in self._fetch(meta, view, next_bucket):
                     next_bucket = done + 1
+                    if verify is not None:
+                        start, end = meta.bucket(done)
+                        checks.append(pool.submit(_verify_bucket, meta, done, verify, view[start:end]))
             except (OSError, EOFError) as exc:
                 resumes += 1
                 if resumes > self._cfg.max_reconnects:
@@ -219,9 +233,9 @@ class TcpReceiver:
                                           f"last error: {exc}") from exc
                 log.info("version %s: connection dropped at bucket %s (%s); resuming", meta.version, next_bucket, exc)
                 time.sleep(_RECONNECT_PAUSE_S)
-        stats = {"receive_s": time.perf_counter() - start_s, "bytes": float(meta.total_bytes),
-                 "resumes": float(resumes)}
-        return flat_views(self._buffer, meta.tensors), stats
+        for check in checks:
+            check.result()
+        return resumes
 
     def _target(self, meta: VersionMeta) -> str:
         address = self._address or meta.address
@@ -229,8 +243,8 @@ class TcpReceiver:
             raise WeightSyncError(f"version {meta.version} has no tcp address in its metadata")
         return address
 
-    def _fetch(self, meta: VersionMeta, view: memoryview, first: int, verify) -> Iterator[int]:
-        """Receive buckets from ``first`` on one connection, yielding each bucket once it is complete and verified."""
+    def _fetch(self, meta: VersionMeta, view: memoryview, first: int) -> Iterator[int]:
+        """Receive buckets from ``first`` on one connection, yielding each bucket once it is complete."""
         host, _, port = self._target(meta).rpartition(":")
         with socket.create_connection((host, int(port)), timeout=self._cfg.connect_timeout_s) as conn:
             conn.sendall(_HELLO.pack(MAGIC, meta.version, first))
@@ -244,8 +258,6 @@ class TcpReceiver:
                 start, end = meta.bucket(b)
                 assert (index, nbytes) == (b, end - start), ((index, nbytes), (b, end - start))
                 _recv_into(conn, view[start:end])
-                if verify is not None:
-                    _check_bucket(meta, b, verify(iter([view[start:end]])))
                 yield b
 
     def skip(self, meta: VersionMeta) -> None:
@@ -255,8 +267,9 @@ class TcpReceiver:
         self._buffer = None
 
 
-def _check_bucket(meta: VersionMeta, index: int, got: int) -> None:
-    want = meta.bucket_checksums[index]
+def _verify_bucket(meta: VersionMeta, index: int, verify: Callable[[Iterator[memoryview]], int],
+                   data: memoryview) -> None:
+    got, want = verify(iter([data])), meta.bucket_checksums[index]
     if got != want:
         start, end = meta.bucket(index)
         raise WeightSyncError(

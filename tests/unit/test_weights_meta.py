@@ -20,6 +20,7 @@ from relax_agent.weights.meta import (
     layout_diff,
     plan_layout,
     snapshot_into,
+    snapshot_with_checksums,
 )
 from relax_agent.weights.service import HttpCoordinator, serve_coordinator
 from relax_agent.weights.subscriber import map_names
@@ -67,6 +68,16 @@ def test_zero_copy_source_yields_the_snapshot_bytes_for_any_range():
         assert bucket_checksums(direct, 128, algo) == bucket_checksums(snap, 128, algo)
         assert len(bucket_checksums(snap, 128, algo)) == -(-total // 128)
     assert bucket_checksums(snap, 128, "none") == ()
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 128, 4096])
+def test_overlapped_snapshot_checksums_equal_the_plain_ones(bucket_bytes):
+    state = mixed_state()
+    tensors, total = plan_layout(state)
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    checks = snapshot_with_checksums(buffer, state, tensors, bucket_bytes, "xxh3")
+    assert checks == bucket_checksums(FlatSource(tensors, total, state_dict=state), bucket_bytes, "xxh3")
+    assert all(torch.equal(v, state[k]) for k, v in flat_views(buffer, tensors).items())
 
 
 def test_checksum_changes_with_one_flipped_bit():
