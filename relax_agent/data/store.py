@@ -282,12 +282,15 @@ class Store:
         """Lease ``batch_size`` ready rows to ``consumer``, or ``None`` if the sampler wants more.
 
         Raises:
-            DataError: unknown partition/field, ``batch_size < 1``, bad sampler.
+            DataError: unknown partition/field, ``batch_size`` below 1 or above the capacity, bad sampler.
         """
         if batch_size < 1:
             raise DataError(f"batch_size={batch_size} must be at least 1")
         self.check_fields(partition, fields)
         part = self._partitions[partition]
+        if batch_size > part.capacity_rows:
+            raise DataError(f"partition {partition!r}: batch_size={batch_size} can never be ready with "
+                            f"capacity_rows={part.capacity_rows}")
         pick = resolve_sampler(sampler, part.group_size, partition)
         cons = part.consumer(consumer)
         chosen = pick.select(self._ready(part, cons, fields), batch_size)

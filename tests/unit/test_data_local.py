@@ -313,3 +313,49 @@ def test_queue_capacity_and_config():
     assert cfg.data.backend == "ray" and cfg.data.lease_timeout_s == 30
     with pytest.raises(ConfigError, match="lease_timeout"):
         load_config(None, ["data.lease_timeout=30"])
+
+
+def test_batch_larger_than_the_capacity_is_refused():
+    tq = make_tq()
+    tq.create_partition("p", 4)
+    with pytest.raises(DataError, match="batch_size=5 can never be ready with capacity_rows=4"):
+        tq.get("p", ["x"], "t", 5)
+
+
+def test_concurrent_producers_and_consumers_deliver_each_row_once_per_consumer():
+    tq = make_tq(lease_timeout_s=0.05)
+    tq.create_partition("p", 16, retire_after=["trainer"])
+    producers, per_producer = 3, 40
+    acked: list[str] = []
+    lock = threading.Lock()
+
+    def produce(p: int) -> None:
+        for i in range(per_producer):
+            tq.put("p", [f"p{p}-{i}"], {"x": [i]}, group_ids=[f"g{p}"], versions=[0], timeout_s=10)
+
+    def consume(c: int) -> None:
+        rng = np.random.default_rng(c)
+        while True:
+            try:
+                batch = tq.get("p", ["x"], "trainer", 2, timeout_s=0.5)
+            except QueueTimeoutError:
+                return
+            roll = rng.random()
+            if roll < 0.15:
+                continue  # this worker "dies": the lease expires and another worker gets the rows
+            if roll < 0.3:
+                tq.nack(batch.lease_id)
+                continue
+            if tq.ack(batch.lease_id):
+                with lock:
+                    acked.extend(batch.sample_ids)
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    threads += [threading.Thread(target=consume, args=(c,)) for c in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = {f"p{p}-{i}" for p in range(producers) for i in range(per_producer)}
+    assert sorted(acked) == sorted(expected)  # every row acked exactly once: no loss, no duplicate
+    assert tq.stats("p")["rows"] == 0
