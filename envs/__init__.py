@@ -20,9 +20,6 @@ from relax_agent.envs.base import TextEnv
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
 from relax_agent.envs.tool_env import ToolEnv, tool_schema
 
-_BUILTINS: list[dict[str, Any]] = []
-
-
 def register(id: str, entry_point: str | Callable[..., gymnasium.Env], **kwargs: Any) -> None:
     """Register an environment in gymnasium's own registry (same arguments as ``gymnasium.register``).
 
