@@ -29,6 +29,9 @@ class DataConfig(Section):
     set it above the longest step that consumes one batch."""
     ray_actor_name: str = "relax_transfer_queue"
     """Name of the metadata actor; processes that build the bus with the same name share it."""
+    ray_direct_channel: bool = True
+    """Processes on the metadata actor's node send calls that carry no object references over
+    an authenticated Unix socket instead of Ray tasks (much lower per-call cost)."""
     ray_inline_max_bytes: int = Field(default=64 * 1024, ge=0)
     """Field values up to this size travel inside the actor's messages; larger ones go
     through the Ray object store once (zero-copy numpy on get)."""

@@ -10,6 +10,9 @@ Any process of the Ray cluster builds a :class:`RayTransferQueue` with the same
   only its reference and shapes reach the actor; consumers ``ray.get`` it and receive
   read-only numpy views of shared memory (zero-copy). Smaller values travel inside the
   actor's messages and live in the actor.
+- Processes on the actor's node send calls without object references over an authenticated
+  Unix socket instead of Ray tasks (:mod:`.channel`; ``ray_direct_channel``): same state,
+  a fraction of the per-call cost.
 - Ray's ownership model applies to the large values: they live as long as the producer
   process that put them. Rows whose large values were put by a process that has died can no
   longer be read; ``get`` then raises :class:`DataError` naming them (``clear`` the partition).
@@ -18,7 +21,9 @@ Any process of the Ray cluster builds a :class:`RayTransferQueue` with the same
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -26,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import ray
 
+from relax_agent.data.channel import ChannelClient, ChannelServer
 from relax_agent.data.config import DataConfig
 from relax_agent.data.protocol import Batch
 from relax_agent.data.samplers import Sampler
@@ -42,12 +48,22 @@ class _InStore:
     ref: Any
 
 
+@dataclass(frozen=True)
+class _Parked:
+    """A channel reply that holds object references: fetch it through Ray with ``unpark``."""
+
+    token: int
+
+
 class MetadataActor:
     """The Ray actor behind :class:`RayTransferQueue` (created by it; ``max_concurrency`` high)."""
 
     def __init__(self, lease_timeout_s: float) -> None:
         self._store = Store(lease_timeout_s)
         self._cond = asyncio.Condition()
+        self._channel: ChannelServer | None = None
+        self._parked: dict[int, tuple[bool, Any]] = {}
+        self._tokens = itertools.count()
 
     async def call(self, method: str, *args: Any) -> tuple[bool, Any]:
         """Run one bus method; returns ``(True, result)`` or ``(False, exception)`` so our own
@@ -60,6 +76,25 @@ class MetadataActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    async def channel(self) -> tuple[str, bytes, str]:
+        """``(socket path, auth key, node id)`` of the same-node channel, started on first use."""
+        if self._channel is None:
+            self._channel = ChannelServer(self._channel_call, asyncio.get_running_loop())
+        return self._channel.address, self._channel.authkey, ray.get_runtime_context().get_node_id()
+
+    async def _channel_call(self, method: str, args: tuple) -> tuple[bool, Any]:
+        reply = await self.call(method, *args)
+        if method == "get" and reply[0] and any(
+                isinstance(box, _InStore) for segs in reply[1][4].values() for box, _, _ in segs):
+            token = next(self._tokens)
+            self._parked[token] = reply
+            return True, _Parked(token)
+        return reply
+
+    async def unpark(self, token: int) -> tuple[bool, Any]:
+        """The reply parked by the channel under ``token`` (object references travel through Ray)."""
+        return self._parked.pop(token)
 
     async def _create_partition(self, *args: Any) -> None:
         self._store.create_partition(*args)
@@ -145,6 +180,16 @@ class RayTransferQueue:
         actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
         self._actor = actor_cls.options(name=self.cfg.ray_actor_name, get_if_exists=True).remote(
             self.cfg.lease_timeout_s)
+        self._channel: ChannelClient | None = None
+        self._channel_lock = threading.Lock()
+        self._channel_checked = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cfg": self.cfg, "_actor": self._actor}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._channel, self._channel_lock, self._channel_checked = None, threading.Lock(), False
 
     @property
     def actor(self) -> Any:
@@ -152,10 +197,28 @@ class RayTransferQueue:
         return self._actor
 
     def _call(self, method: str, *args: Any) -> Any:
-        ok, value = ray.get(self._actor.call.remote(method, *args))
+        channel = self._same_node_channel()
+        has_refs = method == "put" and any(isinstance(v, RefField) for v in args[2].values())
+        if channel is None or has_refs:
+            ok, value = ray.get(self._actor.call.remote(method, *args))
+        else:
+            ok, value = channel.call(method, args)
+            if ok and isinstance(value, _Parked):
+                ok, value = ray.get(self._actor.unpark.remote(value.token))
         if not ok:
             raise value
         return value
+
+    def _same_node_channel(self) -> ChannelClient | None:
+        """The Unix-socket channel when enabled and this process runs on the actor's node."""
+        if not self._channel_checked:
+            with self._channel_lock:
+                if not self._channel_checked and self.cfg.ray_direct_channel:
+                    address, authkey, node_id = ray.get(self._actor.channel.remote())
+                    if node_id == ray.get_runtime_context().get_node_id():
+                        self._channel = ChannelClient(address, authkey)
+                self._channel_checked = True
+        return self._channel
 
     def create_partition(self, partition: str, capacity_rows: int,
                          schema: Mapping[str, FieldSpec | str | tuple] | None = None, *,

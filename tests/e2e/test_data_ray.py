@@ -146,3 +146,17 @@ def test_a_waiting_get_does_not_block_other_calls(tq):
     tq.put("wait", ["a"], {"x": [1]}, group_ids=["g"], versions=[0])
     assert ray.get(pending, timeout=30) == ["a"]
     ray.kill(waiter)
+
+
+def test_ray_task_path_and_socket_channel_share_one_state(tq):
+    plain = RayTransferQueue(DataConfig(backend="ray", lease_timeout_s=LEASE_S, ray_inline_max_bytes=1024,
+                                        ray_direct_channel=False))
+    assert plain._same_node_channel() is None and tq._same_node_channel() is not None
+    tq.create_partition("both", 8)
+    big = np.arange(4 * 600).reshape(4, 600)  # through the object store
+    plain.put("both", ["a", "b", "c", "d"], {"x": big}, group_ids=["g"] * 4, versions=[1] * 4)
+    tq.put("both", ["a", "b"], {"r": [1.0, 2.0]})  # small: through the socket
+    batch = tq.get("both", ["x", "r"], "t", 2)  # reply holds object refs: parked, fetched via Ray
+    np.testing.assert_array_equal(batch.fields["x"], big[:2])
+    assert plain.ack(batch.lease_id) is True and tq.ack(batch.lease_id) is False
+    assert plain.stats("both")["consumers"]["t"] == {"acked": 2, "leased": 0}
