@@ -1,0 +1,168 @@
+"""The same GRPO workload in the three training modes: colocate, async s=0, async s=k.
+
+Workload: the Echo task ("Repeat exactly: WORD", reward = character similarity of the reply)
+behind a tool call with a long-tailed latency: every ``env.step`` first waits for a simulated
+tool / sandbox execution whose duration is drawn from a lognormal distribution (median
+``--latency-median-s``, log-std ``--latency-sigma``, capped at ``--latency-cap-s``), seeded
+per episode, so every mode sees the same latency for the same sample. The policy is a tiny
+random llama (``--model PATH`` for another one). Each mode trains ``--steps`` steps with the
+same seed, config and data order; reported per mode: samples/s (samples consumed by the
+trainer / wall time of the training loop, model loading excluded), mean step time, trainer
+idle time waiting for data, reward over the last half of the steps, staleness and dropped
+groups; and the samples/s ratio against colocate, measured in the same run.
+
+    python benchmarks/modes.py                        # ~3-5 minutes on 2 CPU cores
+    python benchmarks/modes.py --repeats 2            # each mode twice, order rotated
+    python benchmarks/modes.py --steps 20 --staleness 2 --latency-median-s 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relax_agent.envs import TextEnv, register
+
+WORDS = ["apple", "river", "orange", "planet", "garden", "silver", "window", "yellow",
+         "forest", "rocket", "candle", "pencil", "bridge", "island", "mirror", "button"]
+ENV_ID = "bench/SlowToolEcho-v0"
+
+
+class SlowToolEcho(TextEnv):
+    """Echo behind a slow tool: ``step`` waits a lognormal latency, then scores the reply.
+
+    Args:
+        latency_median_s: median tool latency in seconds.
+        latency_sigma: log-std of the latency (1.0: p90 ≈ 3.6× the median, p99 ≈ 10×).
+        latency_cap_s: longest latency.
+        num_tasks: dataset size (3/4 train, 1/4 held out).
+    """
+
+    reward_description = "difflib similarity ratio between the reply and the requested word, in [0, 1]"
+
+    def __init__(self, latency_median_s: float = 0.5, latency_sigma: float = 1.0, latency_cap_s: float = 6.0,
+                 num_tasks: int = 64):
+        super().__init__()
+        self.latency = (float(np.log(latency_median_s)), latency_sigma, latency_cap_s)
+        rng = np.random.default_rng(1234)
+        self._tasks = [{"id": f"echo-{i}", "word": str(rng.choice(WORDS))} for i in range(num_tasks)]
+
+    def tasks(self, split: str = "train") -> list[dict]:
+        cut = len(self._tasks) * 3 // 4
+        return self._tasks[:cut] if split == "train" else self._tasks[cut:]
+
+    def _reset_task(self, task):
+        return [{"role": "user", "content": f"Repeat exactly: {task['word']}"}], {"tools": []}
+
+    def step(self, action):
+        mu, sigma, cap = self.latency
+        time.sleep(min(float(self.np_random.lognormal(mu, sigma)), cap))  # the tool / sandbox call
+        reply = (action.get("content") or "").strip().lower()
+        score = difflib.SequenceMatcher(None, reply, self.task["word"]).ratio()
+        return [], score, True, False, {"correct": float(reply == self.task["word"])}
+
+
+register(id=ENV_ID, entry_point=SlowToolEcho)
+
+
+def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, staleness: int) -> dict[str, Any]:
+    """Train one mode in this process; returns its summary."""
+    from relax_agent.config import validate_config
+    from relax_agent.controller import Controller
+    from relax_agent.metrics import read_metrics
+    from relax_agent.roles import build_roles
+
+    cfg = validate_config({
+        "mode": mode, "max_staleness": staleness,
+        "run": {"output_dir": str(out), "seed": args.seed},
+        "model": {"path": model_path},
+        "env": {"id": ENV_ID, "kwargs": {"latency_median_s": args.latency_median_s,
+                                         "latency_sigma": args.latency_sigma, "latency_cap_s": args.latency_cap_s}},
+        "rollout": {"tasks_per_step": args.tasks_per_step, "group_size": args.group_size,
+                    "max_new_tokens": args.max_new_tokens, "max_total_tokens": 512},
+        "trainer": {"steps": args.steps, "lr": args.lr, "micro_batch_size": 8,
+                    "off_policy": "tis" if staleness > 0 else "none"},
+        "eval": {"at_start": False, "at_end": False},
+        "checkpoint": {"every_steps": 0},
+        "logging": {"tensorboard": False, "progress": False, "plot": False},
+    }, "benchmarks/modes.py")
+    roles = build_roles(cfg)
+    try:
+        Controller(cfg, roles).train()
+    finally:
+        roles.close()
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    wall_s = sum(r["timing/step_s"] for r in rows)
+    samples = len(rows) * args.tasks_per_step * args.group_size
+    late = rows[len(rows) // 2:]
+    return {
+        "mode": mode if mode == "colocate" else f"async s={staleness}",
+        "steps": len(rows),
+        "samples_per_s": samples / wall_s,
+        "step_s": statistics.fmean(r["timing/step_s"] for r in rows),
+        "data_wait_s": statistics.fmean(r["timing/data_wait_s"] for r in rows),
+        "reward_first_half": statistics.fmean(r["rollout/reward"] for r in rows[: len(rows) // 2]),
+        "reward_last_half": statistics.fmean(r["rollout/reward"] for r in late),
+        "staleness_mean": statistics.fmean(r.get("async/staleness_mean", 0.0) for r in rows),
+        "dropped_groups": sum(r.get("async/dropped_groups", 0.0) for r in rows),
+        "wall_s": wall_s,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--tasks-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--staleness", type=int, default=2, help="k of the fully async mode")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--latency-median-s", type=float, default=0.5)
+    p.add_argument("--latency-sigma", type=float, default=1.0)
+    p.add_argument("--latency-cap-s", type=float, default=6.0)
+    p.add_argument("--model", default=None, help="policy path (default: a tiny random llama)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode, in rotating order (means reported)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args()
+
+    modes = [("colocate", 0), ("async", 0), ("async", args.staleness)]
+    runs: list[list[dict[str, Any]]] = [[] for _ in modes]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            from relax_agent.models import make_tiny_model
+
+            args.model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=0))
+        for rep in range(args.repeats):  # rotate the order so a drifting machine load hits every mode
+            for k in range(len(modes)):
+                i = (k + rep) % len(modes)
+                runs[i].append(run_mode(args, args.model, Path(tmp) / f"r{rep}-m{i}", *modes[i]))
+    results = [{**r[0], **{key: statistics.fmean(x[key] for x in r) for key in r[0] if key not in ("mode", "steps")},
+                "samples_per_s_runs": [x["samples_per_s"] for x in r]} for r in runs]
+    base = results[0]["samples_per_s"]
+    print(f"{args.steps} steps x {args.tasks_per_step} groups x {args.group_size} samples, {args.repeats} run(s) per "
+          f"mode; tool latency lognormal (median {args.latency_median_s} s, sigma {args.latency_sigma}, "
+          f"cap {args.latency_cap_s} s)")
+    print(f"{'mode':<12} {'samples/s':>9} {'vs colocate':>11} {'step s':>7} {'wait s':>7} "
+          f"{'reward 1st/2nd half':>20} {'staleness':>9} {'dropped':>7}")
+    for r in results:
+        r["speedup_vs_colocate"] = r["samples_per_s"] / base
+        print(f"{r['mode']:<12} {r['samples_per_s']:>9.2f} {r['speedup_vs_colocate']:>10.2f}x {r['step_s']:>7.2f} "
+              f"{r['data_wait_s']:>7.2f} {r['reward_first_half']:>9.3f} / {r['reward_last_half']:<8.3f} "
+              f"{r['staleness_mean']:>9.2f} {r['dropped_groups']:>7.0f}   runs: "
+              + " ".join(f"{x:.2f}" for x in r["samples_per_s_runs"]))
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
