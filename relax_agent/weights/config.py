@@ -40,10 +40,10 @@ class WeightSyncConfig(Section):
     """Per-bucket checksum the publisher computes and every tcp subscriber verifies
     (xxh3 ~9 GB/s, crc32 ~1.9 GB/s per core here)."""
     snapshot: bool = True
-    """tcp/nccl: copy the state dict into a publisher-owned buffer at publish, so subscribers
-    (and late joiners) read one consistent version while the trainer updates its live tensors.
-    False sends straight from the given tensors, which must then stay unchanged until the
-    next publish."""
+    """tcp: copy the state dict into a publisher-owned buffer at publish, so subscribers (and
+    late joiners) read one consistent version while the trainer updates its live tensors.
+    False sends straight from the given (contiguous CPU) tensors, which must then stay
+    unchanged until the next publish. (nccl always copies into its device buffer.)"""
     name_map: dict[str, str] = Field(default_factory=dict)
     """Publisher name -> engine name for parameters whose names differ in the engine's layout
     (names not listed pass unchanged)."""

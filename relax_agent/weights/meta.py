@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -302,12 +302,3 @@ def format_diff(lines: list[str], limit: int = 20) -> str:
     more = f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else ""
     return f"{len(lines)} differences:\n  {shown}{more}"
 
-
-@dataclass
-class ByteCounter:
-    """Bytes and seconds accumulated by one side of a transfer."""
-
-    nbytes: int = 0
-    seconds: float = 0.0
-    resumes: int = 0
-    extra: dict[str, float] = field(default_factory=dict)

@@ -110,6 +110,9 @@ class EngineSubscriber:
             except WeightSyncError as exc:
                 log.warning("%s", exc)
                 report = ApplyReport(self.id, meta.version, str(exc))
+            except Exception as exc:  # reported, so the publisher does not wait for a broken subscriber
+                log.exception("%s: applying version %s failed", self.id, meta.version)
+                report = ApplyReport(self.id, meta.version, f"{self.id}: {type(exc).__name__}: {exc}")
             self.last_report = report
             self._coordinator.report(report)
             return report

@@ -65,7 +65,7 @@ class WeightSync:
     """Publishes versions through one transport to every registered subscriber.
 
     Built by :func:`build_weight_sync`; ``coordinator``, ``sender`` and ``make_receiver``
-    are the transport's parts.
+    are the transport's parts. One thread publishes (``publish`` calls must not overlap).
     """
 
     def __init__(self, cfg: WeightSyncConfig, coordinator: Coordinator, sender: Sender,
