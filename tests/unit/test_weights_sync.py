@@ -13,7 +13,7 @@ from relax_agent.errors import WeightSyncError
 from relax_agent.weights import SyncStats, TensorEngine, WeightSyncConfig, build_weight_sync
 from relax_agent.weights.meta import plan_layout
 from relax_agent.weights.subscriber import EngineSubscriber
-from relax_agent.weights.tcp import TcpReceiver
+from relax_agent.weights.tcp import TcpReceiver, TcpSender
 
 SMALL_BUCKETS_MB = 1024 / 2**20  # 1 KiB buckets: many buckets per version
 
@@ -277,3 +277,27 @@ def test_checksum_mismatch_is_refused_with_a_clear_error():
         sub.close()
         forwarder.close()
         sync.close()
+
+
+def test_a_version_replaced_mid_transfer_is_refused_by_name():
+    cfg = WeightSyncConfig(transport="tcp", bucket_mb=SMALL_BUCKETS_MB)
+    sender = TcpSender(cfg)
+    try:
+        old = sender.stage(make_state(1), 1)
+        sender.stage(make_state(2), 2)
+        with pytest.raises(WeightSyncError, match="now serves version 2; this one is gone"):
+            TcpReceiver(cfg).receive(old)
+    finally:
+        sender.close()
+
+
+def test_snapshot_buffers_are_reused_once_no_connection_reads_them():
+    sender = TcpSender(WeightSyncConfig(transport="tcp"))
+    try:
+        ptrs = []
+        for version in (1, 2, 3, 4):
+            sender.stage(make_state(version), version)
+            ptrs.append(sender._current.buffer.data_ptr())
+        assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1]
+    finally:
+        sender.close()
