@@ -10,6 +10,9 @@ Endpoints (JSON)::
     POST   /reports                  ApplyReport
     GET    /status                                            -> publisher, subscribers, latest version
 
+Each waiting long poll holds one of the server's worker threads (anyio's default pool has
+40), which bounds the replicas one service can hold in a long poll at once.
+
 ``HttpCoordinator`` implements the same methods as the in-process
 :class:`~relax_agent.weights.coordinator.Coordinator`, so an ``EngineSubscriber`` in another
 process uses it unchanged.
