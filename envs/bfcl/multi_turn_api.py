@@ -17,10 +17,12 @@ clash; there is none in v4), and results become strings the same way: a ``str`` 
 as ``json.dumps`` (``str`` if that fails), anything else ``str``; an exception becomes
 ``"Error during execution: <message>"``.
 
-Two guards BFCL lacks: ``MathAPI`` calls run under one process-wide lock (``logarithm`` sets the
-process-global ``mpmath.mp.dps``, so concurrent episodes would race), and arguments that would
-run for minutes (``power`` exponents beyond :data:`MAX_EXPONENT`, ``precision`` beyond
-:data:`MAX_PRECISION`) are refused with an error result. BFCL's ground truth stays far inside both.
+Three guards BFCL lacks: arguments are deep-copied and omitted mutable defaults (``mentions=[]``)
+filled with fresh copies, so no state is shared with the caller or between episodes; ``MathAPI``
+calls run under one process-wide lock (``logarithm`` sets the process-global ``mpmath.mp.dps``,
+so concurrent episodes would race); and arguments that would run for minutes (``power``
+exponents beyond :data:`MAX_EXPONENT`, ``precision`` beyond :data:`MAX_PRECISION`) are refused
+with an error result. BFCL's ground truth stays far inside these limits.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class ApiSession:
         guard = _guard_error(class_name, arguments)
         if guard is not None:
             return ERROR_PREFIX + guard
+        arguments = self._own_arguments(name, arguments)
         try:
             if class_name == "MathAPI":
                 with _MATH_LOCK:
@@ -160,6 +163,20 @@ class ApiSession:
         except Exception as exc:  # the API's own failure is the call's result, as in BFCL
             return f"{ERROR_PREFIX}{exc}"
         return format_result(result)
+
+    def _own_arguments(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A deep copy of ``arguments`` plus fresh copies of omitted mutable defaults.
+
+        The instances keep argument objects in their state (``post_tweet`` stores its
+        ``mentions`` list, which ``mention`` later extends): without the copy, the episode's state
+        would alias the caller's message, and an omitted ``mentions=[]`` default, one list shared
+        by every ``TwitterAPI`` in the process, would carry one episode's mentions into the next.
+        """
+        own = copy.deepcopy(arguments)
+        for param in self.signature(name).parameters.values():
+            if param.name not in own and isinstance(param.default, (list, dict, set)):
+                own[param.name] = copy.deepcopy(param.default)
+        return own
 
     def keyword_call(self, text: str) -> tuple[str, dict[str, Any]]:
         """A ground-truth call string as ``(name, keyword arguments)``, positional ones bound by name.

@@ -24,6 +24,7 @@ of the task id), so they are the same on every machine and run.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from relax_agent.envs.bfcl.data import FILE_PREFIX, _read_jsonl, data_dir
@@ -64,6 +65,15 @@ def class_docs(class_name: str) -> list[dict[str, Any]]:
         DataError: unknown class, or ``bfcl-eval`` is missing.
     """
     return list(_class_docs(class_name))
+
+
+_CLASS_PREAMBLE = re.compile(r"^This tool belongs to .*?Tool description: ", re.S)
+
+
+def compact_doc(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` without the class preamble BFCL repeats in every description ("This tool belongs to
+    the Gorilla file system. It is a simple file system ... Tool description: "); ~25% fewer tokens."""
+    return {**doc, "description": _CLASS_PREAMBLE.sub("", doc.get("description", ""), count=1)}
 
 
 def task_docs(task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
