@@ -354,7 +354,7 @@ def _tiny_llama(tokenizer: Any) -> dict[str, Any]:
 
 def _tiny_moe_common() -> dict[str, Any]:
     return dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.02,
         num_experts_per_tok=2, output_router_logits=False,
     )
@@ -408,8 +408,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **o
     tokenizer = load_tokenizer(ModelConfig())
     kwargs = TINY_ARCHS[arch](tokenizer)
     model_type = kwargs.pop("model_type")
-    known = set(AutoConfig.for_model(model_type).to_dict())
-    unknown = sorted(set(overrides) - known)
+    default = AutoConfig.for_model(model_type)
+    unknown = sorted(k for k in overrides if not hasattr(default, k))  # hasattr: aliases such as num_experts too
     if unknown:
         raise ConfigError(f"make_tiny_model overrides {unknown} are not fields of the {model_type} config")
     kwargs.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
