@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
-from relax_agent.envs.bfcl.multi_turn_checker import check_task, ground_truth_calls
+from relax_agent.envs.bfcl.multi_turn_checker import check_task, ground_truth_calls, missing_results
 from relax_agent.envs.bfcl.multi_turn_data import CATEGORIES, class_docs, load_tasks
 
 bfcl_checker = pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
@@ -112,9 +112,21 @@ def _replay(task: dict[str, Any], calls: Calls) -> list[tuple[list[str], str]]:
 
 
 def effective(task: dict[str, Any], calls: Calls, bad: Calls) -> bool:
-    """The corruption changes some turn's results or state (a no-op corruption, such as swapping
-    two independent calls, or adding a stock that is already on the watch list, may pass)."""
-    return _replay(task, calls) != _replay(task, bad)
+    """The corruption changes some turn's results or state, and the corrupted turn's ground-truth
+    results did not already come back in an earlier turn.
+
+    No-op corruptions may pass: swapping two independent calls, adding a stock that is already
+    on the watch list. So may corrupting a turn whose results the model already has: BFCL looks
+    for a turn's ground-truth results among the results of all turns so far
+    (``multi_turn_base_139``: ``add_to_watchlist`` returns the watch list that ``get_watchlist``
+    returns in the next turn).
+    """
+    replay = _replay(task, calls)
+    if replay == _replay(task, bad):
+        return False
+    turn = next(i for i, (a, b) in enumerate(zip(calls, bad)) if a != b)
+    earlier = [r for results, _ in replay[:turn] for r in results]
+    return bool(missing_results(earlier, replay[turn][0]))
 
 
 def _json_round_trip(calls: Calls) -> Calls:
