@@ -45,7 +45,7 @@ from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import SPLITS, split_tasks
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
 from relax_agent.envs.bfcl.multi_turn_checker import TurnJudge
-from relax_agent.envs.bfcl.multi_turn_data import CATEGORIES, compact_doc, load_tasks, task_docs
+from relax_agent.envs.bfcl.multi_turn_data import API_CLASSES, CATEGORIES, compact_doc, load_tasks, task_docs
 from relax_agent.envs.bfcl.schema import to_openai_tool
 from relax_agent.envs.tool_env import truncate
 from relax_agent.errors import ConfigError, EnvError
@@ -89,6 +89,8 @@ class BFCLMultiTurnEnv(TextEnv):
             one force-ends it (BFCL: 20).
         max_observation_chars: longest tool result shown to the model (the checker always
             compares full results).
+        classes: keep only tasks whose API classes are all in this list (e.g. ``["TradingBot"]``);
+            None keeps every task.
         compact_docs: drop the class preamble BFCL repeats in every function description
             (:func:`compact_doc`; ~25% fewer prompt tokens, for small context windows).
 
@@ -106,7 +108,7 @@ class BFCLMultiTurnEnv(TextEnv):
 
     def __init__(self, category: str = "multi_turn_base", split: str = "train", heldout_fraction: float = 0.25,
                  max_steps_per_turn: int = BFCL_MAX_STEPS_PER_TURN, max_observation_chars: int = 4000,
-                 compact_docs: bool = False) -> None:
+                 classes: list[str] | None = None, compact_docs: bool = False) -> None:
         super().__init__()
         if category not in CATEGORIES:
             raise ConfigError(f"category={category!r}; expected one of {list(CATEGORIES)}")
@@ -122,6 +124,10 @@ class BFCLMultiTurnEnv(TextEnv):
         self.heldout_fraction = heldout_fraction
         self.max_steps_per_turn = max_steps_per_turn
         self.max_observation_chars = max_observation_chars
+        unknown = sorted(set(classes or ()) - set(API_CLASSES))
+        if unknown:
+            raise ConfigError(f"classes={classes!r}: unknown {unknown}; expected names from {sorted(API_CLASSES)}")
+        self.classes = None if classes is None else frozenset(classes)
         self.compact_docs = compact_docs
         self._session: ApiSession | None = None
         self._judge: TurnJudge | None = None
@@ -132,7 +138,10 @@ class BFCLMultiTurnEnv(TextEnv):
         Raises:
             DataError: unknown split, or the bfcl-eval wheel is missing.
         """
-        return split_tasks(load_tasks(self.category), split, self.heldout_fraction)
+        tasks = split_tasks(load_tasks(self.category), split, self.heldout_fraction)
+        if self.classes is not None:
+            tasks = [t for t in tasks if self.classes.issuperset(t["involved_classes"])]
+        return tasks
 
     def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         offered, self._added = task_docs(task)

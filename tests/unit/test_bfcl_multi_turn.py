@@ -65,6 +65,17 @@ def test_splits_are_disjoint_and_hold_out_at_least_50_tasks() -> None:
     assert not {t["id"] for t in train} & {t["id"] for t in heldout}
 
 
+def test_classes_filter_and_compact_docs() -> None:
+    env = BFCLMultiTurnEnv(classes=["TradingBot"], compact_docs=True)
+    tasks = env.tasks("train")
+    assert tasks and all(t["involved_classes"] == ["TradingBot"] for t in tasks)
+    _, info = env.reset(options={"task": tasks[0]})
+    assert not any("This tool belongs to" in t["function"]["description"] for t in info["tools"])
+    assert "This tool belongs to" in BFCLMultiTurnEnv().reset(options={"task": tasks[0]})[1]["tools"][0]["function"]["description"]
+    with pytest.raises(ConfigError, match="Trading"):
+        BFCLMultiTurnEnv(classes=["Trading"])
+
+
 def test_ground_truth_episode_earns_full_reward_and_user_turns_arrive_in_order() -> None:
     task = _task("multi_turn_base_0")
     env = BFCLMultiTurnEnv()
