@@ -80,7 +80,7 @@ class Ours:
 
     def lost_after_consumer_dies(self) -> int:
         part = self.partition()
-        keys = [f"k{i}" for i in range(LOSS_ROWS)]
+        keys = [f"{part}-k{i}" for i in range(LOSS_ROWS)]
         self.batch_put(part, keys, np.zeros((LOSS_ROWS, self.width), np.int64))
         if self.backend == "ray":
             victim = OursVictim.remote(self.tq)
@@ -161,7 +161,7 @@ class Package:
 
     def lost_after_consumer_dies(self) -> int:
         part = self.partition()
-        keys = [f"k{i}" for i in range(LOSS_ROWS)]
+        keys = [f"{part}-k{i}" for i in range(LOSS_ROWS)]
         self.batch_put(part, keys, np.zeros((LOSS_ROWS, self.width), np.int64))
         victim = PackageVictim.remote()
         assert ray.get(victim.take.remote(part, LOSS_TAKEN)) == LOSS_TAKEN
@@ -208,14 +208,16 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def batch_round(bus: Any, rows: int, width: int) -> tuple[float, float]:
     """(put s, get s) for one batch of ``rows`` x ``width`` int64."""
-    data = np.random.default_rng(0).integers(0, 1 << 30, (rows, width), dtype=np.int64)
-    keys = [f"b{i}" for i in range(rows)]
     part = bus.partition()
+    data = np.random.default_rng(time.perf_counter_ns()).integers(0, 1 << 30, (rows, width), dtype=np.int64)
+    keys = [f"{part}-b{i}" for i in range(rows)]
     put_s = timed(lambda: bus.batch_put(part, keys, data))
     got = []
     get_s = timed(lambda: got.append(bus.batch_get(part, rows)))
-    last = got[0].unbind()[-1] if getattr(got[0], "is_nested", False) else got[0][-1]  # the package may nest
-    assert got[0].shape[0] == rows and len(last) == width and int(last[-1]) == data[-1, -1]
+    rows_got = [np.asarray(r) for r in (got[0].unbind() if getattr(got[0], "is_nested", False) else got[0])]
+    # the package may hand rows out in another order than they were put (it reuses freed indexes)
+    assert sorted(int(r[0]) for r in rows_got) == sorted(data[:, 0].tolist()), bus.name
+    assert all(len(r) == width for r in rows_got) and sum(int(r[-1]) for r in rows_got) == int(data[:, -1].sum())
     bus.clear(part)
     return put_s, get_s
 
@@ -226,7 +228,7 @@ def single_round(bus: Any, width: int, seconds: float) -> float:
     part = bus.partition()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        bus.single_put(part, f"r{n}", pool[n % 64])
+        bus.single_put(part, f"{part}-r{n}", pool[n % 64])
         n += 1
     rate = n / (time.perf_counter() - start)
     bus.clear(part)
@@ -249,7 +251,7 @@ def latency_round(bus: Any, width: int, n: int, gap_s: float) -> list[float]:
     for i in range(n):
         row = np.full(width, i, np.int64)
         sent[i] = time.perf_counter()
-        bus.single_put(part, f"l{i}", row)
+        bus.single_put(part, f"{part}-l{i}", row)
         time.sleep(gap_s)
     thread.join()
     bus.clear(part)
