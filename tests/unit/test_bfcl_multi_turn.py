@@ -233,3 +233,10 @@ def test_parse_call_and_result_format() -> None:
     with pytest.raises(DataError):
         parse_call("cd(folder=x)")
     assert format_result({"a": 1}) == '{"a": 1}' and format_result(3) == "3" and format_result("s") == "s"
+
+
+@pytest.mark.parametrize("env_id", sorted(MULTI_TURN_ENV_IDS))
+def test_contract_suite_and_gymnasium_checker_pass(env_id: str) -> None:
+    from relax_agent.envs.testing import run_contract
+
+    assert run_contract(lambda: gymnasium.make(env_id)) == {}
