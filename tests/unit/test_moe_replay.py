@@ -18,7 +18,13 @@ from relax_agent.moe import ROUTE_FLIP_FRAC, find_routers, replay_weights, route
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.rollout.trajectory import Trajectory, Turn
-from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MAX
+from relax_agent.train.algorithms import (
+    MISMATCH_ABS_DIFF_MAX,
+    MISMATCH_ABS_DIFF_MEAN,
+    MISMATCH_FRAC_GT_LN2,
+    MISMATCH_FRAC_GT_LN5,
+    MISMATCH_K3_KL,
+)
 from relax_agent.train.backends.torch_backend import TorchTrainer
 from relax_agent.train.batch import TrainBatch, collate
 
@@ -250,7 +256,11 @@ def test_dense_model_is_untouched(tiny_model_dir):
         on = TorchTrainer(copy.deepcopy(model), TrainerConfig(), routing_replay=True)
     off = TorchTrainer(copy.deepcopy(model), TrainerConfig())
     assert on.routing_replay is None
-    assert on.compute_gradients(batch) == off.compute_gradients(batch)
+    metrics = on.compute_gradients(batch)
+    assert metrics == off.compute_gradients(batch)
+    assert {MISMATCH_K3_KL, MISMATCH_ABS_DIFF_MEAN, MISMATCH_ABS_DIFF_MAX, MISMATCH_FRAC_GT_LN2,
+            MISMATCH_FRAC_GT_LN5} <= set(metrics)  # logged for dense policies too
+    assert not any(key.startswith("moe/") for key in metrics)
     for a, b in zip(on.model.parameters(), off.model.parameters()):
         assert torch.equal(a.grad, b.grad)
 
