@@ -72,6 +72,6 @@ def build_route_recorder(model: nn.Module) -> RouteRecorder | None:
 
 
 def stack_routes(per_token: Sequence[np.ndarray]) -> np.ndarray:
-    """[n, layers, top_k] from n per-token [layers, top_k] arrays (n may be 0: no tokens)."""
+    """[n, layers, top_k] from n >= 1 per-token [layers, top_k] arrays."""
     assert per_token, "a generation has at least one token"
     return np.stack(per_token)

@@ -25,7 +25,7 @@ recording skips to keep the trajectory small.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -49,6 +49,8 @@ class _Routes:
     """[B*T, layers, k] int64 expert indices."""
     mask: torch.Tensor
     """[B*T] bool, True where the position is replayed."""
+    counted: set[int] = field(default_factory=set)
+    """Layers already counted in the metrics (a recomputed forward must not count twice)."""
 
 
 def forward_position_routes(routed_experts: torch.Tensor, routes_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +130,9 @@ class RoutingReplay:
                                 f"has {routes.mask.shape[0]} positions; forward only that batch inside replaying()")
             forced = routes.experts[:, layer].to(indices.device)
             mask = routes.mask.to(indices.device)[:, None]
-            self._count(indices, forced, mask)
+            if layer not in routes.counted:
+                routes.counted.add(layer)
+                self._count(indices, forced, mask)
             return logits, torch.where(mask, replay_weights(logits, forced, router).to(weights.dtype), weights), \
                 torch.where(mask, forced, indices)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 from torch import nn
@@ -145,9 +145,3 @@ def route_dtype(num_experts: int) -> np.dtype:
         return np.dtype(np.int16)
     return np.dtype(np.int32)
 
-
-def describe(routers: list[Router]) -> dict[str, Any]:
-    """``{"layers": L, "top_k": k, "num_experts": E}`` of a model's routers (all must agree on k)."""
-    top_ks = {r.top_k for r in routers}
-    assert len(top_ks) == 1, f"routers disagree on top_k: {sorted(top_ks)}"
-    return {"layers": len(routers), "top_k": top_ks.pop(), "num_experts": max(r.num_experts for r in routers)}

@@ -282,3 +282,20 @@ def test_moe_config_section():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(None, ["moe.routing_replay=off"])
+
+
+def test_replay_with_activation_checkpointing_gives_the_same_step(rollouts, moe_dir):
+    batch = batch_of(rollouts)
+    forced = batch.routed_experts.clone()
+    forced[batch.routes_mask] = (forced[batch.routes_mask] + 1) % 8
+    batch = TrainBatch(**{**batch.__dict__, "routed_experts": forced})
+    plain, ckpt = trainer_for(moe_dir), trainer_for(moe_dir)
+    ckpt.model.activation_checkpointing_enable()  # the backward pass recomputes (and replays) each layer's forward
+    calls = []
+    find_routers(ckpt.model)[0].module.register_forward_hook(lambda *_: calls.append(1))
+    a, b = plain.compute_gradients(batch), ckpt.compute_gradients(batch)
+    assert len(calls) == 4  # 2 micro-batches, each forward once and recomputed once
+    assert a[ROUTE_FLIP_FRAC] == b[ROUTE_FLIP_FRAC] == 1.0 and a["moe/replayed_tokens"] == b["moe/replayed_tokens"]
+    assert a[MISMATCH_ABS_DIFF_MAX] == pytest.approx(b[MISMATCH_ABS_DIFF_MAX], abs=1e-6)
+    for (name, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)

@@ -268,7 +268,8 @@ class TorchTrainer:
         weights pi_old / pi_rollout: mean, max, fraction above ``tis_cap``), ``train/lr`` (the lr of
         this update), ``train/tokens``, ``train/policy_tokens``, ``train/sequences``,
         ``train/skipped_step`` (1 when gradients were non-finite and no update was made),
-        ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``.
+        ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``; with routing
+        replay ``moe/replayed_tokens`` and ``moe/route_flip_frac`` (see :mod:`relax_agent.moe.replay`).
 
         Raises:
             DataError: the batch has no policy tokens.
