@@ -1,7 +1,9 @@
 """Data bus: relax-agent's TransferQueue (local and Ray backends) vs the ``transferqueue`` package.
 
 One run, one Ray instance (``num_cpus=4``: the package's ``init`` hangs with fewer than 3),
-the three systems taking turns for ``--rounds`` rounds:
+the systems taking turns for ``--rounds`` rounds (``ours-ray-adopt`` is the Ray backend with
+``ray_adopt_values``: the actor owns the values, so rows outlive their producer, at one more
+copy per put):
 
 - batch put / get MB/s: ``--rows`` rows x ``--width`` int64 (default 1024 x 4096 = 32 MiB)
   written in one call, then read back by a consumer in one call (ours: ``put`` and
@@ -46,10 +48,10 @@ LOSS_ROWS, LOSS_TAKEN = 256, 64
 class Ours:
     """Adapter for our bus (either backend)."""
 
-    def __init__(self, name: str, backend: str, width: int) -> None:
+    def __init__(self, name: str, backend: str, width: int, adopt: bool = False) -> None:
         self.name, self.width = name, width
-        self.tq = build_transfer_queue(DataConfig(backend=backend, lease_timeout_s=LEASE_S,
-                                                  ray_actor_name=f"bench_{backend}"))
+        self.tq = build_transfer_queue(DataConfig(backend=backend, lease_timeout_s=LEASE_S, ray_adopt_values=adopt,
+                                                  ray_actor_name=f"bench_{name}"))
         self.backend = backend
         self._n = 0
 
@@ -274,7 +276,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # the package warns on every get on a 2-core machine
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    systems: list[Any] = [Ours("ours-local", "local", args.width), Ours("ours-ray", "ray", args.width)]
+    systems: list[Any] = [Ours("ours-local", "local", args.width), Ours("ours-ray", "ray", args.width),
+                          Ours("ours-ray-adopt", "ray", args.width, adopt=True)]
     try:
         systems.append(Package(args.width))
     except ImportError as exc:
@@ -295,14 +298,14 @@ def main() -> None:
     lost = {bus.name: bus.lost_after_consumer_dies() for bus in systems}
     print(f"{args.rows} x {args.width} int64 = {mb:.1f} MB per batch; {args.rounds} rounds; "
           f"{os.cpu_count()} CPUs; Ray num_cpus=4; lease {LEASE_S:g} s; medians over rounds")
-    print(f"{'system':<14} {'put MB/s':>9} {'get MB/s':>9} {'1-row puts/s':>13} {'p50 ms':>7} {'p99 ms':>7} "
+    print(f"{'system':<15} {'put MB/s':>9} {'get MB/s':>9} {'1-row puts/s':>13} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'lost':>5} {'x put':>6} {'x get':>7} {'x 1-row':>8} {'x p50':>6}")
     med = {name: {k: statistics.median(v) if k != "lat" else pct(v, 0.5) for k, v in r.items()} for name, r in res.items()}
     base = med.get("transferqueue")
     for name, m in med.items():
         ratios = (f"{m['put'] / base['put']:>6.1f} {m['get'] / base['get']:>7.1f} {m['single'] / base['single']:>8.1f} "
                   f"{base['lat'] / m['lat']:>6.1f}") if base else ""
-        print(f"{name:<14} {m['put']:>9.0f} {m['get']:>9.0f} {m['single']:>13.0f} {m['lat'] * 1e3:>7.2f} "
+        print(f"{name:<15} {m['put']:>9.0f} {m['get']:>9.0f} {m['single']:>13.0f} {m['lat'] * 1e3:>7.2f} "
               f"{pct(res[name]['lat'], 0.99) * 1e3:>7.2f} {lost[name]:>5} {ratios}")
     print(f"lost: of {LOSS_ROWS} rows, {LOSS_TAKEN} taken by a consumer that died; x p50 = baseline p50 / ours")
     for bus in systems:

@@ -16,6 +16,7 @@ Any process of the Ray cluster builds a :class:`RayTransferQueue` with the same
 - Ray's ownership model applies to the large values: they live as long as the producer
   process that put them. Rows whose large values were put by a process that has died can no
   longer be read; ``get`` then raises :class:`DataError` naming them (``clear`` the partition).
+  With ``ray_adopt_values`` the actor re-puts (and so owns) them: they outlive the producer.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class _Parked:
 class MetadataActor:
     """The Ray actor behind :class:`RayTransferQueue` (created by it; ``max_concurrency`` high)."""
 
-    def __init__(self, lease_timeout_s: float) -> None:
+    def __init__(self, lease_timeout_s: float, adopt_values: bool = False) -> None:
+        self._adopt_values = adopt_values
         self._store = Store(lease_timeout_s)
         self._cond = asyncio.Condition()
         self._channel: ChannelServer | None = None
@@ -69,10 +71,23 @@ class MetadataActor:
         """Run one bus method; returns ``(True, result)`` or ``(False, exception)`` so our own
         errors reach the caller with their type."""
         try:
+            if method == "put" and self._adopt_values:
+                args = (*args[:2], await self._adopt(args[2]), *args[3:])
             async with self._cond:
                 return True, await getattr(self, "_" + method)(*args)
         except (DataError, QueueTimeoutError, LookupError) as exc:
             return False, exc
+
+    async def _adopt(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Re-put the producer's object-store values from this actor, which then owns them, so
+        they outlive the producer (one copy inside the object store, off the event loop)."""
+        out = {}
+        for name, value in fields.items():
+            if isinstance(value, RefField):
+                data = await value.ref
+                value = RefField(await asyncio.to_thread(ray.put, data), value.dtype, value.row_shapes)
+            out[name] = value
+        return out
 
     def pid(self) -> int:
         return os.getpid()
@@ -179,7 +194,7 @@ class RayTransferQueue:
             raise ConfigError("data.backend='ray' needs a running Ray: call ray.init(num_cpus=...) first")
         actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
         self._actor = actor_cls.options(name=self.cfg.ray_actor_name, get_if_exists=True).remote(
-            self.cfg.lease_timeout_s)
+            self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
         self._channel: ChannelClient | None = None
         self._channel_lock = threading.Lock()
         self._channel_checked = False

@@ -57,6 +57,9 @@ class Producer:
     def __init__(self, bus: RayTransferQueue) -> None:
         self.bus = bus
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def produce(self, partition: str, n: int, width: int) -> int:
         for i in range(n):
             self.bus.put(partition, [f"s{i}"], {"x": np.full((1, width), i, np.int64)}, group_ids=[f"g{i}"],
@@ -160,3 +163,21 @@ def test_ray_task_path_and_socket_channel_share_one_state(tq):
     np.testing.assert_array_equal(batch.fields["x"], big[:2])
     assert plain.ack(batch.lease_id) is True and tq.ack(batch.lease_id) is False
     assert plain.stats("both")["consumers"]["t"] == {"acked": 2, "leased": 0}
+
+
+@pytest.mark.parametrize("adopt", [True, False])
+def test_rows_of_a_killed_producer_stay_readable_only_when_the_actor_adopts_them(tq, adopt):
+    bus = RayTransferQueue(DataConfig(backend="ray", lease_timeout_s=LEASE_S, ray_inline_max_bytes=1024,
+                                      ray_adopt_values=adopt, ray_actor_name=f"adopt_{adopt}"))
+    bus.create_partition("prod", 8)
+    producer = Producer.remote(bus)
+    assert ray.get(producer.produce.remote("prod", 3, 512)) == 3  # 4 KiB rows: object store
+    os.kill(ray.get(producer.pid.remote()), signal.SIGKILL)
+    time.sleep(0.5)
+    if adopt:
+        batch = bus.get("prod", ["x"], "trainer", 3, timeout_s=10)
+        assert [int(row[0]) for row in batch.fields["x"]] == [0, 1, 2]
+    else:
+        with pytest.raises(DataError, match=r"rows \['s0', 's1', 's2'\] hold values whose producer process died"):
+            bus.get("prod", ["x"], "trainer", 3, timeout_s=10)
+    bus.close()
