@@ -85,8 +85,8 @@ class RoutingReplay:
         assert routers, "RoutingReplay needs at least one router"
         self.routers = list(routers)
         self._routes: _Routes | None = None
-        self._replayed = torch.zeros((), dtype=torch.float64)
-        self._flipped = torch.zeros((), dtype=torch.float64)
+        self._replayed: torch.Tensor | float = 0.0  # device tensors once counted: no host sync per layer
+        self._flipped: torch.Tensor | float = 0.0
         self._handles = [r.module.register_forward_hook(self._hook(i, r)) for i, r in enumerate(self.routers)]
 
     @contextlib.contextmanager
@@ -141,16 +141,15 @@ class RoutingReplay:
     def _count(self, own: torch.Tensor, forced: torch.Tensor, mask: torch.Tensor) -> None:
         with torch.no_grad():
             differs = (own.sort(dim=-1).values != forced.sort(dim=-1).values).any(dim=-1)
-            self._flipped += (differs & mask[:, 0]).sum().double().cpu()
-            self._replayed += mask.sum().double().cpu()
+            self._flipped = self._flipped + (differs & mask[:, 0]).sum()
+            self._replayed = self._replayed + mask.sum()
 
     def pop_metrics(self) -> dict[str, float]:
         """:data:`ROUTE_FLIP_FRAC` and :data:`REPLAYED_TOKENS` since the last call; then reset."""
         layers = len(self.routers)
         replayed = float(self._replayed)
         out = {REPLAYED_TOKENS: replayed / layers, ROUTE_FLIP_FRAC: float(self._flipped) / max(replayed, 1.0)}
-        self._replayed.zero_()
-        self._flipped.zero_()
+        self._replayed, self._flipped = 0.0, 0.0
         return out
 
     def close(self) -> None:
