@@ -92,7 +92,7 @@ def task_docs(task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, lis
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise DataError(f"BFCL task {task['id']!r}: missed functions {unknown} are not in {task['involved_classes']}")
-        added[turn] = [by_name[n] for n in names]
+        added[int(turn)] = [by_name[n] for n in names]  # int() also takes a task that went through JSON
     held = {n for names in task["missed_functions"].values() for n in names}
     return [d for d in docs if d["name"] not in held], added
 

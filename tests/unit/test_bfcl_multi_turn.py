@@ -144,6 +144,7 @@ def test_miss_func_withholds_the_doc_until_its_turn() -> None:
     assert '"name": "sort"' in obs[-1]["content"]
     offered, added = task_docs(task)
     assert [d["name"] for d in added[3]] == ["sort"] and "sort" not in {d["name"] for d in offered}
+    assert task_docs(json.loads(json.dumps(task)))[1].keys() == {3}  # a task sent as JSON has str keys
 
 
 @pytest.mark.parametrize("category", ["multi_turn_miss_func", "multi_turn_miss_param"])
