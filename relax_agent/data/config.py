@@ -34,9 +34,9 @@ class DataConfig(Section):
     an authenticated Unix socket instead of Ray tasks (much lower per-call cost)."""
     ray_adopt_values: bool = False
     """False: object-store values live as long as the process that put them (Ray's ownership);
-    a get of rows whose producer died raises DataError. True: the metadata actor re-puts them
-    and owns them, so they outlive their producer, at one more copy per put (about a third of
-    the batch put throughput, see benchmarks/transferqueue.py)."""
+    after the producer dies Ray may free them, and a get that meets one raises DataError.
+    True: the metadata actor re-puts and so owns them; they outlive their producer, at one more
+    copy per put (roughly half the batch put throughput, see benchmarks/transferqueue.py)."""
     ray_inline_max_bytes: int = Field(default=64 * 1024, ge=0)
     """Field values up to this size travel inside the actor's messages; larger ones go
     through the Ray object store once (zero-copy numpy on get)."""

@@ -14,8 +14,9 @@ Any process of the Ray cluster builds a :class:`RayTransferQueue` with the same
   Unix socket instead of Ray tasks (:mod:`.channel`; ``ray_direct_channel``): same state,
   a fraction of the per-call cost.
 - Ray's ownership model applies to the large values: they live as long as the producer
-  process that put them. Rows whose large values were put by a process that has died can no
-  longer be read; ``get`` then raises :class:`DataError` naming them (``clear`` the partition).
+  process that put them. Once a producer has died, Ray may free them at any time (when is up
+  to Ray: a copy cached on the reading node can stay readable for a while); a ``get`` that
+  meets a freed value raises :class:`DataError` naming the rows (``clear`` the partition).
   With ``ray_adopt_values`` the actor re-puts (and so owns) them: they outlive the producer.
 """
 
@@ -56,6 +57,9 @@ class _Parked:
     token: int
 
 
+_METHODS = frozenset({"create_partition", "put", "get", "ack", "nack", "clear", "stats"})
+
+
 class MetadataActor:
     """The Ray actor behind :class:`RayTransferQueue` (created by it; ``max_concurrency`` high)."""
 
@@ -71,6 +75,8 @@ class MetadataActor:
         """Run one bus method; returns ``(True, result)`` or ``(False, exception)`` so our own
         errors reach the caller with their type."""
         try:
+            if method not in _METHODS:
+                raise DataError(f"unknown data-bus method {method!r}; expected one of {sorted(_METHODS)}")
             if method == "put" and self._adopt_values:
                 args = (*args[:2], await self._adopt(args[2]), *args[3:])
             async with self._cond:
