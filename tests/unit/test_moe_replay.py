@@ -233,6 +233,7 @@ def test_replay_needs_routes_that_fit_the_model(rollouts, moe_dir):
         trainer.compute_gradients(too_big)
 
 
+@pytest.mark.parametrize("moe_dir", ["qwen3_moe"], indirect=True)  # one family is enough here
 def test_replay_off_leaves_moe_training_alone(rollouts, moe_dir):
     trainer = trainer_for(moe_dir, replay=False)
     assert trainer.routing_replay is None
@@ -284,6 +285,7 @@ def test_moe_config_section():
         load_config(None, ["moe.routing_replay=off"])
 
 
+@pytest.mark.parametrize("moe_dir", ["qwen3_moe"], indirect=True)  # one family is enough here
 def test_replay_with_activation_checkpointing_gives_the_same_step(rollouts, moe_dir):
     batch = batch_of(rollouts)
     forced = batch.routed_experts.clone()
