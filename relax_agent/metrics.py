@@ -93,14 +93,16 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """Draw reward/accuracy/format-rate curves (training) and eval points to a PNG."""
+    """Draw reward/accuracy/format-rate curves (training), eval points and, in async mode, the
+    staleness of the trained samples to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    stale = [(r["step"], r["async/staleness_mean"], r["async/staleness_max"]) for r in rows if "async/staleness_mean" in r]
+    fig, axes = plt.subplots(1, 3 if stale else 2, figsize=(16.5 if stale else 11, 4), sharex=True)
     colors = {"reward": "tab:blue", "accuracy": "tab:green", "well-formed calls": "tab:orange"}
     for key, label in ((REWARD, "reward"), (ACCURACY, "accuracy"), (FORMAT_RATE, "well-formed calls")):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
@@ -113,6 +115,11 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
             s, m, e = zip(*pts)
             axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label, color=colors[label])
     axes[1].set_title("held-out evaluation (mean ± std over seeds)")
+    if stale:  # async mode: how many policy versions the trained samples lagged
+        s, mean, high = zip(*stale)
+        axes[2].plot(s, mean, marker=".", label="mean", color="tab:purple")
+        axes[2].plot(s, high, marker=".", label="max", color="tab:red")
+        axes[2].set_title("staleness of trained samples (versions)")
     last = max((r["step"] for r in rows), default=1)
     for ax in axes:
         ax.set_xlim(-0.5, last + 0.5)
