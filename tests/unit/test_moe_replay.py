@@ -301,3 +301,12 @@ def test_replay_with_activation_checkpointing_gives_the_same_step(rollouts, moe_
     assert a[MISMATCH_ABS_DIFF_MAX] == pytest.approx(b[MISMATCH_ABS_DIFF_MAX], abs=1e-6)
     for (name, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_public_names_resolve():
+    import relax_agent.moe as moe
+
+    for name in moe.__all__:
+        assert getattr(moe, name) is not None
+    with pytest.raises(AttributeError):
+        moe.nope  # noqa: B018
