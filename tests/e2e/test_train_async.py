@@ -44,6 +44,8 @@ def _train_in_process(tiny_model_dir, out, *overrides):
         "eval.at_end=false", "logging.tensorboard=false", "checkpoint.every_steps=0", f"run.output_dir={out}",
         *overrides])
     roles = build_roles(cfg)
+    engine_params = {p.data_ptr() for p in roles.engine._model.parameters()}
+    assert not engine_params & {p.data_ptr() for p in roles.trainer.model.parameters()}  # separate copies
     try:
         Controller(cfg, roles).train()
     finally:

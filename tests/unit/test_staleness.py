@@ -145,6 +145,9 @@ def test_no_trained_sample_exceeds_max_staleness(tmp_path, s):
     if s == 0:  # on-policy: step k trains exactly colocate's groups of step k, made by version k - 1
         assert all(r["sample_id"].startswith(f"s{r['step'] - 1}/") for r in rows)
         assert all(r["trained_at_version"] == r["sample_version"] for r in rows)
+        replay = TaskSampler(10, 0)  # the saved data position is the uninterrupted run's: resume is exact
+        replay.next(6 * 2)
+        assert ctrl.groups_drawn == 6 * 2 and ctrl.sampler.state_dict() == replay.state_dict()
 
 
 def test_async_s0_draws_the_same_tasks_and_versions_as_colocate(tmp_path):
