@@ -13,7 +13,9 @@ For each new version it
 4. reports the outcome and timings to the coordinator.
 
 ``sync_latest()`` is what a late-joining replica calls before it serves; ``start()`` follows
-new versions in a background thread.
+new versions in a background thread. A refused version is remembered and never retried (it is
+logged once); the subscriber waits for a newer one while the engine keeps serving its last
+complete version.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class EngineSubscriber:
         self._poll_timeout_s = poll_timeout_s
         self.id = coordinator.register_subscriber(name)
         self.applied_version: int | None = None
+        self.refused_version: int | None = None
+        """Newest version this subscriber refused or failed to apply (not retried)."""
         self.last_report: ApplyReport | None = None
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
@@ -113,6 +117,8 @@ class EngineSubscriber:
             except Exception as exc:  # reported, so the publisher does not wait for a broken subscriber
                 log.exception("%s: applying version %s failed", self.id, meta.version)
                 report = ApplyReport(self.id, meta.version, f"{self.id}: {type(exc).__name__}: {exc}")
+            if report.error is not None:
+                self.refused_version = meta.version
             self.last_report = report
             self._coordinator.report(report)
             return report
@@ -127,12 +133,19 @@ class EngineSubscriber:
             return time.perf_counter() - start
         return stats.weight_load_s - before
 
-    def sync_latest(self, timeout_s: float = 0.0) -> ApplyReport | None:
-        """Apply the latest complete version if it is newer than the applied one (late join).
+    @property
+    def seen_version(self) -> int | None:
+        """Newest version applied or refused (None before the first); only newer ones are tried."""
+        seen = [v for v in (self.applied_version, self.refused_version) if v is not None]
+        return max(seen, default=None)
 
-        Waits up to ``timeout_s`` for a version to exist; returns None if none came.
+    def sync_latest(self, timeout_s: float = 0.0) -> ApplyReport | None:
+        """Apply the latest complete version if it is newer than every version applied or refused
+        so far (late join; a refused version is not tried again).
+
+        Waits up to ``timeout_s`` for such a version to exist; returns None if none came.
         """
-        meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id)
+        meta = self._coordinator.wait_for_version(self.seen_version, timeout_s, self.id)
         return None if meta is None else self.apply(meta)
 
     def start(self) -> "EngineSubscriber":
