@@ -65,7 +65,8 @@ class LocalTransferQueue:
                 if not self._wait(deadline):
                     raise QueueTimeoutError(f"get of {batch_size} rows with fields {list(fields)} for consumer "
                                             f"{consumer!r} from partition {partition!r}: not ready after "
-                                            f"timeout_s={timeout_s}")
+                                            f"timeout_s={timeout_s}; "
+                                            f"{self._store.not_ready(partition, fields, consumer, batch_size)}")
         return _batch(taken, partition, consumer)
 
     def ack(self, lease_id: str) -> bool:

@@ -110,9 +110,14 @@ class TransferQueue(Protocol):
         acked nor leased; blocks until the sampler (``"fifo"``, ``"group"`` or a
         :class:`Sampler`) finds them. Each consumer name has its own cursor.
 
+        A partition created with a schema refuses a field outside it at once (``DataError``
+        naming it). Without a schema any field may still be written later by another producer,
+        so ``get`` waits for it: pass ``timeout_s`` where a field might never come; the
+        timeout's message names the requested fields no row has yet (or how many rows are ready).
+
         Raises:
             DataError: unknown partition, unknown field (with a schema), bad sampler.
-            QueueTimeoutError: not ready within ``timeout_s``.
+            QueueTimeoutError: not ready within ``timeout_s``; names the fields no row has yet.
         """
         ...
 

@@ -145,7 +145,8 @@ class MetadataActor:
                 break
             if not await self._wait(deadline):
                 raise QueueTimeoutError(f"get of {batch_size} rows with fields {fields} for consumer {consumer!r} "
-                                        f"from partition {partition!r}: not ready after timeout_s={timeout_s}")
+                                        f"from partition {partition!r}: not ready after timeout_s={timeout_s}; "
+                                        f"{self._store.not_ready(partition, fields, consumer, batch_size)}")
         pieces = {
             name: [(_InStore(stored.values), start, stop) if stored.is_ref else (stored.values[start:stop], 0, stop - start)
                    for stored, start, stop in segments]

@@ -277,6 +277,18 @@ class Store:
                 raise DataError(f"partition {partition!r}: unknown field(s) {unknown}; the schema has "
                                 f"{sorted(part.schema)}")
 
+    def not_ready(self, partition: str, fields: Sequence[str], consumer: str, batch_size: int) -> str:
+        """Why a get is still waiting, for its timeout message: the requested fields no row of the
+        partition has yet, else how many rows the consumer could take."""
+        part = self._partition(partition)
+        missing = [f for f in fields if not any(f in row.values for row in part.rows.values())]
+        if missing:
+            return (f"no row has field(s) {missing} yet (fields written so far: {sorted(part.schema)}; "
+                    "a field nobody writes is never ready)")
+        cons = part.consumer(consumer)
+        ready = sum(1 for _ in self._ready(part, cons, fields))
+        return f"{ready} of batch_size={batch_size} rows have all fields and are free for {consumer!r}"
+
     def take(self, partition: str, fields: Sequence[str], consumer: str, batch_size: int,
              sampler: str | Sampler, now: float) -> Taken | None:
         """Lease ``batch_size`` ready rows to ``consumer``, or ``None`` if the sampler wants more.
