@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Hashable, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -60,6 +60,9 @@ class EnvConfig(Section):
     """Extra keyword arguments passed to ``gymnasium.make``."""
     max_turns: int = Field(default=1, ge=1)
     """Assistant turns per episode before the orchestrator truncates it."""
+    step_timeout_s: float = Field(default=60.0, gt=0.0)
+    """Most seconds one env call (building the env, ``reset``, ``step``, ``close``) may take;
+    past it the episode becomes a failed record naming this key."""
 
 
 class RolloutConfig(Section):
@@ -200,6 +203,12 @@ class RelaxConfig(Section):
                 f"max_staleness={self.max_staleness} needs mode=async (mode=colocate is always "
                 "on-policy); set mode=async or max_staleness=0"
             )
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size={self.rollout.group_size}: GRPO needs at least 2 samples per group "
+                "(advantages are rewards minus their group's mean, so a group of one always has advantage 0 "
+                "and nothing is trained); set rollout.group_size >= 2"
+            )
         if self.rollout.max_new_tokens >= self.rollout.max_total_tokens:
             raise ValueError(
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} must be below "
@@ -267,6 +276,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A SafeLoader that refuses a key repeated in one mapping (plain YAML keeps the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader itself reports unhashable keys
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (lines {seen[key]} and {line}); YAML would keep only "
+                    "the last one, so merge the two into one block", key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RelaxConfig:
     """Load a :class:`RelaxConfig` from a YAML file and dotted overrides.
 
@@ -280,7 +307,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):

@@ -171,23 +171,29 @@ def load_tasks(cfg: RelaxConfig) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: bool = True,
-                on_load: Callable[[str], None] | None = None) -> Roles:
+                on_load: Callable[[str], None] | None = None,
+                on_tasks: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None) -> Roles:
     """Load the policy (from ``model_path`` when resuming) and build engine, trainer and runner.
 
-    Checks that need no model (config, env id, reward service and its token) run first;
-    ``on_load(path)`` is called right before the policy starts loading.
+    Checks that need no model (config, env id, reward service and its token, task counts) run
+    first; ``on_tasks(train_tasks, heldout_tasks)`` (e.g. a check against a checkpoint) and then
+    ``on_load(path)`` are called right before the policy starts loading.
     """
     from relax_agent.models import load_policy
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.engines.hf import HFEngine
     from relax_agent.rollout.parsers import build_parser
-    from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
+    from relax_agent.rollout.runner import RolloutRunner
 
     device = preflight(cfg)
     reward = build_checked_reward(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     train_tasks, heldout_tasks = load_tasks(cfg)
+    if train:
+        check_task_counts(cfg, len(train_tasks))
+    if on_tasks is not None:
+        on_tasks(train_tasks, heldout_tasks)
     model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
     if on_load is not None:
         on_load(model_cfg.path)
@@ -197,10 +203,26 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
                       record_routes=cfg.moe.replay)
     trainer = _build_trainer(cfg, model, device) if train else None
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
-    limits = RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens)
+    limits = rollout_limits(cfg)
     runner = RolloutRunner(make_env_factory(cfg), engine, renderer, build_parser(cfg.rollout.tool_parser), limits,
                            reward=reward, env_id=cfg.env.id)
     return Roles(cfg, device, model, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks)
+
+
+def rollout_limits(cfg: RelaxConfig) -> Any:
+    """The per-episode :class:`~relax_agent.rollout.runner.RolloutLimits` of ``cfg`` (env and rollout keys)."""
+    from relax_agent.rollout.runner import RolloutLimits
+
+    return RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens, cfg.env.step_timeout_s)
+
+
+def check_task_counts(cfg: RelaxConfig, num_train_tasks: int) -> None:
+    """Raise ConfigError when one step asks for more distinct tasks than the train split holds."""
+    if cfg.rollout.tasks_per_step > num_train_tasks:
+        raise ConfigError(
+            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} is more than the {num_train_tasks} train tasks "
+            f"of env.id={cfg.env.id!r}; set rollout.tasks_per_step <= {num_train_tasks}"
+        )
 
 
 REWARD_STARTUP_TIMEOUT_S = 15.0
