@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -91,7 +92,45 @@ def preflight(cfg: RelaxConfig) -> str:
     check_env_kwargs(cfg.env.id, cfg.env.kwargs)
     device = resolve_device(cfg.run.device)
     check_dtypes(device, cfg.engine.dtype, cfg.trainer.dtype)
+    check_mode(cfg, device)
     return device
+
+
+def check_mode(cfg: RelaxConfig, device: str) -> None:
+    """Refuse ``weights.transport: nccl`` in async mode (ConfigError naming it and the device);
+    warn about ``weights`` / ``data`` keys that ``mode: colocate`` ignores.
+
+    Async mode's engine shares the trainer's process, which nccl cannot reach (it broadcasts
+    to rollout processes on CUDA GPUs); colocate copies weights in-process and uses no data bus.
+    """
+    if cfg.mode == "async" and cfg.weights.transport == "nccl":
+        why = (f"run.device resolves to {device!r} and nccl needs CUDA GPUs" if not device.startswith("cuda") else
+               "nccl reaches rollout engines in other processes, and this run's engine shares the trainer's process")
+        raise ConfigError(f"weights.transport='nccl' with mode=async: {why}; use weights.transport=tcp or inproc")
+    if cfg.mode == "colocate":
+        ignored = _changed_keys("weights", cfg.weights) + _changed_keys("data", cfg.data)
+        if ignored:
+            warnings.warn(f"mode=colocate ignores {', '.join(ignored)}: colocate always copies weights to the "
+                          "engine in-process and uses no data bus; these keys apply to mode=async", stacklevel=2)
+
+
+def _changed_keys(section: str, value: Any) -> list[str]:
+    """``section.key=value`` for each key of ``value`` that differs from its section's default."""
+    default = type(value)().model_dump()
+    return [f"{section}.{k}={v!r}" for k, v in value.model_dump().items() if v != default[k]]
+
+
+def start_data_bus(cfg: RelaxConfig) -> bool:
+    """Start (or connect to) Ray for ``data.backend: ray`` in async mode unless it runs already.
+
+    Returns True when this call started it (``Roles.close`` shuts it down).
+    Raises ConfigError: Ray could not start (see :func:`relax_agent.data.ray.start_ray`).
+    """
+    if cfg.mode != "async" or cfg.data.backend != "ray":
+        return False
+    from relax_agent.data.ray import start_ray
+
+    return start_ray(cfg.data)
 
 
 def check_dtypes(device: str, engine_dtype: str, trainer_dtype: str) -> None:
@@ -151,6 +190,8 @@ class Roles:
     runner: Any
     train_tasks: list[dict[str, Any]]
     heldout_tasks: list[dict[str, Any]]
+    owns_ray: bool = False
+    """The run started Ray for the data bus (``data.backend: ray``); ``close`` shuts it down."""
 
     def close(self) -> None:
         self.engine.close()
@@ -158,6 +199,10 @@ class Roles:
             import asyncio
 
             asyncio.run(self.runner.reward.aclose())
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
 
 
 def load_tasks(cfg: RelaxConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -187,6 +232,7 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
 
     device = preflight(cfg)
     reward = build_checked_reward(cfg)
+    owns_ray = train and start_data_bus(cfg)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     train_tasks, heldout_tasks = load_tasks(cfg)
@@ -206,7 +252,7 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     limits = rollout_limits(cfg)
     runner = RolloutRunner(make_env_factory(cfg), engine, renderer, build_parser(cfg.rollout.tool_parser), limits,
                            reward=reward, env_id=cfg.env.id)
-    return Roles(cfg, device, model, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks)
+    return Roles(cfg, device, model, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks, owns_ray)
 
 
 def rollout_limits(cfg: RelaxConfig) -> Any:

@@ -3,7 +3,8 @@
 YAML::
 
     data:
-      backend: ray          # or local (in-process, the default)
+      backend: ray          # or local (in-process, the default); mode: async only
+      ray_num_cpus: 2       # a run starts a local Ray with this many CPUs unless one runs
       lease_timeout_s: 120
 """
 
@@ -23,7 +24,14 @@ class DataConfig(Section):
 
     backend: Literal["local", "ray"] = "local"
     """"local": in-process (threads of one process); "ray": a metadata actor plus the Ray
-    object store, shared by every process of the Ray cluster (needs ``ray.init`` first)."""
+    object store, shared by every process of the Ray cluster. Used by ``mode: async`` only;
+    a run that finds no Ray running starts one (``ray_address``, ``ray_num_cpus``)."""
+    ray_address: str | None = None
+    """backend ray, Ray not yet running: connect to this cluster (``ray.init(address=...)``,
+    e.g. "auto" or "127.0.0.1:6379"); None starts a local Ray for the run."""
+    ray_num_cpus: int = Field(default=2, ge=1)
+    """backend ray: CPUs of the local Ray a run starts (its actors need none: the bus's
+    metadata actor takes 0)."""
     lease_timeout_s: float = Field(default=300.0, gt=0.0)
     """Seconds a consumer may hold rows without acking before they are handed out again;
     set it above the longest step that consumes one batch."""

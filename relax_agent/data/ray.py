@@ -188,6 +188,31 @@ class MetadataActor:
         return True
 
 
+def start_ray(cfg: DataConfig) -> bool:
+    """Make sure Ray runs for the data bus: connect to ``cfg.ray_address`` when set, else start a
+    local Ray with ``cfg.ray_num_cpus`` CPUs and no dashboard. Nothing happens when Ray is
+    already initialised in this process.
+
+    Returns:
+        True when this call started (or connected) Ray: the caller ``ray.shutdown()``\ s it.
+
+    Raises:
+        ConfigError: Ray could not start or connect (names ``data.ray_address`` / ``data.ray_num_cpus``).
+    """
+    if ray.is_initialized():
+        return False
+    try:
+        if cfg.ray_address is not None:
+            ray.init(address=cfg.ray_address, include_dashboard=False)
+        else:
+            ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = (f"connect to data.ray_address={cfg.ray_address!r}" if cfg.ray_address is not None
+                 else f"start a local Ray with data.ray_num_cpus={cfg.ray_num_cpus}")
+        raise ConfigError(f"data.backend='ray': cannot {where}: {type(exc).__name__}: {exc}") from exc
+    return True
+
+
 class RayTransferQueue:
     """The Ray backend of :class:`relax_agent.data.TransferQueue` (see there for the API).
 
@@ -198,7 +223,8 @@ class RayTransferQueue:
     def __init__(self, cfg: DataConfig | None = None) -> None:
         self.cfg = cfg or DataConfig(backend="ray")
         if not ray.is_initialized():
-            raise ConfigError("data.backend='ray' needs a running Ray: call ray.init(num_cpus=...) first")
+            raise ConfigError("data.backend='ray' needs a running Ray: call ray.init(num_cpus=...) or "
+                              "relax_agent.data.ray.start_ray(cfg) first")
         actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
         self._actor = actor_cls.options(name=self.cfg.ray_actor_name, get_if_exists=True).remote(
             self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)

@@ -1,0 +1,43 @@
+"""Preflight of the weight-sync and data-bus sections per mode: refused or warned before any model loads."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from relax_agent.config import load_config
+from relax_agent.errors import ConfigError
+from relax_agent.roles import check_mode, preflight, start_data_bus
+
+
+def test_async_with_nccl_on_cpu_is_refused_naming_the_value_and_the_device():
+    cfg = load_config(None, ["mode=async", "weights.transport=nccl", "run.device=cpu"])
+    with pytest.raises(ConfigError, match=r"weights.transport='nccl' with mode=async: run.device resolves to 'cpu'"):
+        preflight(cfg)
+
+
+def test_async_with_nccl_is_refused_on_cuda_too_since_the_engine_is_in_process():
+    cfg = load_config(None, ["mode=async", "weights.transport=nccl"])
+    with pytest.raises(ConfigError, match="engine shares the trainer's process; use weights.transport=tcp"):
+        check_mode(cfg, "cuda")
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["weights.transport=tcp", "weights.bucket_mb=8"], ["weights.transport='tcp'", "weights.bucket_mb=8.0"]),
+    (["data.backend=ray"], ["data.backend='ray'"]),
+])
+def test_colocate_warns_naming_the_weights_and_data_keys_it_ignores(overrides, named):
+    cfg = load_config(None, overrides)
+    with pytest.warns(UserWarning, match="mode=colocate ignores") as record:
+        check_mode(cfg, "cpu")
+    message = str(record[0].message)
+    assert all(key in message for key in named), message
+    assert start_data_bus(cfg) is False  # colocate never starts Ray
+
+
+def test_default_colocate_and_async_with_tcp_pass_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_mode(load_config(None, []), "cpu")
+        check_mode(load_config(None, ["mode=async", "weights.transport=tcp", "data.backend=ray"]), "cpu")
