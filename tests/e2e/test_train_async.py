@@ -87,3 +87,11 @@ def test_async_s1_stays_within_max_staleness_and_resumes(runs):
         assert key in last, key
     state = json.loads((base / "s1" / "checkpoints" / "step_000003" / "state.json").read_text())
     assert state["step"] == 3 and state["policy_version"] == 3 and state["groups_drawn"] >= 3 * 2
+
+
+def test_async_with_the_ray_data_bus_starts_its_own_ray_from_the_cli(tiny_model_dir, tmp_path):
+    out = tmp_path / "ray-bus"
+    _cli(tiny_model_dir, out, "trainer.steps=1", "mode=async", "data.backend=ray", "data.ray_num_cpus=1",
+         "checkpoint.every_steps=0")
+    assert [r["step"] for r in _metrics(out)] == [1] and _metrics(out)[0]["policy_version"] == 1
+    assert len(_samples(out)) == 2 * 4
