@@ -178,3 +178,13 @@ def test_rows_of_a_killed_producer_stay_readable_when_the_actor_adopts_them(tq):
     batch = bus.get("prod", ["x"], "trainer", 3, timeout_s=10)
     assert [int(row[0]) for row in batch.fields["x"]] == [0, 1, 2]
     bus.close()
+
+
+def test_get_timeout_names_the_field_no_row_has_and_a_running_ray_is_reused(tq):
+    from relax_agent.data.ray import start_ray
+
+    tq.create_partition("nofield", 8)
+    tq.put("nofield", ["a"], {"x": [1]}, group_ids=["g"], versions=[0])
+    with pytest.raises(QueueTimeoutError, match=r"no row has field\(s\) \['nope'\] yet"):
+        tq.get("nofield", ["x", "nope"], "t", 1, timeout_s=0.1)
+    assert start_ray(DataConfig(backend="ray")) is False and ray.is_initialized()  # not ours to start or stop
