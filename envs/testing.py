@@ -97,6 +97,20 @@ def _is_tool_schema(tool: Any) -> bool:
             and isinstance(function.get("parameters", {}), dict))
 
 
+def _equivalent(a: Any, b: Any) -> bool:
+    """gymnasium's ``data_equivalence``, with NaN equal to NaN (so a NaN reward is reported as
+    non-finite by ``step``, not as nondeterminism)."""
+    from gymnasium.utils.env_checker import data_equivalence
+
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (tuple, list)) and type(a) is type(b) and len(a) == len(b):
+        return all(_equivalent(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
+        return all(_equivalent(a[k], b[k]) for k in a)
+    return data_equivalence(a, b)
+
+
 def _check_obs(env: gymnasium.Env, obs: Any, where: str) -> None:
     _expect(isinstance(obs, list), f"{where}: observation must be a list of messages, got {type(obs).__name__}")
     bad = [m for m in obs if not is_message(m)]
@@ -191,13 +205,11 @@ def _play(make_env: Factory, seed: int) -> list[Any]:
 @_check
 def check_determinism(make_env: Factory) -> None:
     """Same seed, same actions -> same observations, rewards, flags and infos (two fresh envs)."""
-    from gymnasium.utils.env_checker import data_equivalence
-
     for seed in (0, 1):
         first, second = _play(make_env, seed), _play(make_env, seed)
         for i, (a, b) in enumerate(zip(first, second)):
-            _expect(data_equivalence(a, b), f"seed {seed}, call {i}: two envs differ:\n{str(a)[:300]}\n{str(b)[:300]}")
-        _expect(data_equivalence(first[0], first[1]), f"seed {seed}: reset(seed) twice on one env gave different openings")
+            _expect(_equivalent(a, b), f"seed {seed}, call {i}: two envs differ:\n{str(a)[:300]}\n{str(b)[:300]}")
+        _expect(_equivalent(first[0], first[1]), f"seed {seed}: reset(seed) twice on one env gave different openings")
 
 
 @_check
@@ -250,8 +262,6 @@ def check_close(make_env: Factory) -> None:
 @_check
 def check_async_api(make_env: Factory) -> None:
     """``async def areset/astep`` (when defined) match ``reset``/``step``."""
-    from gymnasium.utils.env_checker import data_equivalence
-
     with _Opened(make_env) as env:
         inner = env.unwrapped
         methods = [getattr(inner, n, None) for n in ("areset", "astep")]
@@ -266,7 +276,7 @@ def check_async_api(make_env: Factory) -> None:
         async_out = asyncio.run(play())
         _check_reset_out(env, async_out[0], "areset")
         _check_step_out(env, async_out[1], "astep")
-        _expect(data_equivalence(sync_out, async_out), f"async and sync API differ:\n{sync_out}\n{async_out}")
+        _expect(_equivalent(sync_out, async_out), f"async and sync API differ:\n{sync_out}\n{async_out}")
 
 
 def run_check(make_env: Factory, name: str) -> None:

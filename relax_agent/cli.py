@@ -83,7 +83,8 @@ def train(
     try:
         cfg = _load(config, overrides)
         ckpt = _checkpoint_to_resume(cfg, resume)
-        roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce)
+        roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce,
+                            on_tasks=None if ckpt is None else _check_resume(ckpt, cfg))
         controller = Controller(cfg, roles)
         if ckpt is not None:
             controller.restore(ckpt)
@@ -104,6 +105,21 @@ def train(
     if summary.get("interrupted"):
         console.print("[yellow]interrupted: saved; continue with --resume[/]")
         raise typer.Exit(130)
+
+
+def _check_resume(ckpt: Path, cfg: Any) -> Any:
+    """Warn now about config keys changed since ``ckpt``; returns the ``on_tasks`` check that the
+    checkpoint's train split matches this run's (run before the policy loads)."""
+    from relax_agent.controller import check_resume_tasks, format_resume_changes, resume_changes
+
+    changes = resume_changes(ckpt, cfg)
+    if changes:
+        console.print(format_resume_changes(ckpt, changes), style="yellow", markup=False, highlight=False)
+
+    def on_tasks(train_tasks: list[Any], heldout_tasks: list[Any]) -> None:
+        check_resume_tasks(ckpt, len(train_tasks), cfg)
+
+    return on_tasks
 
 
 def _announce(path: str) -> None:

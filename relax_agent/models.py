@@ -23,6 +23,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from relax_agent.config import ModelConfig
-from relax_agent.errors import ConfigError, ModelLoadError
+from relax_agent.errors import ConfigError, ModelLoadError, RelaxError
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -424,3 +425,28 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **o
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m relax_agent.models tiny DIR [--arch llama] [--seed 0]``: write a tiny random
+    model (see :func:`make_tiny_model`) for smoke runs such as ``examples/tiny.yaml``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m relax_agent.models", description="Model utilities.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tiny = sub.add_parser("tiny", help="Save a tiny randomly initialised model with the SmolLM2 tokenizer.")
+    tiny.add_argument("out_dir", type=Path, help="Folder to write (created; existing files are overwritten).")
+    tiny.add_argument("--arch", default="llama", choices=sorted(TINY_ARCHS), help="Architecture (default: llama).")
+    tiny.add_argument("--seed", type=int, default=0, help="Weight initialisation seed (default: 0).")
+    args = parser.parse_args(argv)
+    try:
+        out = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed)
+    except RelaxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote a tiny {args.arch} model to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,20 +11,34 @@ from relax_agent import metrics as M
 
 
 def format_step(step: int, row: dict[str, Any]) -> str:
-    """One human line for a training step."""
+    """One human line for a training step: rewards, speed, the loss (or why nothing was trained)
+    and, when any episode failed, how many of the step's episodes did."""
+    failed, episodes = row.get("rollout/failed", 0.0), row.get("rollout/episodes", 0.0)
     return (
         f"step {step:>4}  reward {row.get(M.REWARD, 0):.3f}  acc {row.get(M.ACCURACY, 0):.3f}  "
         f"format {row.get(M.FORMAT_RATE, 0):.3f}  {row.get(M.TOKENS_PER_S, 0):.0f} tok/s  "
-        f"loss {row.get('train/loss', float('nan')):.4f}  {row.get(M.STEP_TIME, 0):.1f} s"
+        f"{_update_text(row, failed, episodes)}  {row.get(M.STEP_TIME, 0):.1f} s"
+        + (f"  failed {failed:.0f}/{episodes:.0f} episodes" if failed > 0 else "")
     )
 
 
+def _update_text(row: dict[str, Any], failed: float, episodes: float) -> str:
+    if "train/loss" in row:
+        return f"loss {row['train/loss']:.4f}"
+    if episodes > 0 and failed >= episodes:
+        return "no update (every episode failed)"
+    return "no update (all groups uniform)"
+
+
 def format_eval(result: dict[str, Any]) -> str:
+    """One human line for an evaluation: means ± std over seeds, and failed episodes when any."""
+    failed = result.get("eval/failed", 0.0)
     return (
         f"eval ({result['eval/num_tasks']} held-out tasks x {len(result['eval/seeds'])} seeds): "
         f"accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_std']:.3f}  "
         f"well-formed {result['eval/well_formed']:.3f} ± {result['eval/well_formed_std']:.3f}  "
         f"reward {result['eval/reward']:.3f}"
+        + (f"  failed {failed:g}/{result['eval/num_tasks']} episodes per seed" if failed > 0 else "")
     )
 
 

@@ -173,7 +173,10 @@ async def run_episode(env: Any, spec: EpisodeSpec, engine: InferenceEngine, rend
 
     Returns:
         The trajectory; on an env failure, a record with ``error`` set and
-        ``reward_status="error"`` (masked out of training, counted in metrics).
+        ``reward_status="error"`` (masked out of training, counted in metrics). Its
+        ``stop_reason`` is "length" when the last response was cut off by ``max_new_tokens``
+        (the engine's finish reason), else "terminated", "truncated", "max_turns" or
+        "max_total_tokens".
     """
     messages: list[dict[str, Any]] = []
     rec: _Recorder | None = None
@@ -208,6 +211,8 @@ async def run_episode(env: Any, spec: EpisodeSpec, engine: InferenceEngine, rend
             rec.add_context(renderer.observation_delta(new_obs))
         else:
             stop = "max_turns"
+        if stop != "max_total_tokens" and rec.turns and rec.turns[-1].finish_reason == "length":
+            stop = "length"  # the last response was cut off by max_new_tokens (or the token budget)
     except Exception as exc:  # env bugs become data, not crashes
         return _failed(spec, rec, messages, exc)
     finally:

@@ -38,7 +38,7 @@ def test_train_on_the_calculator(tiny_model_dir, tmp_path):
     train_ids = {t["id"] for t in CalculatorEnv(difficulty=1, num_tasks=2000).tasks("train")}
     assert len(rows) == 4 and all(r["task_id"] in train_ids for r in rows)
     assert all(r["error"] is None and r["reward_status"] == "ok" for r in rows)  # no env failure on random text
-    ended = [r for r in rows if r["stop_reason"] == "terminated"]
+    ended = [r for r in rows if r["stop_reason"] in ("terminated", "length")]  # length: env ended on a cut-off reply
     assert ended and all({"tool_calls", "tool_errors", "correct"} <= set(r["metrics"]) for r in ended)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "eval/accuracy" in summary["eval_end"]
