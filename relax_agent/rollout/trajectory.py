@@ -57,8 +57,8 @@ class Trajectory:
         reward_status: "ok", "error" or "timeout" (see :data:`RewardStatus`).
         messages: the conversation as chat messages (for logs and reward services).
         metrics: per-episode scalars from the env/reward (e.g. ``correct``, ``well_formed``).
-        stop_reason: why the episode ended: "terminated", "truncated", "max_turns",
-            "max_total_tokens", "env_error".
+        stop_reason: why the episode ended: "terminated", "truncated", "length" (the last
+            reply was cut at ``max_new_tokens``), "max_turns", "max_total_tokens", "env_error".
         error: cause when the episode failed (env exception, bad return); None otherwise.
 
     MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
