@@ -109,14 +109,14 @@ class BFCLEnv(TextEnv):
         return [], reward(result, self.partial_credit), True, False, info
 
 
-def calls_from_message(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` as ``[{"name", "arguments"}]``.
+def tool_call_entries(message: dict[str, Any]) -> list[tuple[str | None, Any, Any]]:
+    """``(id, name, arguments)`` of each entry of an assistant message's ``tool_calls``.
 
-    Entries are OpenAI-format (``{"type": "function", "function": {...}}``) or flat
-    ``{"name", "arguments"}``. ``arguments`` may be a dict or a JSON string; a string that
-    does not parse is kept as is, which the checker judges not well-formed.
+    Entries are OpenAI-format (``{"id", "type": "function", "function": {...}}``) or flat
+    ``{"name", "arguments"}``; ``id`` is None when absent. ``arguments`` may be a dict or a
+    JSON string; a string that does not parse is kept as is (the caller judges it).
     """
-    calls = []
+    entries = []
     for tool_call in message.get("tool_calls") or []:
         function = tool_call.get("function", tool_call) if isinstance(tool_call, dict) else None
         function = function if isinstance(function, dict) else {}
@@ -126,5 +126,13 @@ def calls_from_message(message: dict[str, Any]) -> list[dict[str, Any]]:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 pass
-        calls.append({"name": function.get("name"), "arguments": arguments})
-    return calls
+        call_id = tool_call.get("id") if isinstance(tool_call, dict) else None
+        entries.append((call_id, function.get("name"), arguments))
+    return entries
+
+
+def calls_from_message(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as ``[{"name", "arguments"}]`` (see
+    :func:`tool_call_entries`); a string ``arguments`` that does not parse is judged not
+    well-formed by the checker."""
+    return [{"name": name, "arguments": arguments} for _, name, arguments in tool_call_entries(message)]

@@ -43,6 +43,7 @@ from typing import Any
 
 from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import SPLITS, split_tasks
+from relax_agent.envs.bfcl.env import tool_call_entries
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
 from relax_agent.envs.bfcl.multi_turn_checker import TurnJudge
 from relax_agent.envs.bfcl.multi_turn_data import API_CLASSES, CATEGORIES, compact_doc, load_tasks, task_docs
@@ -60,21 +61,10 @@ def calls_of(message: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(id, name, arguments)`` of each tool call of an assistant message (OpenAI or flat entries).
 
     ``arguments`` may be a dict or a JSON string; one that does not decode is kept as is (its
-    call then fails with an error result).
+    call then fails with an error result). A call without an id gets ``call_<index>``.
     """
-    out = []
-    for i, call in enumerate(message.get("tool_calls") or []):
-        function = call.get("function", call) if isinstance(call, dict) else {}
-        function = function if isinstance(function, dict) else {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        call_id = call.get("id") if isinstance(call, dict) else None
-        out.append((call_id or f"call_{i}", function.get("name"), arguments))
-    return out
+    return [(call_id or f"call_{i}", name, arguments)
+            for i, (call_id, name, arguments) in enumerate(tool_call_entries(message))]
 
 
 class BFCLMultiTurnEnv(TextEnv):
