@@ -19,9 +19,9 @@ groups; and the samples/s ratio against colocate, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,15 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from relax_agent.envs import TextEnv, register
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for examples/
 
-WORDS = ["apple", "river", "orange", "planet", "garden", "silver", "window", "yellow",
-         "forest", "rocket", "candle", "pencil", "bridge", "island", "mirror", "button"]
+from examples.custom_env import EchoEnv  # noqa: E402
+
+from relax_agent.envs import register  # noqa: E402
+
 ENV_ID = "bench/SlowToolEcho-v0"
 
 
-class SlowToolEcho(TextEnv):
-    """Echo behind a slow tool: ``step`` waits a lognormal latency, then scores the reply.
+class SlowToolEcho(EchoEnv):
+    """The example Echo env behind a slow tool: ``step`` waits a lognormal latency, then scores.
 
     Args:
         latency_median_s: median tool latency in seconds.
@@ -46,28 +48,15 @@ class SlowToolEcho(TextEnv):
         num_tasks: dataset size (3/4 train, 1/4 held out).
     """
 
-    reward_description = "difflib similarity ratio between the reply and the requested word, in [0, 1]"
-
     def __init__(self, latency_median_s: float = 0.5, latency_sigma: float = 1.0, latency_cap_s: float = 6.0,
                  num_tasks: int = 64):
-        super().__init__()
+        super().__init__(num_tasks)
         self.latency = (float(np.log(latency_median_s)), latency_sigma, latency_cap_s)
-        rng = np.random.default_rng(1234)
-        self._tasks = [{"id": f"echo-{i}", "word": str(rng.choice(WORDS))} for i in range(num_tasks)]
-
-    def tasks(self, split: str = "train") -> list[dict]:
-        cut = len(self._tasks) * 3 // 4
-        return self._tasks[:cut] if split == "train" else self._tasks[cut:]
-
-    def _reset_task(self, task):
-        return [{"role": "user", "content": f"Repeat exactly: {task['word']}"}], {"tools": []}
 
     def step(self, action):
         mu, sigma, cap = self.latency
         time.sleep(min(float(self.np_random.lognormal(mu, sigma)), cap))  # the tool / sandbox call
-        reply = (action.get("content") or "").strip().lower()
-        score = difflib.SequenceMatcher(None, reply, self.task["word"]).ratio()
-        return [], score, True, False, {"correct": float(reply == self.task["word"])}
+        return super().step(action)
 
 
 register(id=ENV_ID, entry_point=SlowToolEcho)
