@@ -38,7 +38,7 @@ from relax_agent.data.config import DataConfig
 from relax_agent.data.protocol import Batch
 from relax_agent.data.samplers import Sampler
 from relax_agent.data.schema import OBJECT, FieldSpec, assemble
-from relax_agent.data.store import RefField, Store
+from relax_agent.data.store import RefField, Store, check_versions
 from relax_agent.errors import ConfigError, DataError, QueueTimeoutError
 
 
@@ -105,7 +105,10 @@ class MetadataActor:
         return self._channel.address, self._channel.authkey, ray.get_runtime_context().get_node_id()
 
     async def _channel_call(self, method: str, args: tuple) -> tuple[bool, Any]:
-        reply = await self.call(method, *args)
+        try:
+            reply = await self.call(method, *args)
+        except Exception as exc:  # unexpected: hand it to the caller instead of dropping the connection
+            return False, exc
         if method == "get" and reply[0] and any(
                 isinstance(box, _InStore) for segs in reply[1][4].values() for box, _, _ in segs):
             token = next(self._tokens)
@@ -231,6 +234,7 @@ class RayTransferQueue:
         self._channel: ChannelClient | None = None
         self._channel_lock = threading.Lock()
         self._channel_checked = False
+        self._closed = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cfg": self.cfg, "_actor": self._actor}
@@ -238,13 +242,19 @@ class RayTransferQueue:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._channel, self._channel_lock, self._channel_checked = None, threading.Lock(), False
+        self._closed = False
 
     @property
     def actor(self) -> Any:
         """The metadata actor's handle."""
         return self._actor
 
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise DataError(f"data bus: {method} after close() (close() stopped the metadata actor)")
+
     def _call(self, method: str, *args: Any) -> Any:
+        self._check_open(method)
         channel = self._same_node_channel()
         has_refs = method == "put" and any(isinstance(v, RefField) for v in args[2].values())
         if channel is None or has_refs:
@@ -277,10 +287,11 @@ class RayTransferQueue:
     def put(self, partition: str, sample_ids: Sequence[str], fields: Mapping[str, Sequence[Any] | np.ndarray], *,
             group_ids: Sequence[str] | None = None, versions: Sequence[int] | None = None,
             timeout_s: float | None = None, overwrite: bool = False) -> None:
+        self._check_open("put")
+        checked = None if versions is None else check_versions(partition, versions)  # before anything is sent
         payload = {name: self._encode(values) for name, values in fields.items()}
         self._call("put", partition, [str(s) for s in sample_ids], payload,
-                   None if group_ids is None else list(group_ids), None if versions is None else list(versions),
-                   timeout_s, overwrite)
+                   None if group_ids is None else list(group_ids), checked, timeout_s, overwrite)
 
     def _encode(self, values: Sequence[Any] | np.ndarray) -> Any:
         """Large arrays (or lists of arrays of one dtype) go to the object store, the rest inline."""
@@ -325,5 +336,8 @@ class RayTransferQueue:
         return self._call("stats", partition)
 
     def close(self) -> None:
-        """Stop the metadata actor (every process sharing this bus loses it)."""
-        ray.kill(self._actor)
+        """Stop the metadata actor (every process sharing this bus loses it); later calls through
+        this handle raise :class:`DataError`. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            ray.kill(self._actor)

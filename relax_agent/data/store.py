@@ -12,6 +12,7 @@ batch put of ``[rows, ...]`` is stored once and a get of consecutive rows is one
 from __future__ import annotations
 
 import itertools
+import numbers
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,6 +25,21 @@ from relax_agent.data.schema import FieldSpec, make_chunk, parse_spec
 from relax_agent.errors import DataError, LeaseError
 
 _FINISHED_LEASES_KEPT = 100_000
+
+
+def check_versions(partition: str, versions: Sequence[Any]) -> list[int]:
+    """``versions`` as Python ints: each a non-negative integer (numpy integers count; bool does not).
+
+    Raises:
+        DataError: a value is not a non-negative integer; names the value and its index.
+    """
+    out = []
+    for i, v in enumerate(versions):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 0:
+            raise DataError(f"partition {partition!r}: versions[{i}]={v!r} ({type(v).__name__}) is not a policy "
+                            "version; expected a non-negative int")
+        out.append(int(v))
+    return out
 
 
 @dataclass(eq=False)
@@ -226,6 +242,7 @@ class Store:
             if len(group_ids) != len(ids) or len(versions) != len(ids):
                 raise DataError(f"partition {part.name!r}: {len(ids)} sample ids but {len(group_ids)} group_ids "
                                 f"and {len(versions)} versions")
+            check_versions(part.name, versions)
             for sid in ids:
                 if sid in part.rows or sid in part.retired:
                     raise DataError(f"partition {part.name!r}: duplicate sample id {sid!r} (a row with that id "

@@ -7,6 +7,7 @@ killed with SIGKILL.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -188,3 +189,29 @@ def test_get_timeout_names_the_field_no_row_has_and_a_running_ray_is_reused(tq):
     with pytest.raises(QueueTimeoutError, match=r"no row has field\(s\) \['nope'\] yet"):
         tq.get("nofield", ["x", "nope"], "t", 1, timeout_s=0.1)
     assert start_ray(DataConfig(backend="ray")) is False and ray.is_initialized()  # not ours to start or stop
+
+
+@pytest.mark.parametrize("bad", ["abc", 1.7, None, -1, True])
+def test_a_bad_version_is_refused_by_name_and_the_channel_keeps_working(tq, bad):
+    part = f"badv-{bad!r}"
+    tq.create_partition(part, 4)
+    with pytest.raises(DataError, match=re.escape(f"versions[0]={bad!r}")):
+        tq.put(part, ["y"], {"r": [1.0]}, group_ids=["g"], versions=[bad])
+    channel = tq._same_node_channel()
+    ok, err = channel.call("put", (part, ["y"], {"r": [1.0]}, ["g"], [bad], None, False))  # skips the client check
+    assert ok is False and isinstance(err, DataError)
+    tq.put(part, ["ok"], {"r": [1.0]}, group_ids=["g"], versions=[np.int64(3)])  # same connection, still up
+    assert tq.stats(part)["rows"] == 1
+    batch = tq.get(part, ["r"], "t", 1, timeout_s=5)
+    assert batch.sample_ids == ["ok"] and list(batch.versions) == [3] and type(batch.versions[0]) is int
+
+
+def test_put_after_close_is_refused(tq):  # tq: Ray is up
+    bus = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="closing"))
+    bus.create_partition("p", 4)
+    bus.close()
+    bus.close()  # idempotent
+    with pytest.raises(DataError, match="after close"):
+        bus.put("p", ["late"], {"r": [1.0]}, group_ids=["g"], versions=[0])
+    with pytest.raises(DataError, match="after close"):
+        bus.stats("p")

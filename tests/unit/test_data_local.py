@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -359,3 +360,15 @@ def test_concurrent_producers_and_consumers_deliver_each_row_once_per_consumer()
     expected = {f"p{p}-{i}" for p in range(producers) for i in range(per_producer)}
     assert sorted(acked) == sorted(expected)  # every row acked exactly once: no loss, no duplicate
     assert tq.stats("p")["rows"] == 0
+
+
+@pytest.mark.parametrize("bad", ["abc", 1.7, None, -1, True, np.float64(2.0)])
+def test_a_bad_version_is_refused_by_name_before_any_row_is_stored(bad):
+    tq = make_tq()
+    tq.create_partition("p", 4)
+    with pytest.raises(DataError, match=re.escape(f"versions[1]={bad!r}")):
+        tq.put("p", ["a", "b"], {"r": [1.0, 2.0]}, group_ids=["g", "g"], versions=[0, bad])
+    assert tq.stats("p")["rows"] == 0
+    tq.put("p", ["a"], {"r": [1.0]}, group_ids=["g"], versions=[np.int32(7)])
+    batch = tq.get("p", ["r"], "t", 1, timeout_s=1)
+    assert list(batch.versions) == [7] and type(batch.versions[0]) is int
