@@ -170,6 +170,8 @@ class AsyncLoop:
         self.tq.create_partition(PARTITION, self.capacity_rows, group_size=self.G, retire_after=[CONSUMER])
         self.trainer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self.dropped_this_step = 0
+        self.dropped: list[_Group] = []
+        """Groups dropped as too stale since the last step; dumped (untrained) with the next step."""
         self.seq_of: dict[str, int] = {}
         """group id -> group sequence number, for groups finished and not yet taken."""
 
@@ -255,7 +257,8 @@ class AsyncLoop:
                 wait_s += time.perf_counter() - t0
             groups.append(self._take(batch))
             if self.gate.too_stale(self.ctrl.version, groups[-1].version):
-                self.tq.ack(groups.pop().lease_id)
+                self.dropped.append(groups.pop())
+                self.tq.ack(self.dropped[-1].lease_id)
                 self.gate.drop()
                 self.dropped_this_step += 1
         return groups, wait_s
@@ -283,7 +286,10 @@ class AsyncLoop:
         self.ctrl.step += 1
         self.ctrl.groups_drawn = self.next_seq
         self.ctrl.sampler.load_state_dict(self.draws.state_dict())
-        self.ctrl._dump_rollouts(trajs, sample_versions, trained_at, kept)
+        dropped, self.dropped = self.dropped, []
+        self.ctrl._dump_rollouts(trajs + [t for grp in dropped for t in grp.trajs],
+                                 sample_versions + [grp.version for grp in dropped for _ in grp.trajs], trained_at, kept,
+                                 dropped={t.sample_id for grp in dropped for t in grp.trajs})
         t_end = time.perf_counter()
         step_s = t_end - t_last
         row = {**rollout_metrics(trajs, step_s), **train_metrics,

@@ -101,7 +101,9 @@ def train(
     for key in ("eval_start", "eval_end"):
         if key in summary:
             console.print(f"{key.replace('_', ' ')}: {format_eval(summary[key])}")
-    console.print(f"checkpoint: {summary['checkpoint']}\nplot: {summary['plot']}")
+    console.print(f"checkpoint: {summary['checkpoint']}")
+    if summary.get("plot"):
+        console.print(f"plot: {summary['plot']}")
     if summary.get("interrupted"):
         console.print("[yellow]interrupted: saved; continue with --resume[/]")
         raise typer.Exit(130)

@@ -231,7 +231,7 @@ class Controller:
                 summary["interrupted"] = True
             finally:
                 summary["checkpoint"] = str(self.save()) if self.cfg.trainer.steps else None
-                summary["plot"] = str(self.plot())
+                summary["plot"] = str(self.plot()) if self.cfg.logging.plot else None
                 self.logger.close()
         return summary
 
@@ -261,12 +261,13 @@ class Controller:
         return row
 
     def _dump_rollouts(self, trajs: list[Trajectory], sample_versions: list[int], trained_at: int,
-                       kept: set[str]) -> None:
+                       kept: set[str], dropped: set[str] = frozenset()) -> None:
         """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
 
         Each row records ``sample_version`` (engine policy version when its group started),
-        ``trained_at_version`` (the trainer's version when the step trained) and ``trained``
-        (it entered the gradient: trainable with a non-zero advantage).
+        ``trained_at_version`` (the trainer's version when the step trained), ``trained``
+        (it entered the gradient: trainable with a non-zero advantage) and ``dropped_stale``
+        (async mode: its group finished too late for ``max_staleness`` and was not trained).
         """
         path = self.out / "rollouts" / f"step_{self.step:06d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -279,6 +280,7 @@ class Controller:
                     "reward_status": t.reward_status, "metrics": t.metrics, "stop_reason": t.stop_reason,
                     "error": t.error, "policy_versions": t.policy_versions, "response": response,
                     "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
+                    "dropped_stale": t.sample_id in dropped,
                 }) + "\n")
 
     def _rollout(self) -> tuple[list[Trajectory], float]:

@@ -76,7 +76,7 @@ def test_async_s1_stays_within_max_staleness_and_resumes(runs):
     base, resumed = runs
     rows = _samples(base / "s1")
     assert sorted({r["step"] for r in rows}) == [1, 2, 3]
-    assert all(0 <= r["trained_at_version"] - r["sample_version"] <= 1 for r in rows)
+    assert all(0 <= r["trained_at_version"] - r["sample_version"] <= 1 for r in rows if not r["dropped_stale"])
     assert all(min(r["policy_versions"]) >= r["sample_version"] for r in rows)
     assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
     last = _metrics(base / "s1")[-1]

@@ -40,3 +40,4 @@ def test_two_training_steps_on_multi_turn_base(tiny_model_dir, tmp_path):
             assert 0.0 <= s["reward"] <= 1.0 and "turn_accuracy" in s["metrics"]
     summary = json.loads((out / "summary.json").read_text())
     assert "eval/accuracy" in summary["eval_end"]
+    assert summary["plot"] is None and not (out / "plots").exists()  # logging.plot=false

@@ -135,7 +135,7 @@ def lognormal_delay(spec) -> float:
 def test_no_trained_sample_exceeds_max_staleness(tmp_path, s):
     ctrl = make_controller(tmp_path, s, lognormal_delay, steps=6)
     AsyncLoop(ctrl).run()
-    rows = dumped(tmp_path)
+    rows = [r for r in dumped(tmp_path) if not r["dropped_stale"]]
     assert ctrl.step == 6 and len(rows) == 6 * 2 * 3
     assert all(0 <= r["trained_at_version"] - r["sample_version"] <= s for r in rows)
     assert all(min(r["policy_versions"]) >= r["sample_version"] for r in rows)  # version = at group start
@@ -169,9 +169,13 @@ def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):
     ctrl = make_controller(tmp_path, 1, delay, steps=8)
     AsyncLoop(ctrl).run()
     rows = dumped(tmp_path)
-    assert not [r for r in rows if r["sample_id"].startswith("s0/g0/")]
+    late = [r for r in rows if r["sample_id"].startswith("s0/g0/")]
+    # recorded (nothing vanishes from the dumps), marked dropped, never trained
+    assert len(late) == 3 and all(r["dropped_stale"] and not r["trained"] for r in late)
+    assert all(r["trained_at_version"] - r["sample_version"] > 1 for r in late)
+    assert not [r for r in rows if r["dropped_stale"] and not r["sample_id"].startswith("s0/g0/")]
     assert sum(m[DROPPED_GROUPS] for m in metrics(tmp_path)) == 1
-    assert all(r["trained_at_version"] - r["sample_version"] <= 1 for r in rows)
+    assert all(r["trained_at_version"] - r["sample_version"] <= 1 for r in rows if not r["dropped_stale"])
 
 
 def test_stop_cancels_rollouts_and_finishes_the_update(tmp_path):
