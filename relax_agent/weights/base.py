@@ -35,6 +35,10 @@ class Sender(Protocol):
         """Push a committed version (no-op for pull transports)."""
         ...
 
+    def retract(self, version: int) -> None:
+        """``version`` was refused: serve the version staged before it again (pull transports)."""
+        ...
+
     def close(self) -> None: ...
 
 

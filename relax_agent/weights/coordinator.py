@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from relax_agent.errors import WeightSyncError
@@ -60,6 +60,8 @@ class Coordinator:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._latest: VersionMeta | None = None
+        self._previous: VersionMeta | None = None
+        self._commits = itertools.count(1)
         self._publisher: str | None = None
         self._subscribers: dict[str, str] = {}
         self._reports: dict[str, ApplyReport] = {}
@@ -87,8 +89,11 @@ class Coordinator:
         with self._cond:
             return list(self._subscribers)
 
-    def commit(self, meta: VersionMeta) -> None:
+    def commit(self, meta: VersionMeta) -> VersionMeta:
         """Make ``meta`` the latest complete version and wake every long-poll.
+
+        Returns:
+            ``meta`` stamped with this commit's serial (what subscribers receive).
 
         Raises:
             WeightSyncError: ``meta.version`` is not newer than the latest.
@@ -97,8 +102,23 @@ class Coordinator:
             if self._latest is not None and meta.version <= self._latest.version:
                 raise WeightSyncError(f"version {meta.version} is not newer than the latest "
                                       f"complete version {self._latest.version}")
-            self._latest = meta
+            self._previous, self._latest = self._latest, replace(meta, commit=next(self._commits))
+            # reports about a retracted version of this number (or above) are not about this commit
+            self._reports = {s: r for s, r in self._reports.items() if r.version < meta.version}
             self._cond.notify_all()
+            return self._latest
+
+    def retract(self, version: int) -> bool:
+        """Withdraw ``version`` (a subscriber refused it): the version committed before it is the
+        latest complete one again, so late joiners never pull the refused one, and ``version``
+        may be committed again. Returns False (and changes nothing) if ``version`` is not the latest.
+        """
+        with self._cond:
+            if self._latest is None or self._latest.version != version:
+                return False
+            self._latest, self._previous = self._previous, None
+            self._cond.notify_all()
+            return True
 
     def latest(self) -> VersionMeta | None:
         with self._cond:

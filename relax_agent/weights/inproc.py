@@ -24,6 +24,7 @@ class InprocSender:
         self._bucket_bytes = bucket_bytes
         self._state: Mapping[str, torch.Tensor] | None = None
         self._version: int | None = None
+        self._previous: tuple[Mapping[str, torch.Tensor] | None, int | None] = (None, None)
 
     @property
     def address(self) -> str | None:
@@ -31,11 +32,17 @@ class InprocSender:
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
         tensors, total = plan_layout(state_dict)
+        self._previous = (self._state, self._version)
         self._state, self._version = state_dict, version
         return VersionMeta(version, tensors, total, self._bucket_bytes, "none", (), "inproc", None)
 
     def send(self, meta: VersionMeta) -> None:
         """Nothing to push: receivers read the held tensors."""
+
+    def retract(self, version: int) -> None:
+        """Hold the state dict staged before ``version`` again (``version`` was refused)."""
+        if self._version == version:
+            (self._state, self._version), self._previous = self._previous, (None, None)
 
     def tensors(self, version: int) -> Mapping[str, torch.Tensor]:
         """The held state dict of ``version``.
@@ -48,7 +55,7 @@ class InprocSender:
         return self._state
 
     def close(self) -> None:
-        self._state = None
+        self._state, self._previous = None, (None, None)
 
 
 class InprocReceiver:

@@ -80,6 +80,8 @@ class VersionMeta:
         bucket_checksums: one per bucket (empty when ``checksum == "none"``).
         transport: "inproc", "tcp" or "nccl".
         address: where the bytes are served ("host:port" for tcp), if anywhere.
+        commit: serial the coordinator stamps on each commit (0 before), so a version number
+            published again after a refusal is told apart from the refused one.
     """
 
     version: int
@@ -90,6 +92,7 @@ class VersionMeta:
     bucket_checksums: tuple[int, ...] = ()
     transport: str = "inproc"
     address: str | None = None
+    commit: int = 0
 
     @property
     def num_buckets(self) -> int:

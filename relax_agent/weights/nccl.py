@@ -109,6 +109,9 @@ class NcclSender:
         assert self._buffer is not None
         broadcast_buckets(self._group, self._buffer, meta)
 
+    def retract(self, version: int) -> None:
+        """Nothing to withdraw: a broadcast version is not kept for later receivers."""
+
     def close(self) -> None:
         self._group = None
         self._buffer = None
@@ -144,6 +147,9 @@ class NcclReceiver:
     def skip(self, meta: VersionMeta) -> None:
         """Take part in a refused version's broadcasts without using the bytes."""
         self._join(meta)
+
+    def retract(self, version: int) -> None:
+        """Nothing to withdraw: a broadcast version is not kept for later receivers."""
 
     def close(self) -> None:
         self._group = None

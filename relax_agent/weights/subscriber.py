@@ -13,9 +13,9 @@ For each new version it
 4. reports the outcome and timings to the coordinator.
 
 ``sync_latest()`` is what a late-joining replica calls before it serves; ``start()`` follows
-new versions in a background thread. A refused version is remembered and never retried (it is
-logged once); the subscriber waits for a newer one while the engine keeps serving its last
-complete version.
+new versions in a background thread. A refused commit is remembered and never retried (it is
+logged once); the subscriber waits for the publisher to withdraw it and publish a newer (or a
+corrected) one while the engine keeps serving its last complete version.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from relax_agent.weights.coordinator import ApplyReport, CoordinatorApi
 from relax_agent.weights.meta import VersionMeta, format_diff, layout_diff
 
 log = logging.getLogger("relax_agent.weights")
+
+_REFUSED_PAUSE_S = 0.2
+"""How often a follower looks again while the commit it refused is still the latest one."""
 
 NameMap = Mapping[str, str] | Callable[[str], "str | None"]
 """Publisher name -> engine name; a callable may return None to skip a tensor."""
@@ -71,7 +74,8 @@ class EngineSubscriber:
         self.id = coordinator.register_subscriber(name)
         self.applied_version: int | None = None
         self.refused_version: int | None = None
-        """Newest version this subscriber refused or failed to apply (not retried)."""
+        """Newest version this subscriber refused or failed to apply (that commit is not retried)."""
+        self._refused: VersionMeta | None = None
         self.last_report: ApplyReport | None = None
         self._apply_lock = threading.Lock()
         self._stop = threading.Event()
@@ -118,7 +122,7 @@ class EngineSubscriber:
                 log.exception("%s: applying version %s failed", self.id, meta.version)
                 report = ApplyReport(self.id, meta.version, f"{self.id}: {type(exc).__name__}: {exc}")
             if report.error is not None:
-                self.refused_version = meta.version
+                self.refused_version, self._refused = meta.version, meta
             self.last_report = report
             self._coordinator.report(report)
             return report
@@ -133,19 +137,18 @@ class EngineSubscriber:
             return time.perf_counter() - start
         return stats.weight_load_s - before
 
-    @property
-    def seen_version(self) -> int | None:
-        """Newest version applied or refused (None before the first); only newer ones are tried."""
-        seen = [v for v in (self.applied_version, self.refused_version) if v is not None]
-        return max(seen, default=None)
-
     def sync_latest(self, timeout_s: float = 0.0) -> ApplyReport | None:
-        """Apply the latest complete version if it is newer than every version applied or refused
-        so far (late join; a refused version is not tried again).
+        """Apply the latest complete version if it is newer than the applied one (late join).
 
-        Waits up to ``timeout_s`` for such a version to exist; returns None if none came.
+        The commit this subscriber refused is not tried again: while it is still the latest,
+        this pauses (up to ``timeout_s``) and returns None; once the publisher withdraws it,
+        the same version number published again (a new commit) is tried. Waits up to
+        ``timeout_s`` for a newer version to exist; returns None if none came.
         """
-        meta = self._coordinator.wait_for_version(self.seen_version, timeout_s, self.id)
+        meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id)
+        if meta is not None and meta == self._refused:
+            self._stop.wait(min(timeout_s, _REFUSED_PAUSE_S))
+            return None
         return None if meta is None else self.apply(meta)
 
     def start(self) -> "EngineSubscriber":

@@ -13,10 +13,12 @@ Rollout replicas in other processes subscribe through the coordinator's HTTP ser
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from relax_agent.errors import WeightSyncError
@@ -76,6 +78,8 @@ class WeightSync:
         self._make_receiver = make_receiver
         self._service = service
         self._local: list[EngineSubscriber] = []
+        self._closed = False
+        self._applied_floor = -1
         coordinator.register_publisher(sender.address)
 
     @property
@@ -133,29 +137,61 @@ class WeightSync:
         Raises:
             WeightSyncError: ``version`` is not newer, a subscriber refused it (message lists
                 each refusal; those engines keep serving their previous version), or a
-                subscriber did not report within ``weights.publish_timeout_s``.
+                subscriber did not report within ``weights.publish_timeout_s``; ``version``
+                is not a non-negative int; this sync is closed. A refused version never becomes
+                the latest complete version, and a corrected state dict may be published under the
+                same number (unless some engine applied it: then a newer number is needed).
         """
-        if version <= self.latest_version:
-            raise WeightSyncError(f"publish(version={version}): not newer than the latest version {self.latest_version}")
+        version = self._check_version(version)
         start = time.perf_counter()
         meta = self._sender.stage(state_dict, version)
         stage_s = time.perf_counter() - start
-        if self.cfg.transport == "inproc":
-            for sub in self._local:  # refuse before any engine changes
-                sub.check(meta)
-        waiting = self.coordinator.subscribers()
-        self.coordinator.commit(meta)
+        try:
+            if self.cfg.transport == "inproc":
+                for sub in self._local:  # refuse before any engine changes
+                    sub.check(meta)
+            waiting = self.coordinator.subscribers()
+            meta = self.coordinator.commit(meta)
+        except WeightSyncError:
+            self._sender.retract(version)
+            raise
         self._sender.send(meta)
         if self.cfg.transport == "inproc":
             for sub in self._local:
                 sub.apply(meta)
         reports = self.coordinator.wait_applied(version, waiting, self.cfg.publish_timeout_s)
         seconds = time.perf_counter() - start
-        _raise_refusals(version, reports)
+        if any(r.error is not None and r.version == version for r in reports.values()):
+            self._withdraw(version, reports)
         return _stats(meta.version, meta.total_bytes, seconds, stage_s, reports)
+
+    def _check_version(self, version: Any) -> int:
+        """``version`` as an int. Raises WeightSyncError (naming the value) when it cannot be published:
+        this sync is closed, it is not a non-negative integer (numpy integers count; bool does not),
+        or it is not newer than the latest complete version (or a version some engine applied)."""
+        if self._closed:
+            raise WeightSyncError(f"publish(version={version!r}): this weight sync is closed")
+        if isinstance(version, (bool, np.bool_)) or not isinstance(version, numbers.Integral) or version < 0:
+            raise WeightSyncError(f"publish(version={version!r}): a policy version is a non-negative int, "
+                                  f"not {type(version).__name__}")
+        version = int(version)
+        floor = max(self.latest_version, self._applied_floor)
+        if version <= floor:
+            raise WeightSyncError(f"publish(version={version}): not newer than the latest version {floor}")
+        return version
+
+    def _withdraw(self, version: int, reports: dict[str, ApplyReport]) -> None:
+        """Some subscriber refused ``version``: it stops being the latest complete version (late
+        joiners get the previous one) and may be published again, unless an engine applied it."""
+        self.coordinator.retract(version)
+        self._sender.retract(version)
+        if any(r.error is None and r.version == version for r in reports.values()):
+            self._applied_floor = version  # engines hold it: the next publish must be newer
+        _raise_refusals(version, reports)
 
     def close(self) -> None:
         """Detach every local engine, stop serving. Idempotent."""
+        self._closed = True
         for sub in self._local:
             sub.close()
         self._local.clear()

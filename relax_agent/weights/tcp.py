@@ -119,6 +119,12 @@ class TcpSender:
     def send(self, meta: VersionMeta) -> None:
         """Nothing to push: subscribers pull."""
 
+    def retract(self, version: int) -> None:
+        """Serve the version staged before ``version`` again (``version`` was refused)."""
+        with self._lock:
+            if self._current is not None and self._current.meta.version == version:
+                self._current, self._retired = self._retired, None
+
     def close(self) -> None:
         """Stop accepting and cut open connections. Idempotent."""
         with self._lock:

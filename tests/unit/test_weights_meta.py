@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -165,7 +166,7 @@ def test_http_coordinator_speaks_the_same_protocol():
         sub = client.register_subscriber("remote")
         assert client.latest() is None and client.wait_for_version(None, 0.05, sub) is None
         threading.Timer(0.1, coord.commit, args=(meta(4),)).start()
-        assert client.wait_for_version(None, 5.0, sub) == meta(4)
+        assert client.wait_for_version(None, 5.0, sub) == dataclasses.replace(meta(4), commit=1)  # stamped
         client.report(ApplyReport(sub, 4, None, {"receive_s": 0.5}))
         assert coord.wait_applied(4, [sub], 1.0)[sub].stats == {"receive_s": 0.5}
         with pytest.raises(WeightSyncError, match="409"):

@@ -1,9 +1,11 @@
-"""A refused version is refused once: the tcp follower waits for a newer version instead of retrying."""
+"""Refused versions: refused once, withdrawn (never the latest), publishable again; bad versions and publish after close."""
 
 from __future__ import annotations
 
 import logging
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,5 +36,83 @@ def test_tcp_refuses_a_version_missing_a_parameter_once_then_applies_the_next(ca
         assert len(refusals) == 1
         assert stats.subscribers == 1 and engine.policy_version == 2 and sub.applied_version == 2
         assert torch.equal(engine.snapshot()[1]["norm.weight"], make_state(2)["norm.weight"])
+    finally:
+        sync.close()
+
+
+@pytest.fixture(params=["inproc", "tcp"])
+def transport(request) -> str:
+    return request.param
+
+
+def test_publish_after_close_is_refused_naming_the_version(transport):
+    engine = TensorEngine(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport=transport), [engine])
+    sync.publish(make_state(1), 1)
+    sync.close()
+    with pytest.raises(WeightSyncError, match=r"publish\(version=20\).*closed"):
+        sync.publish(make_state(2), 20)
+    assert engine.policy_version == 1
+
+
+def test_a_refused_version_never_becomes_latest_and_can_be_published_again(transport):
+    fp32, bf16 = TensorEngine(make_state(0)), TensorEngine(make_state(0), dtype=torch.bfloat16)
+    sync = build_weight_sync(WeightSyncConfig(transport=transport, poll_timeout_s=5.0), [fp32, bf16])
+    bad = make_state(2)
+    bad.pop("norm.weight")
+    try:
+        sync.publish(make_state(1), 1)
+        with pytest.raises(WeightSyncError, match="not published: norm.weight"):
+            sync.publish(bad, 2)
+        assert sync.latest_version == 1 and (fp32.policy_version, bf16.policy_version) == (1, 1)
+        late = TensorEngine(make_state(0))
+        sync.attach(late, name="late")  # pulls version 1, never the refused 2
+        assert late.policy_version == 1 and torch.equal(late.snapshot()[1]["norm.weight"], make_state(1)["norm.weight"])
+        stats = sync.publish(make_state(2), 2)  # the corrected state dict under the same number
+        assert stats.subscribers == 3 and sync.latest_version == 2
+        assert (fp32.policy_version, bf16.policy_version, late.policy_version) == (2, 2, 2)
+        assert torch.equal(fp32.snapshot()[1]["norm.weight"], make_state(2)["norm.weight"])
+    finally:
+        sync.close()
+
+
+class FailsOnce(TensorEngine):
+    """Refuses its first load (as an engine whose load fails), then loads normally."""
+
+    failed = False
+
+    def load_weights(self, tensors, version):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("engine busy")
+        return super().load_weights(tensors, version)
+
+
+def test_a_version_one_engine_applied_and_another_refused_is_withdrawn_but_not_reused():
+    ok, flaky = TensorEngine(make_state(0)), FailsOnce(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", poll_timeout_s=5.0), [ok])
+    try:
+        sync.attach(flaky, name="flaky")
+        with pytest.raises(WeightSyncError, match="engine busy"):
+            sync.publish(make_state(1), 1)
+        assert sync.latest_version == -1 and ok.policy_version == 1 and flaky.policy_version == 0
+        with pytest.raises(WeightSyncError, match="not newer than the latest version 1"):
+            sync.publish(make_state(1), 1)
+        sync.publish(make_state(2), 2)
+        assert (ok.policy_version, flaky.policy_version, sync.latest_version) == (2, 2, 2)
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("bad", [10.5, "abc", None, -1, True, np.float64(3.0)])
+def test_a_version_that_is_not_a_non_negative_int_is_refused_by_value(transport, bad):
+    engine = TensorEngine(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport=transport), [engine])
+    try:
+        with pytest.raises(WeightSyncError, match=re.escape(f"publish(version={bad!r})")):
+            sync.publish(make_state(1), bad)
+        assert sync.latest_version == -1 and engine.policy_version == 0
+        sync.publish(make_state(1), np.int64(4))
+        assert type(sync.latest_version) is int and sync.latest_version == 4 and engine.policy_version == 4
     finally:
         sync.close()
