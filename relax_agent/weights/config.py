@@ -47,6 +47,10 @@ class WeightSyncConfig(Section):
     name_map: dict[str, str] = Field(default_factory=dict)
     """Publisher name -> engine name for parameters whose names differ in the engine's layout
     (names not listed pass unchanged)."""
+    check_finite: bool = True
+    """Refuse to publish a state dict with NaN or inf in a floating-point tensor (a diverged or
+    overflowed update), so engines keep their last good version; costs one reduction pass over the
+    weights (~0.2 s for 512 MiB fp32 on 2 CPU cores)."""
     publish_timeout_s: float = Field(default=600.0, gt=0.0)
     """How long ``publish`` waits for every attached engine to apply the version."""
     connect_timeout_s: float = Field(default=10.0, gt=0.0)

@@ -138,12 +138,15 @@ class WeightSync:
             WeightSyncError: ``version`` is not newer, a subscriber refused it (message lists
                 each refusal; those engines keep serving their previous version), or a
                 subscriber did not report within ``weights.publish_timeout_s``; ``version``
-                is not a non-negative int; this sync is closed. A refused version never becomes
+                is not a non-negative int; this sync is closed; ``weights.check_finite`` is on and
+                a floating-point tensor holds NaN or inf (nothing is sent). A refused version never becomes
                 the latest complete version, and a corrected state dict may be published under the
                 same number (unless some engine applied it: then a newer number is needed).
         """
         version = self._check_version(version)
         start = time.perf_counter()
+        if self.cfg.check_finite:
+            _check_finite(state_dict, version)
         meta = self._sender.stage(state_dict, version)
         stage_s = time.perf_counter() - start
         try:
@@ -252,3 +255,17 @@ def _transport(cfg: WeightSyncConfig) -> tuple[Sender, Callable[[], Receiver] | 
     from relax_agent.weights.nccl import NcclSender
 
     return NcclSender(cfg), None
+
+
+def _check_finite(state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    """Raise WeightSyncError naming the floating-point tensors of ``state_dict`` that hold NaN or inf.
+
+    One fp32 reduction per tensor: NaN and inf propagate into the sum (inf - inf is NaN), and a
+    sum of finite weights does not overflow fp32 in practice."""
+    bad = [name for name, t in state_dict.items()
+           if torch.is_floating_point(t) and not bool(torch.isfinite(t.sum(dtype=torch.float32)))]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise WeightSyncError(f"publish(version={version}): {len(bad)} tensor(s) hold NaN or inf ({shown}); "
+                              "nothing was sent and the engines keep their last version "
+                              "(weights.check_finite: false publishes them anyway)")

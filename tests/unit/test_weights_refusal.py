@@ -116,3 +116,33 @@ def test_a_version_that_is_not_a_non_negative_int_is_refused_by_value(transport,
         assert type(sync.latest_version) is int and sync.latest_version == 4 and engine.policy_version == 4
     finally:
         sync.close()
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_non_finite_weights_are_not_published(transport):
+    engine = TensorEngine(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport=transport, poll_timeout_s=5.0), [engine])
+    bad = make_state(1)
+    bad["norm.weight"][2] = float("nan")
+    bad["embed.weight"][0, 0] = float("inf")
+    try:
+        with pytest.raises(WeightSyncError, match=r"2 tensor\(s\) hold NaN or inf \(embed.weight, norm.weight\)"):
+            sync.publish(bad, 1)
+        assert engine.policy_version == 0 and sync.latest_version == -1  # nothing was ever published
+        assert torch.equal(engine.snapshot()[1]["norm.weight"], make_state(0)["norm.weight"])
+        sync.publish(make_state(2), 1)  # the number was never used: a good state dict takes it
+        assert engine.policy_version == 1
+    finally:
+        sync.close()
+
+
+def test_check_finite_off_publishes_non_finite_weights():
+    engine = TensorEngine(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport="inproc", check_finite=False), [engine])
+    bad = make_state(1)
+    bad["norm.weight"][0] = float("nan")
+    try:
+        sync.publish(bad, 1)
+        assert engine.policy_version == 1 and torch.isnan(engine.snapshot()[1]["norm.weight"][0])
+    finally:
+        sync.close()
