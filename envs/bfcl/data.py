@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_agent.envs.bfcl.schema import to_openai_tool
-from relax_agent.errors import DataError
+from relax_agent.errors import ConfigError, DataError
 
 CATEGORIES: tuple[str, ...] = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
 SPLITS: tuple[str, ...] = ("train", "heldout")
@@ -106,6 +106,21 @@ def heldout_score(task_id: str) -> float:
     """A stable number in [0, 1) from the SHA-1 of ``task_id`` (the split key)."""
     digest = hashlib.sha1(task_id.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def check_env_args(category: str, categories: tuple[str, ...] | list[str], split: str,
+                   heldout_fraction: float) -> None:
+    """Validate a BFCL env's ``category`` (one of ``categories``), ``split`` and ``heldout_fraction``.
+
+    Raises:
+        ConfigError: naming the bad argument and what was expected.
+    """
+    if category not in categories:
+        raise ConfigError(f"category={category!r}; expected one of {list(categories)}")
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r}; expected one of {list(SPLITS)}")
+    if not 0.0 <= heldout_fraction <= 1.0:
+        raise ConfigError(f"heldout_fraction={heldout_fraction!r}; expected a number in [0, 1]")
 
 
 def split_tasks(tasks: list[dict[str, Any]], split: str, heldout_fraction: float = 0.2) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.checker import check_calls, reward
-from relax_agent.envs.bfcl.data import CATEGORIES, SPLITS, load_tasks, split_tasks
+from relax_agent.envs.bfcl.data import CATEGORIES, check_env_args, load_tasks, split_tasks
 from relax_agent.errors import ConfigError, EnvError
 
 
@@ -49,12 +49,7 @@ class BFCLEnv(TextEnv):
         partial_credit: float = 0.1,
     ) -> None:
         super().__init__()
-        if category not in CATEGORIES:
-            raise ConfigError(f"category={category!r}; expected one of {list(CATEGORIES)}")
-        if split not in SPLITS:
-            raise ConfigError(f"split={split!r}; expected one of {list(SPLITS)}")
-        if not 0.0 <= heldout_fraction <= 1.0:
-            raise ConfigError(f"heldout_fraction={heldout_fraction!r}; expected a number in [0, 1]")
+        check_env_args(category, CATEGORIES, split, heldout_fraction)
         if not 0.0 <= partial_credit <= 1.0:
             raise ConfigError(f"partial_credit={partial_credit!r}; expected a number in [0, 1]")
         self.category = category

@@ -42,7 +42,7 @@ import json
 from typing import Any
 
 from relax_agent.envs.base import TextEnv
-from relax_agent.envs.bfcl.data import SPLITS, split_tasks
+from relax_agent.envs.bfcl.data import check_env_args, split_tasks
 from relax_agent.envs.bfcl.env import tool_call_entries
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
 from relax_agent.envs.bfcl.multi_turn_checker import TurnJudge
@@ -100,12 +100,7 @@ class BFCLMultiTurnEnv(TextEnv):
                  max_steps_per_turn: int = BFCL_MAX_STEPS_PER_TURN, max_observation_chars: int = 4000,
                  classes: list[str] | None = None, compact_docs: bool = False) -> None:
         super().__init__()
-        if category not in CATEGORIES:
-            raise ConfigError(f"category={category!r}; expected one of {list(CATEGORIES)}")
-        if split not in SPLITS:
-            raise ConfigError(f"split={split!r}; expected one of {list(SPLITS)}")
-        if not 0.0 <= heldout_fraction <= 1.0:
-            raise ConfigError(f"heldout_fraction={heldout_fraction!r}; expected a number in [0, 1]")
+        check_env_args(category, CATEGORIES, split, heldout_fraction)
         if max_steps_per_turn < 0 or max_observation_chars < 100:
             raise ConfigError(f"need max_steps_per_turn >= 0 and max_observation_chars >= 100; "
                               f"got {max_steps_per_turn}, {max_observation_chars}")
