@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from relax_agent.envs.bfcl.data import split_tasks
+from relax_agent.envs.bfcl.data import check_split_args, split_tasks
 from relax_agent.envs.python_exec import parse_answer
 from relax_agent.envs.tool_env import ToolEnv
 from relax_agent.errors import ConfigError, DataError
@@ -177,10 +177,7 @@ class CalculatorEnv(ToolEnv):
             raise ConfigError(f"difficulty={difficulty!r}; expected one of {sorted(LEVELS)}")
         if num_tasks < 1:
             raise ConfigError(f"num_tasks={num_tasks!r}; expected a positive integer")
-        if split not in ("train", "heldout"):
-            raise ConfigError(f"split={split!r}; expected 'train' or 'heldout'")
-        if not 0.0 <= heldout_fraction <= 1.0:
-            raise ConfigError(f"heldout_fraction={heldout_fraction!r}; expected a number in [0, 1]")
+        check_split_args(split, heldout_fraction)
         self.difficulty, self.num_tasks, self.seed = difficulty, num_tasks, seed
         self.split, self.heldout_fraction = split, heldout_fraction
 

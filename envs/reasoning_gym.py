@@ -22,7 +22,7 @@ import math
 import re
 from typing import Any
 
-from relax_agent.envs.bfcl.data import split_tasks
+from relax_agent.envs.bfcl.data import check_split_args, split_tasks
 from relax_agent.envs.tool_env import ToolEnv
 from relax_agent.errors import ConfigError, DataError
 
@@ -78,10 +78,7 @@ class ReasoningGymEnv(ToolEnv):
         super().__init__(tools=())
         if size < 1:
             raise ConfigError(f"size={size!r}; expected a positive integer")
-        if split not in ("train", "heldout"):
-            raise ConfigError(f"split={split!r}; expected 'train' or 'heldout'")
-        if not 0.0 <= heldout_fraction <= 1.0:
-            raise ConfigError(f"heldout_fraction={heldout_fraction!r}; expected a number in [0, 1]")
+        check_split_args(split, heldout_fraction)
         self.dataset_name, self.split, self.heldout_fraction = dataset, split, heldout_fraction
         self.dataset = _build(dataset, size, seed, json.dumps(config, sort_keys=True))
         self._tasks = self._make_tasks()

@@ -117,6 +117,15 @@ def check_env_args(category: str, categories: tuple[str, ...] | list[str], split
     """
     if category not in categories:
         raise ConfigError(f"category={category!r}; expected one of {list(categories)}")
+    check_split_args(split, heldout_fraction)
+
+
+def check_split_args(split: str, heldout_fraction: float) -> None:
+    """Validate an env's ``split`` (one of :data:`SPLITS`) and ``heldout_fraction`` (in [0, 1]).
+
+    Raises:
+        ConfigError: naming the bad argument and what was expected.
+    """
     if split not in SPLITS:
         raise ConfigError(f"split={split!r}; expected one of {list(SPLITS)}")
     if not 0.0 <= heldout_fraction <= 1.0:
