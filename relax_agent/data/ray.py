@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -94,9 +93,6 @@ class MetadataActor:
                 value = RefField(await asyncio.to_thread(ray.put, data), value.dtype, value.row_shapes)
             out[name] = value
         return out
-
-    def pid(self) -> int:
-        return os.getpid()
 
     async def channel(self) -> tuple[str, bytes, str]:
         """``(socket path, auth key, node id)`` of the same-node channel, started on first use."""
@@ -243,11 +239,6 @@ class RayTransferQueue:
         self.__dict__.update(state)
         self._channel, self._channel_lock, self._channel_checked = None, threading.Lock(), False
         self._closed = False
-
-    @property
-    def actor(self) -> Any:
-        """The metadata actor's handle."""
-        return self._actor
 
     def _check_open(self, method: str) -> None:
         if self._closed:
