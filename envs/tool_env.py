@@ -236,7 +236,7 @@ class ToolEnv(TextEnv):
 
     def _observe(self, results: list[tuple[str, str, str]], action: dict[str, Any], calls: list[Any]):
         over = calls[self.max_tool_calls_per_turn:]
-        results += [(_call_parts(c)[0], _call_parts(c)[1],
+        results += [(*_call_parts(c)[:2],
                      f"error: at most {self.max_tool_calls_per_turn} tool calls per turn; this call was not run")
                     for c in over]
         results += [("", "", f"error: could not parse a tool call: {e}") for e in action.get("parse_errors") or []]
