@@ -148,9 +148,6 @@ class NcclReceiver:
         """Take part in a refused version's broadcasts without using the bytes."""
         self._join(meta)
 
-    def retract(self, version: int) -> None:
-        """Nothing to withdraw: a broadcast version is not kept for later receivers."""
-
     def close(self) -> None:
         self._group = None
         self._buffer = None
