@@ -34,6 +34,7 @@ class RouteRecorder:
         assert routers, "a RouteRecorder needs at least one router"
         self.routers = list(routers)
         self.dtype = route_dtype(max(r.num_experts for r in self.routers))
+        self._torch_dtype = torch.from_numpy(np.empty(0, dtype=self.dtype)).dtype
         self._latest: list[torch.Tensor | None] = [None] * len(self.routers)
         self._handles = [r.module.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
@@ -51,7 +52,7 @@ class RouteRecorder:
         """
         assert all(t is not None for t in self._latest), "no forward pass recorded yet"
         last = [t.view(rows, -1, t.shape[-1])[:, -1] for t in self._latest]
-        return torch.stack(last, dim=1).cpu().numpy().astype(self.dtype)
+        return torch.stack(last, dim=1).to(self._torch_dtype).cpu().numpy()  # narrowed before the host copy
 
     def close(self) -> None:
         """Remove the hooks."""
