@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from relax_agent.controller import Controller
 
 PARTITION = "rollouts"
-FIELDS = ("token_ids", "loss_mask", "rollout_logprobs", "reward", "trajectory")
+TRAINER_FIELDS = ("trajectory",)
+"""What the trainer reads back: it collates from the Trajectory, which carries every other field."""
 CONSUMER = "trainer"
 _GET_POLL_S = 0.5
 """The trainer's blocking ``get`` returns at least this often, so a stop is never held up."""
@@ -249,7 +250,7 @@ class AsyncLoop:
         while len(groups) < self.B:
             t0 = time.perf_counter()
             try:
-                batch = await asyncio.to_thread(self.tq.get, PARTITION, list(FIELDS), CONSUMER, self.G,
+                batch = await asyncio.to_thread(self.tq.get, PARTITION, list(TRAINER_FIELDS), CONSUMER, self.G,
                                                 timeout_s=_GET_POLL_S, sampler="group")
             except QueueTimeoutError:
                 continue
