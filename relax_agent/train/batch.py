@@ -114,13 +114,14 @@ def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: boo
     """GRPO advantages [B] for trajectories, grouped by ``group_id``.
 
     Samples that are not :attr:`Trajectory.trainable` (reward error or timeout, episode
-    error, non-finite reward) are left out of their group's statistics and get 0 (see
+    error, non-finite reward) or have no policy tokens (the prompt alone filled
+    ``max_total_tokens``) are left out of their group's statistics and get 0 (see
     :func:`~relax_agent.train.algorithms.group_advantages`).
     """
     ids: dict[str, int] = {}
     group_index = torch.tensor([ids.setdefault(t.group_id, len(ids)) for t in trajectories], dtype=torch.long)
-    valid = torch.tensor([t.trainable for t in trajectories], dtype=torch.bool)
-    rewards = torch.tensor([t.reward if t.trainable else 0.0 for t in trajectories], dtype=torch.float32)
+    valid = torch.tensor([t.trainable and t.num_policy_tokens > 0 for t in trajectories], dtype=torch.bool)
+    rewards = torch.tensor([t.reward if ok else 0.0 for t, ok in zip(trajectories, valid.tolist())], dtype=torch.float32)
     return group_advantages(rewards, group_index, valid, std_normalize=std_normalize)
 
 

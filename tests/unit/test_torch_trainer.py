@@ -134,6 +134,14 @@ def test_trajectory_advantages_group_by_id_and_skip_failures():
     assert adv.tolist() == [0.5, 0.0, -0.5, 0.0]
 
 
+def test_trajectory_advantages_skip_samples_without_policy_tokens():
+    """A prompt that alone fills max_total_tokens gives an episode with no turns: no advantage, no group share."""
+    no_turn = Trajectory(sample_id="a/3", group_id="a", task_id="a", token_ids=(1, 1), loss_mask=(0, 0),
+                         rollout_logprobs=(0.0, 0.0), prompt_len=2, turns=(), reward=0.0, stop_reason="max_total_tokens")
+    trajs = [make_traj(0, "a", [1], [2], [-1.0], 1.0), make_traj(1, "a", [1], [2], [-1.0], 3.0), no_turn]
+    assert trajectory_advantages(trajs, std_normalize=False).tolist() == [-1.0, 1.0, 0.0]
+
+
 # -- token log-probs --------------------------------------------------------------------------
 
 
