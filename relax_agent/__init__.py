@@ -18,7 +18,7 @@ from relax_agent.errors import (
 )
 from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ParsedAction, ToolCallParser, build_parser, register_parser
-from relax_agent.rollout.trajectory import Trajectory, Turn
+from relax_agent.records import Trajectory, Turn
 
 __version__ = "0.1.0"
 

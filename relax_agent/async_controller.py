@@ -4,7 +4,7 @@ Producers (asyncio tasks on one event loop) play GRPO groups with the
 :class:`~relax_agent.rollout.runner.RolloutRunner` against the engine, which batches all
 concurrent episodes in its own decode thread, and write each finished group's fields into
 the TransferQueue partition ``rollouts``: token ids, loss mask, rollout log-probs, reward, the
-:class:`~relax_agent.rollout.trajectory.Trajectory` itself (an ``object`` field, for dumps and
+:class:`~relax_agent.records.Trajectory` itself (an ``object`` field, for dumps and
 metrics), and the group's policy version. The trainer takes whole groups as they complete
 (one long-tail episode holds only its own group), computes each group's advantages, and once
 it has ``rollout.tasks_per_step`` groups trains one step in its worker thread, publishes the
@@ -51,7 +51,7 @@ import torch
 from relax_agent import metrics as M
 from relax_agent.controller import rollout_metrics
 from relax_agent.errors import QueueTimeoutError
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 
 if TYPE_CHECKING:
     from relax_agent.controller import Controller

@@ -22,9 +22,10 @@ from relax_agent.data.config import DataConfig
 from relax_agent.errors import ConfigError
 from relax_agent.moe.config import MoEConfig
 from relax_agent.reward_services.config import RewardConfig
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.train.config import TrainerConfig
 from relax_agent.weights.config import WeightSyncConfig
 
-Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class RunConfig(Section):
@@ -87,51 +88,6 @@ class RolloutConfig(Section):
     """Overrides the default system prompt that introduces the tools."""
     tool_example: bool = True
     """Show one worked tool call as a demonstration exchange before the request (helps small models)."""
-
-
-class EngineConfig(Section):
-    """The rollout inference engine."""
-
-    kind: Literal["hf"] = "hf"
-    dtype: Dtype = "fp32"
-    max_batch_size: int = Field(default=64, ge=1)
-    """Most sequences decoded in one forward pass."""
-    batch_wait_s: float = Field(default=0.02, ge=0.0)
-    """How long the engine waits for more requests before starting a batch."""
-
-
-class TrainerConfig(Section):
-    """GRPO / PPO-clip optimisation."""
-
-    steps: int = Field(default=20, ge=0)
-    lr: float = Field(default=1e-5, gt=0.0)
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(default=0, ge=0)
-    clip_eps_low: float = Field(default=0.2, ge=0.0)
-    clip_eps_high: float = Field(default=0.28, ge=0.0)
-    """Upper clip range (DAPO's clip-higher); set equal to ``clip_eps_low`` for PPO."""
-    kl_coef: float = Field(default=0.0, ge=0.0)
-    """Weight of the k3 KL to the reference policy; 0 loads no reference model."""
-    micro_batch_size: int = Field(default=8, ge=1)
-    """Sequences per forward/backward; gradients accumulate over the step's batch."""
-    grad_clip: float = Field(default=1.0, gt=0.0)
-    dtype: Dtype = "fp32"
-    """Parameter/compute dtype of the trainer; bf16 and fp16 use autocast over fp32 master weights."""
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """"token_mean": average over all policy tokens in the batch (DAPO); "seq_mean": per
-    sequence first (original GRPO)."""
-    adv_std_normalize: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False gives Dr. GRPO."""
-    freeze_embeddings: bool = False
-    off_policy: Literal["none", "tis"] = "none"
-    """Correction for samples the trainer's policy did not generate (stale async samples,
-    train/rollout kernel mismatch). "none": the PPO ratio is taken against the rollout
-    log-probs. "tis": truncated importance sampling (Yao et al. 2025): the PPO ratio is taken
-    against the trainer's own pre-update log-probs and each token's loss is weighted by
-    ``min(pi_old / pi_rollout, tis_cap)`` (see ``relax_agent.train.algorithms.tis_weights``)."""
-    tis_cap: float = Field(default=2.0, ge=1.0)
-    """Upper bound C of the truncated importance weight (``off_policy: tis``)."""
 
 
 class EvalConfig(Section):

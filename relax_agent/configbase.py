@@ -7,7 +7,12 @@ Components define their own small section next to their code (``SandboxConfig`` 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+"""Floating-point precision of a component's weights and compute."""
 
 
 class Section(BaseModel):

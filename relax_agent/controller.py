@@ -26,7 +26,7 @@ from relax_agent.errors import CheckpointError
 from relax_agent.evaluation import episode_accuracy, evaluate
 from relax_agent.roles import Roles
 from relax_agent.rollout.engines.base import SamplingParams
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 from relax_agent.sampler import TaskSampler
 
 

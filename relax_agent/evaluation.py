@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.runner import RolloutRunner
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 
 
 def episode_accuracy(t: Trajectory) -> float:

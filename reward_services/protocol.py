@@ -15,10 +15,11 @@ of the policy gradient and counted, never scored 0. ``POST /v1/reward`` with an 
 from __future__ import annotations
 
 import math
-from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from relax_agent.records import RewardStatus
 
 API_VERSION = "v1"
 REWARD_PATH = f"/{API_VERSION}/reward"
@@ -26,17 +27,6 @@ HEALTH_PATH = "/healthz"
 
 ERROR_KEY = "error"
 """Key of ``RewardResult.extra`` holding the cause of an ``error``/``timeout`` result."""
-
-
-class RewardStatus(str, Enum):
-    """Outcome of scoring one item."""
-
-    OK = "ok"
-    """The reward is real (0.0 can be a wrong answer)."""
-    ERROR = "error"
-    """The reward function raised, or the service could not be reached; reward is None."""
-    TIMEOUT = "timeout"
-    """Scoring ran past its deadline; reward is None."""
 
 
 class RewardItem(BaseModel):

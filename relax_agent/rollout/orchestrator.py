@@ -26,7 +26,7 @@ from relax_agent.errors import EnvError
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ToolCallParser
-from relax_agent.rollout.trajectory import Trajectory, Turn
+from relax_agent.records import Trajectory, Turn
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from relax_agent.reward_services import ENV_REWARD_KEY, RewardConfig, RewardFunction, RewardItem
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 
 
 def needs_scoring(cfg: RewardConfig) -> bool:

@@ -12,7 +12,7 @@ from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.rollout.orchestrator import EpisodeSpec, failed_episode, run_episode
 from relax_agent.rollout.parsers import ToolCallParser
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 
 
 @dataclass(frozen=True)

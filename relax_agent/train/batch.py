@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from relax_agent.errors import DataError
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 from relax_agent.train.algorithms import group_advantages
 
 
@@ -19,7 +19,7 @@ class TrainBatch:
 
     Position ``t`` of ``loss_mask`` and ``rollout_logprobs`` refers to token ``t`` of
     ``input_ids`` (the log-prob of token ``t`` given tokens ``< t``), as in
-    :class:`~relax_agent.rollout.trajectory.Trajectory`.
+    :class:`~relax_agent.records.Trajectory`.
 
     Attributes:
         input_ids: [B, T] int64 token ids; padding holds the pad token id.

@@ -7,7 +7,7 @@ import pytest
 
 from relax_agent.data import DataConfig, FieldSpec, build_transfer_queue
 from relax_agent.errors import DataError
-from relax_agent.rollout.trajectory import Trajectory, Turn
+from relax_agent.records import Trajectory, Turn
 from relax_agent.train.batch import collate
 
 LAYERS, TOP_K = 3, 2

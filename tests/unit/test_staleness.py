@@ -19,7 +19,7 @@ from relax_agent.controller import Controller
 from relax_agent.roles import Roles
 from relax_agent.rollout.engines.fake import FakeEngine
 from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
-from relax_agent.rollout.trajectory import Trajectory, Turn
+from relax_agent.records import Trajectory, Turn
 from relax_agent.sampler import TaskSampler
 
 PROMPT = [1, 3, 4]

@@ -11,7 +11,7 @@ import torch
 
 from relax_agent.config import TrainerConfig
 from relax_agent.errors import CheckpointError, ConfigError, DataError
-from relax_agent.rollout.trajectory import Trajectory, Turn
+from relax_agent.records import Trajectory, Turn
 from relax_agent.train import reference_grpo as ref
 from relax_agent.train.algorithms import CLIP_FRAC, MISMATCH_ABS_DIFF_MAX, RATIO_MEAN
 from relax_agent.train.backends import torch_backend as tb

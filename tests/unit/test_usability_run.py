@@ -21,7 +21,7 @@ from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.orchestrator import EpisodeSpec, run_episode
 from relax_agent.rollout.parsers import HermesParser
-from relax_agent.rollout.trajectory import Trajectory
+from relax_agent.records import Trajectory
 
 
 def _traj(i: int, reward: float, status: str = "ok") -> Trajectory:

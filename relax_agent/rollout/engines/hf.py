@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from relax_agent.config import EngineConfig
+from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
 from relax_agent.rollout.engines.base import Generation, SamplingParams

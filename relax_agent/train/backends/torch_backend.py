@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from relax_agent.config import TrainerConfig
+from relax_agent.train.config import TrainerConfig
 from relax_agent.errors import CheckpointError, ConfigError, DataError
 from relax_agent.moe.replay import build_routing_replay, replaying
 from relax_agent.train.algorithms import (

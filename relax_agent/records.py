@@ -1,0 +1,230 @@
+"""Records shared by rollout and trainer, owned by neither: turns, trajectories, stop reasons,
+reward status, and the data-bus schema they travel in.
+
+Token-in/token-out: ``token_ids`` is the prompt rendered once, then for each turn the exact
+token ids the engine sampled, then the chat-template token delta of each observation.
+Nothing is ever re-tokenized, so the trainer sees exactly what the policy generated.
+
+On the data bus a trajectory travels as *fields* (:data:`ROLLOUT_SCHEMA`): the trainer reads
+token ids, loss mask, rollout log-probs, advantages and routed experts as arrays, never the
+object; the whole :class:`Trajectory` rides along as a dump-only field for the rollout files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Sequence
+
+import numpy as np
+
+from relax_agent.data.schema import FieldSpec
+
+
+class RewardStatus(str, Enum):
+    """Outcome of scoring one sample.
+
+    ``ok``: the reward is real (0.0 can be a wrong answer); ``error`` / ``timeout``: it could
+    not be obtained (the scorer raised, the service was unreachable or too slow); such a sample
+    is masked out of the policy gradient and counted, never scored 0.
+    """
+
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StopReason(str, Enum):
+    """Why an episode ended."""
+
+    TERMINATED = "terminated"
+    """The env said the task is over."""
+    TRUNCATED = "truncated"
+    """The env (or its TimeLimit) cut the episode."""
+    LENGTH = "length"
+    """The last reply was cut at ``max_new_tokens`` (or the token budget)."""
+    MAX_TURNS = "max_turns"
+    """``env.max_turns`` assistant turns were played."""
+    MAX_TOTAL_TOKENS = "max_total_tokens"
+    """The episode's token budget ``rollout.max_total_tokens`` was used up."""
+    ENV_ERROR = "env_error"
+    """The episode failed (env exception, bad return, timeout); ``error`` names the cause."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn as the engine produced it.
+
+    Attributes:
+        start: index in ``Trajectory.token_ids`` of the first sampled token.
+        token_ids: [n] sampled token ids, exactly as the engine returned them.
+        logprobs: [n] log-prob of each sampled token under the rollout policy.
+        policy_version: weights version that sampled this turn.
+        finish_reason: "stop" (EOS/stop token) or "length" (hit max_new_tokens).
+        routed_experts: MoE routing replay only: [n, layers, top_k] uint8/int16 experts chosen,
+            per MoE layer, by the forward pass that scored each sampled token; None otherwise.
+    """
+
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_version: int
+    finish_reason: str
+    routed_experts: Any = None
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One finished (or failed) episode.
+
+    Attributes:
+        sample_id: unique id of this sample, ``"{group_id}/{index}"``.
+        group_id: id of the GRPO group (one task, G samples).
+        task_id: id of the task in its dataset.
+        token_ids: [T] prompt + sampled turns + observation deltas.
+        loss_mask: [T] 1 on policy-sampled tokens, 0 on prompt and observation tokens.
+        rollout_logprobs: [T] rollout log-prob of each policy token, 0.0 elsewhere.
+        prompt_len: tokens in the rendered prompt (prefix of ``token_ids``).
+        turns: the assistant turns in order.
+        reward: scalar reward; meaningful only when ``reward_status == "ok"``.
+        reward_status: "ok", "error" or "timeout" (see :data:`RewardStatus`).
+        messages: the conversation as chat messages (for logs and reward services).
+        metrics: per-episode scalars from the env/reward (e.g. ``correct``, ``well_formed``).
+        stop_reason: why the episode ended: "terminated", "truncated", "length" (the last
+            reply was cut at ``max_new_tokens``), "max_turns", "max_total_tokens", "env_error".
+        error: cause when the episode failed (env exception, bad return); None otherwise.
+
+    MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
+    assemble the turns' routes at the turns' token positions.
+    """
+
+    sample_id: str
+    group_id: str
+    task_id: str
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    rollout_logprobs: tuple[float, ...]
+    prompt_len: int
+    turns: tuple[Turn, ...]
+    reward: float
+    reward_status: RewardStatus = RewardStatus.OK
+    messages: tuple[dict[str, Any], ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: StopReason = StopReason.TERMINATED
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reward_status", RewardStatus(self.reward_status))
+        object.__setattr__(self, "stop_reason", StopReason(self.stop_reason))
+        n = len(self.token_ids)
+        assert len(self.loss_mask) == n and len(self.rollout_logprobs) == n, "ragged trajectory"
+        assert self.prompt_len <= n
+
+    @property
+    def trainable(self) -> bool:
+        """True when the sample may enter the policy gradient (real reward, finite)."""
+        return self.reward_status == "ok" and self.error is None and math.isfinite(self.reward)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def policy_versions(self) -> tuple[int, ...]:
+        return tuple(t.policy_version for t in self.turns)
+
+    @property
+    def routes_mask(self) -> np.ndarray:
+        """[T] bool, True on the tokens of turns that carry ``routed_experts``."""
+        mask = np.zeros(len(self.token_ids), dtype=bool)
+        for turn in self.turns:
+            if turn.routed_experts is not None:
+                mask[turn.start:turn.start + len(turn.token_ids)] = True
+        return mask
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        """[T, layers, top_k] the turns' routes at their token positions, 0 elsewhere; None without routes."""
+        routed = [t for t in self.turns if t.routed_experts is not None]
+        if not routed:
+            return None
+        first = np.asarray(routed[0].routed_experts)
+        out = np.zeros((len(self.token_ids), *first.shape[1:]), dtype=first.dtype)
+        for turn in routed:
+            out[turn.start:turn.start + len(turn.token_ids)] = turn.routed_experts
+        return out
+
+
+# -- the data-bus schema ----------------------------------------------------------------------
+
+TOKEN_IDS = "token_ids"
+LOSS_MASK = "loss_mask"
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+REWARD = "reward"
+TRAINABLE = "trainable"
+ADVANTAGE = "advantage"
+ROUTED_EXPERTS = "routed_experts"
+ROUTES_MASK = "routes_mask"
+MEDIA = "media"
+TRAJECTORY = "trajectory"
+
+TRAIN_FIELDS = (TOKEN_IDS, LOSS_MASK, ROLLOUT_LOGPROBS, ADVANTAGE)
+"""What the trainer reads to build a batch (plus :data:`ROUTED_EXPERTS` / :data:`ROUTES_MASK`
+for routing replay)."""
+ROUTE_FIELDS = (ROUTED_EXPERTS, ROUTES_MASK)
+
+
+def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str = "uint8") -> dict[str, FieldSpec]:
+    """The fields of a rollout partition, one row per sample (the row's policy version is the
+    bus's own ``versions`` column: the engine version when the sample's group started).
+
+    - ``token_ids`` [T] int64, ``loss_mask`` [T] int8 (1 on policy tokens), ``rollout_logprobs``
+      [T] float32 (0 off policy tokens), all ragged;
+    - ``reward`` float32 scalar and ``trainable`` bool (the reward is real: status ok, finite,
+      no episode error), written by the rollout;
+    - ``advantage`` float32 scalar, written by the advantage consumer once a group is complete;
+    - ``routed_experts`` [T, layers, top_k] and ``routes_mask`` [T] bool (MoE routing replay,
+      only with ``route_shape=(layers, top_k)``);
+    - ``media``: per-sample processor outputs (object; empty for text-only policies);
+    - ``trajectory``: the whole :class:`Trajectory`, dump-only (rollout files and metrics).
+    """
+    schema = {
+        TOKEN_IDS: FieldSpec("int64", ragged=True),
+        LOSS_MASK: FieldSpec("int8", ragged=True),
+        ROLLOUT_LOGPROBS: FieldSpec("float32", ragged=True),
+        REWARD: FieldSpec("float32"),
+        TRAINABLE: FieldSpec("bool"),
+        ADVANTAGE: FieldSpec("float32"),
+        MEDIA: FieldSpec("object"),
+        TRAJECTORY: FieldSpec("object"),
+    }
+    if route_shape is not None:
+        schema[ROUTED_EXPERTS] = FieldSpec(route_dtype, tuple(route_shape), ragged=True)
+        schema[ROUTES_MASK] = FieldSpec("bool", ragged=True)
+    return schema
+
+
+def trajectory_fields(trajs: Sequence[Trajectory], routes: bool = False) -> dict[str, Any]:
+    """The rollout fields of ``trajs`` (one row each; see :func:`rollout_schema`), without the
+    advantage, which a later consumer writes. ``routes``: also the routing-replay fields (a
+    trajectory without recorded routes gets zeros and an all-False mask)."""
+    out: dict[str, Any] = {
+        TOKEN_IDS: [np.asarray(t.token_ids, dtype=np.int64) for t in trajs],
+        LOSS_MASK: [np.asarray(t.loss_mask, dtype=np.int8) for t in trajs],
+        ROLLOUT_LOGPROBS: [np.asarray(t.rollout_logprobs, dtype=np.float32) for t in trajs],
+        REWARD: np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32),
+        TRAINABLE: np.asarray([t.trainable for t in trajs], dtype=bool),
+        MEDIA: [None for _ in trajs],
+        TRAJECTORY: list(trajs),
+    }
+    if routes:
+        out[ROUTED_EXPERTS] = [t.routed_experts for t in trajs]
+        out[ROUTES_MASK] = [t.routes_mask for t in trajs]
+    return out
