@@ -10,7 +10,9 @@ key (with a "did you mean" suggestion) before any model is loaded.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Hashable, Literal
 
@@ -94,7 +96,8 @@ class EvalConfig(Section):
     """Held-out evaluation."""
 
     num_tasks: int = Field(default=64, ge=1)
-    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    """Sampling seeds; each held-out task is evaluated once per seed."""
     temperature: float = Field(default=0.7, gt=0.0)
     every_steps: int = Field(default=0, ge=0)
     """Evaluate every N steps during training (0: only before and after)."""
@@ -198,28 +201,56 @@ def _format_error(err: ValidationError, source: str) -> str:
             suffix = f"; did you mean '{hint[0]}'?" if hint else ""
             lines.append(f"  {key}: unknown key{suffix}")
         elif key:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+            got = e.get("input")
+            hint = ("; write numbers without quotes" if isinstance(got, str) and e["type"] in ("int_type", "float_type")
+                    else "")
+            lines.append(f"  {key}: {e['msg']} (got {got!r}){hint}")
         else:
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """A SafeLoader that also reads YAML 1.2 floats without a dot (``1e-6``, ``5E3``) as floats.
+
+    PyYAML follows YAML 1.1, where ``1e-6`` is a string; config values are never coerced from
+    strings, so without this ``trainer.lr=1e-6`` would be refused.
+    """
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """Split ``"trainer.lr=1e-6"`` into ``(["trainer", "lr"], 1e-6)``; the value is YAML.
 
     Raises:
-        ConfigError: the item has no ``=`` or an empty key.
+        ConfigError: the item has no ``=`` or an empty key, or its value is not valid YAML.
     """
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} must look like section.key=value")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.load(raw, Loader=_ConfigLoader) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: the value of {key.strip()} is not valid YAML ({_yaml_problem(exc)}); "
+                          "quote a string that holds YAML syntax, e.g. name='\"[a\"'") from None
     return key.strip().split("."), value
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    problem = getattr(exc, "problem", None)
+    return str(problem) if problem else str(exc).splitlines()[0]
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each ``a.b.c=value`` override set."""
-    out = yaml.safe_load(yaml.safe_dump(data)) or {}
+    """Return a copy of ``data`` with each ``a.b.c=value`` override set.
+
+    Raises:
+        ConfigError: an override is malformed (see :func:`parse_override`) or sets a key below a value.
+    """
+    out = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
         node = out
@@ -232,7 +263,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(_ConfigLoader):
     """A SafeLoader that refuses a key repeated in one mapping (plain YAML keeps the last one)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -253,24 +284,42 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RelaxConfig:
     """Load a :class:`RelaxConfig` from a YAML file and dotted overrides.
 
+    ``path=None`` runs the defaults; a file must set at least one key (an empty file is
+    refused rather than silently starting the full default run; ``{}`` asks for the defaults).
+
     Raises:
-        ConfigError: missing file, bad YAML, unknown key, wrong type or impossible combination.
+        ConfigError: missing, empty or directory path, bad YAML, unknown key, wrong type or
+            impossible combination.
     """
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
-        source = str(p)
+        data = _read_yaml(Path(path))
+        source = str(path)
     data = apply_overrides(data, overrides or [])
     return validate_config(data, source)
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    """The mapping in config file ``p``."""
+    if p.is_dir():
+        found = sorted(f.name for f in p.glob("*.y*ml"))
+        inside = f"; it holds {', '.join(found[:5])}" if found else " with no .yaml file in it"
+        raise ConfigError(f"config path {str(p)!r} is a directory{inside}: give the path of a YAML file")
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from exc
+    if data is None:
+        raise ConfigError(f"config file {str(p)!r} is empty: set the keys of the run (see examples/), "
+                          "or write {} to run every default")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
+    return data
 
 
 def validate_config(data: dict[str, Any], source: str = "dict") -> RelaxConfig:

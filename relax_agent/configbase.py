@@ -16,6 +16,13 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, values are validated on assignment."""
+    """A config section: unknown keys are errors, values are validated on assignment.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    Values are never coerced from another type (pydantic strict mode): ``"2"`` or ``true``
+    for an integer, ``1`` or ``"yes"`` for a boolean, ``"1e-6"`` for a float are refused;
+    an integer is accepted for a float. Floats must be finite (no ``inf`` or ``nan``).
+    A field that needs a container from YAML (a list for a tuple) converts it itself.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True,
+                              allow_inf_nan=False)

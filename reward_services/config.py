@@ -89,7 +89,9 @@ class RewardComponentConfig(Section):
         if self.source == "remote" and not self.url.startswith(("http://", "https://")):  # type: ignore[union-attr]
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         wrong = {"env": (*_REMOTE_ONLY, *_LOCAL_ONLY), "local": _REMOTE_ONLY, "remote": _LOCAL_ONLY}[self.source]
-        set_wrong = [k for k in wrong if k in self.model_fields_set]
+        # A key at its default is not a mistake: a dumped config (saved beside checkpoints) lists every key.
+        set_wrong = [k for k in wrong if k in self.model_fields_set
+                     and getattr(self, k) != type(self).model_fields[k].get_default(call_default_factory=True)]
         if set_wrong and {"function", "url"} & set(set_wrong):
             raise ValueError(f"source: {self.source} does not take {set_wrong}")
         if set_wrong:

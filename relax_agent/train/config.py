@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from relax_agent.configbase import Dtype, Section
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+"""An Adam moment decay rate, in [0, 1)."""
 
 
 class TrainerConfig(Section):
@@ -18,7 +21,8 @@ class TrainerConfig(Section):
     steps: int = Field(default=20, ge=0)
     lr: float = Field(default=1e-5, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW's (beta1, beta2), each in [0, 1); YAML gives them as a list ``[0.9, 0.999]``."""
     warmup_steps: int = Field(default=0, ge=0)
     clip_eps_low: float = Field(default=0.2, ge=0.0)
     clip_eps_high: float = Field(default=0.28, ge=0.0)
@@ -44,3 +48,9 @@ class TrainerConfig(Section):
     ``min(pi_old / pi_rollout, tis_cap)`` (see ``relax_agent.train.algorithms.tis_weights``)."""
     tis_cap: float = Field(default=2.0, ge=1.0)
     """Upper bound C of the truncated importance weight (``off_policy: tis``)."""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_list(cls, value: Any) -> Any:
+        # YAML has no tuples; strict mode would refuse the list it gives.
+        return tuple(value) if isinstance(value, list) else value
