@@ -37,7 +37,7 @@ from relax_agent.data.config import DataConfig
 from relax_agent.data.protocol import Batch
 from relax_agent.data.samplers import Sampler
 from relax_agent.data.schema import OBJECT, FieldSpec, assemble
-from relax_agent.data.store import RefField, Store, check_versions
+from relax_agent.data.store import RefField, Store, check_ids, check_versions
 from relax_agent.errors import ConfigError, DataError, QueueTimeoutError
 
 
@@ -279,10 +279,11 @@ class RayTransferQueue:
             group_ids: Sequence[str] | None = None, versions: Sequence[int] | None = None,
             timeout_s: float | None = None, overwrite: bool = False) -> None:
         self._check_open("put")
-        checked = None if versions is None else check_versions(partition, versions)  # before anything is sent
+        ids = check_ids(partition, "sample_ids", sample_ids)  # before anything is sent
+        groups = None if group_ids is None else check_ids(partition, "group_ids", group_ids)
+        checked = None if versions is None else check_versions(partition, versions)
         payload = {name: self._encode(values) for name, values in fields.items()}
-        self._call("put", partition, [str(s) for s in sample_ids], payload,
-                   None if group_ids is None else list(group_ids), checked, timeout_s, overwrite)
+        self._call("put", partition, ids, payload, groups, checked, timeout_s, overwrite)
 
     def _encode(self, values: Sequence[Any] | np.ndarray) -> Any:
         """Large arrays (or lists of arrays of one dtype) go to the object store, the rest inline."""

@@ -6,7 +6,8 @@ or says "not yet" (``None``), in which case ``get`` keeps waiting for more rows.
 
 - :class:`FifoSampler` (``"fifo"``): the oldest ``batch_size`` rows.
 - :class:`GroupSampler` (``"group"``): whole GRPO groups only, ``batch_size`` rows in all; a
-  group is whole when ``group_size`` of its rows are ready. Groups are never split.
+  group is whole when ``group_size`` of its rows (one group id, one policy version) are ready.
+  Groups are never split or mixed.
 - :class:`TokenBudgetSampler`: oldest rows up to ``batch_size`` rows or ``max_tokens`` tokens
   (micro-batches of similar cost for the trainer, as in slime's dynamic batch size).
 """
@@ -58,7 +59,8 @@ class FifoSampler:
 @dataclass(frozen=True)
 class GroupSampler:
     """Whole groups of ``group_size`` ready rows, ``batch_size`` rows in all, groups in the
-    order they became whole.
+    order they became whole. A group is its rows with one group id *and* one policy version
+    (never a mix of versions); rows beyond ``group_size`` of one group id form the next group.
 
     Raises:
         DataError: ``batch_size`` is not a multiple of ``group_size``.
@@ -70,13 +72,15 @@ class GroupSampler:
         if batch_size % self.group_size:
             raise DataError(f"batch_size={batch_size} is not a multiple of group_size={self.group_size}: "
                             "the group sampler never splits a group")
-        members: dict[str, list[str]] = {}
+        members: dict[tuple[str, int], list[str]] = {}
         out: list[str] = []
         for row in rows:
-            ids = members.setdefault(row.group_id, [])
+            key = (row.group_id, row.version)  # rows of one group id but another version are another group
+            ids = members.setdefault(key, [])
             ids.append(row.sample_id)
             if len(ids) == self.group_size:
                 out.extend(ids)
+                del members[key]  # a surplus row of this group id starts the next group
                 if len(out) == batch_size:
                     return out
         return None

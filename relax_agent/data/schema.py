@@ -129,12 +129,16 @@ def _infer_row(value: Any) -> FieldSpec:
     return FieldSpec(arr.dtype.name, arr.shape[1:], ragged=True)
 
 
-def infer_spec(values: np.ndarray | Sequence[Any]) -> FieldSpec:
-    """The spec the first put of a field fixes: taken from its first row.
+def infer_spec(values: np.ndarray | Sequence[Any], field: str = "?") -> FieldSpec:
+    """The spec the first put of a field fixes: taken from its first row that says its type.
 
     An array ``[rows]`` gives a scalar field, ``[rows, n, *rest]`` a ragged field with trailing
     shape ``rest``; Python numbers and number lists become int64/float64/bool fields; anything
-    else is ``"object"``.
+    else is ``"object"``. An empty Python list (``[]``) says nothing about its dtype, so the
+    first non-empty row decides (``[[], [5, 6]]`` is int64, not numpy's float64 guess).
+
+    Raises:
+        DataError: every row is an empty Python list.
     """
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in _ACCEPTS:
@@ -142,7 +146,21 @@ def infer_spec(values: np.ndarray | Sequence[Any]) -> FieldSpec:
         if values.ndim == 1:
             return FieldSpec(values.dtype.name)
         return FieldSpec(values.dtype.name, values.shape[2:], ragged=True)
-    return _infer_row(values[0])
+    for value in values:
+        if not _untyped_empty(value):
+            return _infer_row(value)
+    raise DataError(f"field {field!r}: every row is an empty list, which has no dtype; pass numpy arrays "
+                    "(np.array([], dtype=np.int64)) or create the partition with a schema")
+
+
+def _untyped_empty(value: Any) -> bool:
+    """A Python list/tuple with no numbers in it (``[]``, ``[[], []]``): numpy would guess float64."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    try:
+        return np.asarray(value).size == 0
+    except ValueError:  # ragged nested lists
+        return False
 
 
 def _convert_row(value: Any, spec: FieldSpec, field: str, sample_id: str) -> np.ndarray:
@@ -156,12 +174,17 @@ def _convert_row(value: Any, spec: FieldSpec, field: str, sample_id: str) -> np.
             probe = np.asarray(value)
         except ValueError as exc:
             raise DataError(f"{where}: {type(value).__name__} is not a rectangular {spec} value") from exc
-        if probe.dtype.kind not in _ACCEPTS[np.dtype(spec.dtype).kind]:
+        if probe.size and probe.dtype.kind not in _ACCEPTS[np.dtype(spec.dtype).kind]:  # [] has no dtype
             raise DataError(f"{where}: a {probe.dtype.name} value does not fit the partition's {spec}")
         try:
-            arr = np.asarray(value, dtype=spec.dtype)
+            with np.errstate(over="ignore", invalid="ignore"):
+                arr = np.asarray(value, dtype=spec.dtype)
         except (OverflowError, ValueError) as exc:
             raise DataError(f"{where}: value does not fit the partition's {spec}: {exc}") from exc
+        if arr.dtype.kind in "fc" and not np.isfinite(arr).all() and np.isfinite(probe).all():
+            big = probe.flat[int(np.argmin(np.isfinite(arr).reshape(-1)))]
+            raise DataError(f"{where}: {big!r} overflows the partition's {spec} (max "
+                            f"{np.finfo(spec.np_dtype).max:.4g}); it would be stored as inf")
     if not spec.row_shape_ok(arr.shape):
         raise DataError(f"{where}: shape {list(arr.shape)} does not match the partition's {spec}")
     return _readonly(arr) if arr.ndim else arr
@@ -183,7 +206,7 @@ def make_chunk(
         raise DataError(f"field {field!r}: {len(values)} values for {n} sample ids")
     if n == 0:
         raise DataError(f"field {field!r}: a put needs at least one sample id")
-    spec = spec or infer_spec(values)
+    spec = spec or infer_spec(values, field)
     if not spec.numeric:
         return Chunk(list(values), spec, [1] * n)
     if isinstance(values, np.ndarray) and values.dtype == spec.np_dtype and spec.row_shape_ok(values.shape[1:]):

@@ -27,6 +27,24 @@ from relax_agent.errors import DataError, LeaseError
 _FINISHED_LEASES_KEPT = 100_000
 
 
+def check_ids(partition: str, what: str, ids: Any) -> list[str]:
+    """``ids`` (sample or group ids) as a list of str, each given as a str: ``1`` and ``"1"`` would
+    be one row after ``str()``, and a bare string would be read as one id per character.
+
+    Raises:
+        DataError: ``ids`` is a str/bytes or not a sequence, or an element is not a str; names it.
+    """
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise DataError(f"partition {partition!r}: {what}={ids!r} ({type(ids).__name__}) is not a sequence of "
+                        f"ids; expected a list of str (e.g. [{ids!r}] for one row)")
+    out = list(ids)
+    for i, sid in enumerate(out):
+        if not isinstance(sid, str):
+            raise DataError(f"partition {partition!r}: {what}[{i}]={sid!r} ({type(sid).__name__}) is not an id; "
+                            "expected a str (ids are compared as given: 1 and '1' would collide)")
+    return [str(sid) for sid in out]
+
+
 def check_versions(partition: str, versions: Sequence[Any]) -> list[int]:
     """``versions`` as Python ints: each a non-negative integer (numpy integers count; bool does not).
 
@@ -95,6 +113,8 @@ class _Partition:
     order: list[str | None] = field(default_factory=list)
     retired: set[str] = field(default_factory=set)
     consumers: dict[str, _Consumer] = field(default_factory=dict)
+    groups: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """group id -> (policy version, live rows) of the groups with live rows."""
     put_rows: int = 0
     redelivered_rows: int = 0
 
@@ -214,7 +234,9 @@ class Store:
             DataError: see :meth:`relax_agent.data.TransferQueue.put`.
         """
         part = self._partition(partition)
-        ids = [str(s) for s in sample_ids]
+        ids = check_ids(partition, "sample_ids", sample_ids)
+        if group_ids is not None:
+            group_ids = check_ids(partition, "group_ids", group_ids)
         if len(set(ids)) != len(ids):
             dup = next(s for s in ids if ids.count(s) > 1)
             raise DataError(f"partition {partition!r}: sample id {dup!r} appears twice in one put")
@@ -242,11 +264,13 @@ class Store:
             if len(group_ids) != len(ids) or len(versions) != len(ids):
                 raise DataError(f"partition {part.name!r}: {len(ids)} sample ids but {len(group_ids)} group_ids "
                                 f"and {len(versions)} versions")
-            check_versions(part.name, versions)
+            versions = check_versions(part.name, versions)
             for sid in ids:
                 if sid in part.rows or sid in part.retired:
                     raise DataError(f"partition {part.name!r}: duplicate sample id {sid!r} (a row with that id "
                                     "exists; to add fields to it, put without group_ids/versions)")
+            if part.group_size is not None:
+                self._check_groups(part, list(group_ids), versions)
             return [True] * len(ids)
         for sid in ids:
             if sid not in part.rows:
@@ -254,6 +278,21 @@ class Store:
                 raise DataError(f"partition {part.name!r}: unknown sample id {sid!r}{gone}; new rows need "
                                 "group_ids and versions")
         return [False] * len(ids)
+
+    def _check_groups(self, part: _Partition, group_ids: list[str], versions: list[int]) -> None:
+        """A partition with ``group_size`` holds each group as at most ``group_size`` live rows of one
+        policy version: a surplus row could never be handed out by the group sampler, and a group
+        of mixed versions has no single version to train on."""
+        live = {gid: part.groups[gid] for gid in group_ids if gid in part.groups}
+        for gid, version in zip(group_ids, versions):
+            have, count = live.get(gid, (version, 0))
+            if have != version:
+                raise DataError(f"partition {part.name!r}: group {gid!r} holds rows of policy version {have}; "
+                                f"a row of version {version} cannot join it (one group, one version)")
+            if count == part.group_size:
+                raise DataError(f"partition {part.name!r}: group {gid!r} already has group_size={part.group_size} "
+                                "rows; a surplus row would never be handed out by the group sampler")
+            live[gid] = (version, count + 1)
 
     def _chunk(self, part: _Partition, name: str, values: Any, ids: list[str]) -> tuple[Stored, FieldSpec, list[int]]:
         spec = part.schema.get(name)
@@ -275,6 +314,7 @@ class Store:
             if is_new:
                 row = _Row(len(part.order), str(plan.group_ids[i]), int(plan.versions[i]))
                 part.rows[sid] = row
+                part.groups[row.group_id] = (row.version, part.groups.get(row.group_id, (0, 0))[1] + 1)
                 part.order.append(sid)
             row = part.rows[sid]
             for name, (stored, _, lengths) in plan.chunks.items():
@@ -440,6 +480,9 @@ class Store:
             if row is not None and all(sid in acked for acked in done):
                 del part.rows[sid]
                 part.order[row.seq] = None
+                version, count = part.groups.pop(row.group_id)
+                if count > 1:
+                    part.groups[row.group_id] = (version, count - 1)
                 part.retired.add(sid)
                 for cons in part.consumers.values():
                     cons.acked.discard(sid)
