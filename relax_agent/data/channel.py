@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import tempfile
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Awaitable, Callable
 
+from relax_agent.errors import DataError
+
 Handler = Callable[[str, tuple], Awaitable[Any]]
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class ChannelServer:
     """Accepts connections on a fresh Unix socket; each connection gets a thread that runs
     ``handler(method, args)`` on ``loop`` and sends back its result (one call at a time per
-    connection, so a blocked ``get`` holds only its own connection)."""
+    connection, so a blocked ``get`` holds only its own connection). Replies are ``(ok, value)``
+    pairs: a call that cannot be unpickled here, or a reply that cannot be pickled, is answered
+    with ``(False, DataError)`` and the connection stays up."""
 
     def __init__(self, handler: Handler, loop: asyncio.AbstractEventLoop) -> None:
         self.authkey = os.urandom(32)
@@ -48,12 +57,24 @@ class ChannelServer:
         with conn:
             while True:
                 try:
-                    method, args = conn.recv()
+                    frame = conn.recv_bytes()
                 except (EOFError, OSError):
                     return
-                result = asyncio.run_coroutine_threadsafe(self._handler(method, args), self._loop).result()
                 try:
-                    conn.send(result)
+                    method, args = pickle.loads(frame)
+                except Exception as exc:  # a value this process cannot unpickle: refuse the call, keep the connection
+                    result: Any = (False, DataError(f"data-bus channel: a call could not be unpickled in the metadata "
+                                                    f"actor's process ({type(exc).__name__}: {exc}); put values "
+                                                    "whose classes every process of the cluster can import"))
+                else:
+                    result = asyncio.run_coroutine_threadsafe(self._handler(method, args), self._loop).result()
+                try:
+                    reply = _dumps(result)
+                except Exception as exc:
+                    reply = _dumps((False, DataError(f"data-bus channel: the reply to {method!r} could not be pickled "
+                                                     f"({type(exc).__name__}: {exc})")))
+                try:
+                    conn.send_bytes(reply)
                 except OSError:
                     return
 
@@ -76,14 +97,20 @@ class ChannelClient:
         """Send one call and wait for its result.
 
         Raises:
+            DataError: the call cannot be pickled (nothing is sent).
             ConnectionError: the server is gone (the connection is dropped; the next call reconnects).
         """
+        try:
+            frame = _dumps((method, args))
+        except Exception as exc:
+            raise DataError(f"data-bus {method}: the call cannot be pickled ({type(exc).__name__}: {exc}); "
+                            "values on the bus must pickle (no lambdas or local classes)") from exc
         conn = getattr(self._local, "conn", None)
         try:
             if conn is None:
                 conn = self._local.conn = Client(self._address, family="AF_UNIX", authkey=self._authkey)
-            conn.send((method, args))
-            return conn.recv()
+            conn.send_bytes(frame)
+            return pickle.loads(conn.recv_bytes())
         except (EOFError, OSError) as exc:
             self._local.conn = None
             raise ConnectionError(f"data-bus channel {self._address} closed: {exc}") from exc

@@ -36,7 +36,11 @@ class DataConfig(Section):
     """Seconds a consumer may hold rows without acking before they are handed out again;
     set it above the longest step that consumes one batch."""
     ray_actor_name: str = "relax_transfer_queue"
-    """Name of the metadata actor; processes that build the bus with the same name share it."""
+    """Name of the metadata actor; processes that build the bus with the same name and
+    ``ray_namespace`` share it."""
+    ray_namespace: str = Field(default="relax_agent", min_length=1)
+    """Ray namespace of the metadata actor. Explicit, so that every driver of the cluster finds the
+    same bus whatever namespace it was started in (a driver's default namespace is anonymous)."""
     ray_direct_channel: bool = True
     """Processes on the metadata actor's node send calls that carry no object references over
     an authenticated Unix socket instead of Ray tasks (much lower per-call cost)."""

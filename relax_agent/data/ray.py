@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ class _InStore:
     references nested in a value through without resolving them)."""
 
     ref: Any
+
+
+@dataclass(frozen=True)
+class _Inline:
+    """A slice of a stored chunk that travels inside a ``get`` reply: item ``index`` of the reply's
+    pickled ``inline`` list (pickled by the actor, unpickled by the reader, so that a value one
+    side cannot handle fails one read, whose lease is then released, and nothing else)."""
+
+    index: int
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,10 @@ class MetadataActor:
         try:
             if method not in _METHODS:
                 raise DataError(f"unknown data-bus method {method!r}; expected one of {sorted(_METHODS)}")
-            if method == "put" and self._adopt_values:
-                args = (*args[:2], await self._adopt(args[2]), *args[3:])
+            if method == "put":
+                _check_picklable(args[0], args[1], args[2])
+                if self._adopt_values:
+                    args = (*args[:2], await self._adopt(args[2]), *args[3:])
             async with self._cond:
                 return True, await getattr(self, "_" + method)(*args)
         except (DataError, QueueTimeoutError, LookupError) as exc:
@@ -146,12 +158,24 @@ class MetadataActor:
                 raise QueueTimeoutError(f"get of {batch_size} rows with fields {fields} for consumer {consumer!r} "
                                         f"from partition {partition!r}: not ready after timeout_s={timeout_s}; "
                                         f"{self._store.not_ready(partition, fields, consumer, batch_size)}")
-        pieces = {
-            name: [(_InStore(stored.values), start, stop) if stored.is_ref else (stored.values[start:stop], 0, stop - start)
-                   for stored, start, stop in segments]
-            for name, segments in taken.segments.items()
-        }
-        return taken.lease_id, taken.sample_ids, taken.group_ids, taken.versions, pieces, taken.specs
+        inline: list[Any] = []
+        pieces: dict[str, list[tuple[Any, int, int]]] = {}
+        for name, segments in taken.segments.items():
+            pieces[name] = []
+            for stored, start, stop in segments:
+                if stored.is_ref:
+                    pieces[name].append((_InStore(stored.values), start, stop))
+                else:
+                    pieces[name].append((_Inline(len(inline)), 0, stop - start))
+                    inline.append(stored.values[start:stop])
+        try:
+            blob = pickle.dumps(inline, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # checked at put, so only a value that changed since: release the rows
+            self._store.nack(taken.lease_id)
+            self._cond.notify_all()
+            raise DataError(f"partition {partition!r}: rows {taken.sample_ids} hold values that cannot be pickled "
+                            f"for the reader ({type(exc).__name__}: {exc}); their lease is released") from exc
+        return taken.lease_id, taken.sample_ids, taken.group_ids, taken.versions, pieces, taken.specs, blob
 
     async def _ack(self, lease_id: str) -> bool:
         done = self._store.ack(lease_id)
@@ -212,6 +236,36 @@ def start_ray(cfg: DataConfig) -> bool:
     return True
 
 
+def unpickle_rows(blob: bytes) -> list[Any]:
+    """The inline values of a ``get`` reply (the seam where a reader meets values it cannot load)."""
+    return pickle.loads(blob)
+
+
+def _check_picklable(partition: str, sample_ids: list[str], fields: dict[str, Any]) -> None:
+    """Refuse inline values that plain pickle cannot carry to a reader: the socket channel pickles
+    every reply, so a value only Ray's cloudpickle handles (a lambda, a class defined in a
+    driver's ``__main__``) would fail every read of its row.
+
+    Raises:
+        DataError: names the field, the sample and the pickling error.
+    """
+    for name, values in fields.items():
+        if isinstance(values, RefField) or (isinstance(values, np.ndarray) and values.dtype.kind != "O"):
+            continue
+        try:
+            pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            for sid, value in zip(sample_ids, values):
+                try:
+                    pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    raise DataError(f"partition {partition!r}: field {name!r} of sample {sid!r}: a "
+                                    f"{type(value).__name__} value cannot be pickled by the bus "
+                                    f"({type(exc).__name__}: {exc}); put values whose classes every process "
+                                    "can import (no lambdas, local or __main__ classes)") from exc
+            raise
+
+
 class RayTransferQueue:
     """The Ray backend of :class:`relax_agent.data.TransferQueue` (see there for the API).
 
@@ -225,8 +279,8 @@ class RayTransferQueue:
             raise ConfigError("data.backend='ray' needs a running Ray: call ray.init(num_cpus=...) or "
                               "relax_agent.data.ray.start_ray(cfg) first")
         actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
-        self._actor = actor_cls.options(name=self.cfg.ray_actor_name, get_if_exists=True).remote(
-            self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
+        self._actor = actor_cls.options(name=self.cfg.ray_actor_name, namespace=self.cfg.ray_namespace,
+                                        get_if_exists=True).remote(self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
         self._channel: ChannelClient | None = None
         self._channel_lock = threading.Lock()
         self._channel_checked = False
@@ -301,19 +355,35 @@ class RayTransferQueue:
 
     def get(self, partition: str, fields: Sequence[str], consumer: str, batch_size: int,
             timeout_s: float | None = None, sampler: str | Sampler = "fifo") -> Batch:
-        lease_id, ids, group_ids, versions, pieces, specs = self._call(
+        lease_id, ids, group_ids, versions, pieces, specs, blob = self._call(
             "get", partition, list(fields), consumer, batch_size, timeout_s, sampler)
         refs = list({box.ref: None for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)})
         try:
+            inline = unpickle_rows(blob)
+        except Exception as exc:
+            self._release(lease_id)
+            raise DataError(f"partition {partition!r}: rows {ids} hold values this process cannot unpickle "
+                            f"({type(exc).__name__}: {exc}); their lease is released (put values whose classes "
+                            "every process of the cluster can import)") from exc
+        try:
             resolved = dict(zip(refs, ray.get(refs)))
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as exc:
+            self._release(lease_id)
             raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
-                            f"({type(exc).__name__}); clear the partition") from exc
+                            f"({type(exc).__name__}); their lease is released; clear the partition") from exc
         out = {}
         for name, segs in pieces.items():
-            parts = [(resolved[box.ref] if isinstance(box, _InStore) else box)[start:stop] for box, start, stop in segs]
+            parts = [(resolved[box.ref] if isinstance(box, _InStore) else inline[box.index])[start:stop]
+                     for box, start, stop in segs]
             out[name] = assemble(specs[name], parts)
         return Batch(lease_id, partition, consumer, ids, group_ids, versions, out)
+
+    def _release(self, lease_id: str) -> None:
+        """Hand the rows of a lease this process could not read out again now (not after the lease timeout)."""
+        try:
+            self._call("nack", lease_id)
+        except LookupError:  # expired or cleared meanwhile: nothing is held
+            pass
 
     def ack(self, lease_id: str) -> bool:
         return self._call("ack", lease_id)

@@ -215,3 +215,74 @@ def test_put_after_close_is_refused(tq):  # tq: Ray is up
         bus.put("p", ["late"], {"r": [1.0]}, group_ids=["g"], versions=[0])
     with pytest.raises(DataError, match="after close"):
         bus.stats("p")
+
+
+_SECOND_DRIVER = """
+import json, sys
+import numpy as np
+import ray
+from relax_agent.data import DataConfig
+from relax_agent.data.ray import RayTransferQueue
+args = json.loads(sys.argv[1])
+ray.init(address=args["address"], include_dashboard=False, log_to_driver=False)  # its own (anonymous) namespace
+bus = RayTransferQueue(DataConfig(backend="ray", ray_actor_name=args["name"]))
+bus.put("shared", ["from-child"], {"x": [7]}, group_ids=["g"], versions=[0])
+print("put done")
+"""
+
+
+def test_a_second_driver_joining_the_cluster_shares_the_bus(tq):
+    import json
+    import subprocess
+
+    bus = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="shared-bus", lease_timeout_s=LEASE_S))
+    bus.create_partition("shared", 4)
+    args = {"address": ray.get_runtime_context().gcs_address, "name": "shared-bus"}
+    child = subprocess.run([sys.executable, "-c", _SECOND_DRIVER, json.dumps(args)], capture_output=True,
+                           text=True, timeout=180)
+    assert child.returncode == 0, child.stderr[-3000:]
+    batch = bus.get("shared", ["x"], "trainer", 1, timeout_s=30)
+    assert batch.sample_ids == ["from-child"] and batch.fields["x"].tolist() == [7]
+    bus.close()
+
+
+class _DriverOnly:
+    """A value that pickles by reference to this test module, which only the test's process imports."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+@pytest.mark.parametrize("value", [lambda x: x, _DriverOnly(3)], ids=["lambda", "class-by-value"])
+def test_a_value_the_channel_cannot_carry_is_refused_at_put(tq, value):
+    slow = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="poison-put", lease_timeout_s=300,
+                                       ray_inline_max_bytes=1024))
+    part = f"poison-put-{type(value).__name__}"
+    slow.create_partition(part, 4)
+    big = np.zeros((1, 1024), np.int64)  # an object-store field: the put travels as a Ray task (cloudpickle)
+    with pytest.raises(DataError, match=r"field 'meta' of sample 'bad'.*cannot be pickled"):
+        slow.put(part, ["bad"], {"meta": [value], "x": big}, group_ids=["g"], versions=[0])
+    with pytest.raises(DataError, match=r"cannot be pickled|could not be unpickled"):  # the socket path too
+        slow.put(part, ["bad"], {"meta": [value]}, group_ids=["g"], versions=[0])
+    assert slow.stats(part)["rows"] == 0
+    slow.put(part, ["ok"], {"meta": [{"n": 3}], "x": big}, group_ids=["g"], versions=[0])
+    assert slow.get(part, ["meta"], "t", 1, timeout_s=10).fields["meta"] == [{"n": 3}]  # the channel still works
+
+
+def test_a_row_the_reader_cannot_unpickle_fails_that_read_and_is_released_at_once(tq, monkeypatch):
+    import relax_agent.data.ray as ray_bus
+
+    slow = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="poison-get", lease_timeout_s=300))
+    slow.create_partition("poison-get", 4)
+    slow.put("poison-get", ["p0", "p1"], {"meta": [{"a": 1}, {"b": 2}]}, group_ids=["g", "g"], versions=[0, 0])
+
+    def cannot_load(blob: bytes) -> list:
+        raise ModuleNotFoundError("No module named 'only_on_the_producer'")
+
+    monkeypatch.setattr(ray_bus, "unpickle_rows", cannot_load)  # this reader lacks a module the values need
+    with pytest.raises(DataError, match=r"rows \['p0', 'p1'\] hold values this process cannot unpickle.*released"):
+        slow.get("poison-get", ["meta"], "t", 2, timeout_s=10)
+    monkeypatch.undo()
+    assert slow.stats("poison-get")["active_leases"] == 0  # not held until lease_timeout_s (300 s)
+    batch = slow.get("poison-get", ["meta"], "t", 2, timeout_s=10)
+    assert batch.fields["meta"] == [{"a": 1}, {"b": 2}]
