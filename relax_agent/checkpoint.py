@@ -20,7 +20,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -44,15 +44,16 @@ class CheckpointManager:
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
 
-    def save(self, step: int, model: Any, tokenizer: Any, trainer_state: dict[str, Any],
+    def save(self, step: int, save_model: Callable[[Path], None], trainer_state: dict[str, Any],
              state: dict[str, Any], config_yaml: str) -> Path:
-        """Write checkpoint ``step`` and prune old ones; returns its folder."""
+        """Write checkpoint ``step`` and prune old ones; returns its folder.
+
+        ``save_model(folder)`` writes the policy (weights and tokenizer) into ``folder/model``."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".step_{step:06d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "model")
+        save_model(tmp / "model")
         torch.save(trainer_state, tmp / "trainer.pt")
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))

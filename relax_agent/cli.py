@@ -47,7 +47,7 @@ def _fail(exc: RelaxError) -> None:
 
 def _load(config: Path, overrides: Optional[list[str]]) -> Any:
     from relax_agent.config import load_config
-    from relax_agent.roles import preflight
+    from relax_agent.preflight import preflight
 
     cfg = load_config(config, list(overrides or []))
     preflight(cfg)
@@ -76,7 +76,7 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", is_flag=True, help="No progress bars."),
 ) -> None:
     """Train a policy with GRPO on a registered environment."""
-    from relax_agent.controller import Controller
+    from relax_agent.control import build_controller
     from relax_agent.progress import ConsoleReporter, format_eval
     from relax_agent.roles import build_roles
 
@@ -85,15 +85,17 @@ def train(
         ckpt = _checkpoint_to_resume(cfg, resume)
         roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce,
                             on_tasks=None if ckpt is None else _check_resume(ckpt, cfg))
-        controller = Controller(cfg, roles)
-        if ckpt is not None:
-            controller.restore(ckpt)
-            console.print(f"resumed from {ckpt} at step {controller.step}")
-        show = cfg.logging.progress and not quiet
-        with ConsoleReporter(cfg.trainer.steps, controller.step, console) if show else _null() as reporter:
-            controller.reporter = reporter
-            summary = controller.train()
-        roles.close()
+        controller = build_controller(cfg, roles)
+        try:
+            if ckpt is not None:
+                controller.restore(ckpt)
+                console.print(f"resumed from {ckpt} at step {controller.step}")
+            show = cfg.logging.progress and not quiet
+            with ConsoleReporter(cfg.trainer.steps, controller.step, console) if show else _null() as reporter:
+                controller.reporter = reporter
+                summary = controller.train()
+        finally:
+            controller.close()
     except RelaxError as exc:
         _fail(exc)
         return
@@ -112,7 +114,7 @@ def train(
 def _check_resume(ckpt: Path, cfg: Any) -> Any:
     """Warn now about config keys changed since ``ckpt``; returns the ``on_tasks`` check that the
     checkpoint's train split matches this run's (run before the policy loads)."""
-    from relax_agent.controller import check_resume_tasks, format_resume_changes, resume_changes
+    from relax_agent.control.resume import check_resume_tasks, format_resume_changes, resume_changes
 
     changes = resume_changes(ckpt, cfg)
     if changes:

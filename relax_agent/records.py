@@ -211,10 +211,24 @@ def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str 
     return schema
 
 
-def trajectory_fields(trajs: Sequence[Trajectory], routes: bool = False) -> dict[str, Any]:
+def route_layout(trajs: Sequence[Trajectory]) -> tuple[tuple[int, ...], str] | None:
+    """``((layers, top_k), dtype name)`` of the first recorded routes among ``trajs``; None without routes."""
+    for t in trajs:
+        for turn in t.turns:
+            if turn.routed_experts is not None:
+                r = np.asarray(turn.routed_experts)
+                return tuple(r.shape[1:]), r.dtype.name
+    return None
+
+
+def trajectory_fields(trajs: Sequence[Trajectory], routes: tuple[tuple[int, ...], str] | None = None) -> dict[str, Any]:
     """The rollout fields of ``trajs`` (one row each; see :func:`rollout_schema`), without the
-    advantage, which a later consumer writes. ``routes``: also the routing-replay fields (a
-    trajectory without recorded routes gets zeros and an all-False mask)."""
+    advantage, which a later consumer writes.
+
+    ``routes``: ``((layers, top_k), dtype)`` (see :func:`route_layout`) adds the routing-replay
+    fields; a trajectory without recorded routes gets zeros ``[T, layers, top_k]`` and an
+    all-False mask.
+    """
     out: dict[str, Any] = {
         TOKEN_IDS: [np.asarray(t.token_ids, dtype=np.int64) for t in trajs],
         LOSS_MASK: [np.asarray(t.loss_mask, dtype=np.int8) for t in trajs],
@@ -224,7 +238,9 @@ def trajectory_fields(trajs: Sequence[Trajectory], routes: bool = False) -> dict
         MEDIA: [None for _ in trajs],
         TRAJECTORY: list(trajs),
     }
-    if routes:
-        out[ROUTED_EXPERTS] = [t.routed_experts for t in trajs]
+    if routes is not None:
+        shape, dtype = routes
+        out[ROUTED_EXPERTS] = [t.routed_experts if t.routed_experts is not None
+                               else np.zeros((len(t.token_ids), *shape), dtype=dtype) for t in trajs]
         out[ROUTES_MASK] = [t.routes_mask for t in trajs]
     return out

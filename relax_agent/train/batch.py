@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from relax_agent.errors import DataError
 from relax_agent.records import Trajectory
-from relax_agent.train.algorithms import group_advantages
 
 
 @dataclass(frozen=True)
@@ -111,18 +109,13 @@ def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor 
 
 
 def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: bool = True) -> torch.Tensor:
-    """GRPO advantages [B] for trajectories, grouped by ``group_id``.
+    """GRPO advantages [B] for trajectories, grouped by ``group_id`` (the same computation as
+    the pipeline's advantage consumer: :func:`relax_agent.train.collate.field_advantages` on
+    their fields)."""
+    from relax_agent.records import trajectory_fields
+    from relax_agent.train.collate import field_advantages
 
-    Samples that are not :attr:`Trajectory.trainable` (reward error or timeout, episode
-    error, non-finite reward) or have no policy tokens (the prompt alone filled
-    ``max_total_tokens``) are left out of their group's statistics and get 0 (see
-    :func:`~relax_agent.train.algorithms.group_advantages`).
-    """
-    ids: dict[str, int] = {}
-    group_index = torch.tensor([ids.setdefault(t.group_id, len(ids)) for t in trajectories], dtype=torch.long)
-    valid = torch.tensor([t.trainable and t.num_policy_tokens > 0 for t in trajectories], dtype=torch.bool)
-    rewards = torch.tensor([t.reward if ok else 0.0 for t, ok in zip(trajectories, valid.tolist())], dtype=torch.float32)
-    return group_advantages(rewards, group_index, valid, std_normalize=std_normalize)
+    return field_advantages(trajectory_fields(trajectories), [t.group_id for t in trajectories], std_normalize)
 
 
 def collate(
@@ -130,64 +123,16 @@ def collate(
     advantages: torch.Tensor | Sequence[float],
     pad_token_id: int,
 ) -> TrainBatch:
-    """Right-pad trajectories into a :class:`TrainBatch`.
-
-    A trajectory that is not :attr:`Trajectory.trainable` keeps its row but gets an
-    all-zero ``loss_mask``, so it adds nothing to the loss or to its normaliser.
-
-    Args:
-        trajectories: B finished episodes.
-        advantages: [B] one advantage per trajectory (e.g. from :func:`trajectory_advantages`).
-        pad_token_id: id written into padding positions (masked out by ``attention_mask``).
+    """Right-pad trajectories into a :class:`TrainBatch` through their bus fields
+    (:func:`relax_agent.train.collate.collate_fields`): a trajectory that is not trainable keeps
+    its row with an all-zero ``loss_mask``.
 
     Raises:
-        DataError: no trajectories, an empty trajectory, a loss mask set on token 0, or
-            ``advantages`` of another length.
+        DataError: see :func:`~relax_agent.train.collate.collate_fields`.
     """
+    from relax_agent.records import route_layout, trajectory_fields
+    from relax_agent.train.collate import collate_fields
+
     if not trajectories:
         raise DataError("collate needs at least one trajectory; got none")
-    adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
-    if adv.numel() != len(trajectories):
-        raise DataError(f"got {adv.numel()} advantages for {len(trajectories)} trajectories")
-    empty = [t.sample_id for t in trajectories if not t.token_ids]
-    if empty:
-        raise DataError(f"trajectories without tokens cannot be trained on: {empty}")
-    first = [t.sample_id for t in trajectories if t.loss_mask[0]]
-    if first:
-        raise DataError(f"loss_mask is 1 on token 0 (which has no log-prob, nothing precedes it) in {first}")
-    b, t_max = len(trajectories), max(len(t.token_ids) for t in trajectories)
-    input_ids = torch.full((b, t_max), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, t_max), dtype=torch.long)
-    loss_mask = torch.zeros((b, t_max), dtype=torch.bool)
-    rollout_logprobs = torch.zeros((b, t_max), dtype=torch.float32)
-    for i, traj in enumerate(trajectories):
-        n = len(traj.token_ids)
-        input_ids[i, :n] = torch.tensor(traj.token_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        rollout_logprobs[i, :n] = torch.tensor(traj.rollout_logprobs, dtype=torch.float32)
-        if traj.trainable:
-            loss_mask[i, :n] = torch.tensor(traj.loss_mask, dtype=torch.bool)
-    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv, *collate_routes(trajectories, t_max))
-
-
-def collate_routes(trajectories: Sequence[Trajectory], t_max: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(routed_experts [B, T, layers, top_k], routes_mask [B, T])`` right-padded; (None, None) without routes.
-
-    Raises:
-        DataError: trajectories disagree on the routes' [layers, top_k] or dtype.
-    """
-    routes = [t.routed_experts for t in trajectories]
-    present = [r for r in routes if r is not None]
-    if not present:
-        return None, None
-    kinds = {(r.shape[1:], r.dtype) for r in present}
-    if len(kinds) > 1:
-        raise DataError(f"trajectories carry routed_experts of different [layers, top_k] / dtype: {sorted(map(str, kinds))}")
-    shape, dtype = kinds.pop()
-    out = np.zeros((len(trajectories), t_max, *shape), dtype=dtype)
-    mask = np.zeros((len(trajectories), t_max), dtype=bool)
-    for i, (traj, r) in enumerate(zip(trajectories, routes)):
-        if r is not None:
-            out[i, :len(r)] = r
-            mask[i, :len(r)] = traj.routes_mask
-    return torch.from_numpy(out), torch.from_numpy(mask)
+    return collate_fields(trajectory_fields(trajectories, route_layout(trajectories)), pad_token_id, advantages)

@@ -54,3 +54,32 @@ class TrainerConfig(Section):
     def _betas_from_list(cls, value: Any) -> Any:
         # YAML has no tuples; strict mode would refuse the list it gives.
         return tuple(value) if isinstance(value, list) else value
+
+    def build(self, model: Any = None, device: str = "cpu", temperature: float = 1.0,
+              routing_replay: bool = False) -> Any:
+        """The trainer this section selects (``backend``), over runtime objects.
+
+        Args:
+            model: the policy to train (``backend: torch``; the fake backend needs none). With
+                ``kl_coef > 0`` a frozen copy becomes the reference policy.
+            device: where it trains.
+            temperature: the rollout's sampling temperature (log-probs use the same one).
+            routing_replay: force MoE routers to the rollout's routes (R3).
+
+        Returns:
+            a :class:`~relax_agent.train.backends.base.Trainer`.
+        """
+        if self.backend == "fake":
+            from relax_agent.train.backends.fake import FakeTrainer
+
+            return FakeTrainer()
+        import copy
+
+        from relax_agent.train.backends.torch_backend import TorchTrainer
+
+        ref_model = None
+        if self.kl_coef > 0:
+            ref_model = copy.deepcopy(model).eval()
+            ref_model.requires_grad_(False)
+        return TorchTrainer(model, self, device=device, ref_model=ref_model, temperature=temperature,
+                            routing_replay=routing_replay)

@@ -66,7 +66,7 @@ def test_config_error_is_a_value_error():
 def test_every_example_config_passes_preflight():
     from pathlib import Path
 
-    from relax_agent.roles import preflight
+    from relax_agent.preflight import preflight
 
     repo = Path(__file__).resolve().parents[2]
     configs = sorted(repo.glob("examples/**/*.yaml"))

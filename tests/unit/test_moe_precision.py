@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from relax_agent import roles
+from relax_agent import preflight as roles
 from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig, load_config
 from relax_agent.errors import ConfigError
 from relax_agent.models import load_policy, make_tiny_model

@@ -4,7 +4,7 @@ import pytest
 
 from relax_agent.config import load_config
 from relax_agent.errors import ConfigError
-from relax_agent.roles import preflight
+from relax_agent.preflight import preflight
 
 
 def _check(*overrides):

@@ -118,7 +118,7 @@ def test_split_trims_each_micro_batch_to_its_own_length():
 
 def test_collate_rejects_bad_input():
     a = make_traj(0, "g", [5], [7], [-0.5], 1.0)
-    with pytest.raises(DataError, match="2 advantages for 1 trajectories"):
+    with pytest.raises(DataError, match="2 advantages for 1 rows"):
         collate([a], [1.0, 2.0], PAD)
     with pytest.raises(DataError, match="at least one"):
         collate([], [], PAD)

@@ -8,7 +8,8 @@ import pytest
 
 from relax_agent.config import load_config
 from relax_agent.errors import ConfigError
-from relax_agent.roles import check_mode, preflight, start_data_bus
+from relax_agent.preflight import check_mode, preflight
+from relax_agent.roles import start_data_bus
 
 
 def test_async_with_nccl_on_cpu_is_refused_naming_the_value_and_the_device():

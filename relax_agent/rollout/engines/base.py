@@ -64,3 +64,14 @@ class InferenceEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def default_stop_ids(tokenizer: Any) -> list[int]:
+    """EOS plus ``<|im_end|>`` (ChatML end of turn) when the vocabulary has it."""
+    ids = []
+    eos = tokenizer.eos_token_id
+    ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    im_end = tokenizer.get_vocab().get("<|im_end|>")
+    if im_end is not None:
+        ids.append(im_end)
+    return sorted(set(ids))

@@ -30,6 +30,17 @@ def fake_logprob(token_id: int, position: int) -> float:
     return -((token_id * 7919 + position * 104729) % 2000 + 1) / 1000.0
 
 
+def echo_reply(stop_token_ids: Sequence[int]) -> Callable[[list[int], SamplingParams], list[int]]:
+    """A reply function for :class:`FakeEngine` that needs no script: the prompt's last three
+    tokens, then the first stop id (deterministic, so runs on the fake engine are exact)."""
+    stop = int(stop_token_ids[0])
+
+    def reply(prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        return [*prompt_ids[-3:], stop]
+
+    return reply
+
+
 @dataclass(frozen=True)
 class FakeCall:
     """One recorded :meth:`FakeEngine.generate` call."""

@@ -35,7 +35,7 @@ import torch
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
-from relax_agent.rollout.engines.base import Generation, SamplingParams
+from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
 
 _STOP = object()
 """Queue sentinel that ends the worker."""
@@ -137,6 +137,14 @@ class HFEngine:
     def policy_version(self) -> int:
         """Version of the weights the next batch will use."""
         return self._version
+
+    @property
+    def route_layout(self) -> tuple[tuple[int, int], str] | None:
+        """``((moe_layers, top_k), dtype name)`` of the routes this engine records (routing
+        replay), or None when it records none."""
+        if self._routes is None:
+            return None
+        return (len(self._routes.routers), self._routes.routers[0].top_k), self._routes.dtype.name
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Sample a continuation of ``prompt_ids`` ([n] token ids); batched with concurrent calls.
@@ -461,17 +469,6 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
     sorted_p = sorted_p.masked_fill(mass_before >= top_p[:, None], 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-
-
-def default_stop_ids(tokenizer: Any) -> list[int]:
-    """EOS plus ``<|im_end|>`` (ChatML end of turn) when the vocabulary has it."""
-    ids = []
-    eos = tokenizer.eos_token_id
-    ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    im_end = tokenizer.get_vocab().get("<|im_end|>")
-    if im_end is not None:
-        ids.append(im_end)
-    return sorted(set(ids))
 
 
 def _resolve(fut: asyncio.Future[Generation] | concurrent.futures.Future[Generation],

@@ -12,6 +12,7 @@ plus, in async mode, the policy drift since the rollout).
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 import math
 import time
 import warnings
@@ -395,6 +396,10 @@ class TorchTrainer:
         elif (self.scaler is None) != (not state["scaler"]):
             warnings.warn(f"loss-scaler state ignored or missing: trainer.dtype is now {self.cfg.dtype}", stacklevel=2)
         self.step = int(state["step"])
+
+    def save_model(self, path: Path) -> None:
+        """Save the policy with ``save_pretrained`` (safetensors) into folder ``path``."""
+        self.model.save_pretrained(path, safe_serialization=True)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights for the rollout engine / weight sync.

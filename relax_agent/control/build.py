@@ -1,0 +1,29 @@
+"""Wires a run: the data bus, the runtime's services over the built roles, the controller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_agent.config import RelaxConfig
+from relax_agent.control.loop import Controller
+
+
+def build_controller(cfg: RelaxConfig, roles: Any, reporter: Any = None) -> Controller:
+    """A :class:`Controller` for ``roles`` (:func:`relax_agent.roles.build_roles`) on the bus of
+    ``cfg.data``, with the local runtime's services; ``controller.close()`` closes them all.
+
+    Raises:
+        DataError: the bus could not start (``data.backend``).
+        WeightSyncError: the weight sync could not start (``weights.transport``).
+    """
+    from relax_agent.data import build_transfer_queue
+    from relax_agent.runtime.local import build_local_runtime
+
+    bus = build_transfer_queue(cfg.data)
+    try:
+        runtime = build_local_runtime(cfg, roles, bus)
+    except BaseException:
+        bus.close()
+        raise
+    runtime.closers.append(bus.close)
+    return Controller(cfg, runtime, bus, reporter)

@@ -1,0 +1,413 @@
+"""The one control loop: env -> rollout -> data bus (fields) -> advantages -> trainer -> weight sync.
+
+Every run, whatever its mode, flows the same way. Rollout producers ask the rollout service
+to play GRPO groups; the service writes each finished group's fields into the TransferQueue
+partition ``rollouts`` (token ids, loss mask, rollout log-probs, reward, trainable, routed
+experts for replay, the trajectory as a dump-only field). The advantage consumer reads each
+complete group's rewards and writes its ``advantage`` field. The trainer side takes whole
+groups as they complete (one long-tail episode holds only its own group), drops those that
+would exceed ``max_staleness``, and once it has ``rollout.tasks_per_step`` groups hands their
+fields to the trainer service, which trains one step and publishes the new weights through
+the weight sync (the engine applies them between decode batches); then the groups are acked.
+
+The schedule (:mod:`relax_agent.control.schedule`) is the only difference between modes:
+``colocate`` is staleness 0 with weights copied in-process; ``async`` allows ``max_staleness``
+versions of lag, with off-policy correction (``trainer.off_policy``). With staleness 0 both
+produce the same tasks, sample ids, seeds, policy versions and weights.
+
+Ctrl-C (:class:`~relax_agent.control.stop.StopRequest`) cancels the producers and their
+episodes (envs closed), lets a trainer update in flight finish, and the loop saves the last
+complete step. Resume restores weights, optimizer, step, policy version and the task sampler
+exactly; with ``max_staleness = s > 0`` the up to ``s * B`` groups in flight at the save are
+not replayed (no task is trained twice, a few are skipped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+
+from relax_agent import metrics as M
+from relax_agent import records as R
+from relax_agent.checkpoint import CheckpointManager, load_state
+from relax_agent.config import RelaxConfig, dump_config
+from relax_agent.control.advantages import AdvantageConsumer
+from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
+from relax_agent.control.reporting import rollout_metrics, write_rollout_dump
+from relax_agent.control.resume import check_resume_tasks
+from relax_agent.control.schedule import (
+    DROPPED_GROUPS,
+    LIVE_GROUPS,
+    STALENESS_HIST,
+    StalenessGate,
+    staleness_metrics,
+)
+from relax_agent.control.stop import StopRequest
+from relax_agent.errors import LeaseError, QueueTimeoutError
+from relax_agent.evaluation import evaluate
+from relax_agent.records import Trajectory
+from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.runtime.base import PARTITION, GroupJob, Runtime
+from relax_agent.sampler import TaskSampler
+
+TRAINER = "trainer"
+_POLL_S = 0.5
+"""Blocking bus reads return at least this often, so a stop is never held up."""
+SEED_STRIDE = 10_007
+"""Step ``k``'s groups are seeded from ``run.seed + k * SEED_STRIDE``."""
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Group:
+    """A complete group taken from the bus by the trainer side."""
+
+    seq: int
+    version: int
+    fields: dict[str, Any]
+    trajs: list[Trajectory]
+    lease_id: str
+
+
+class Controller:
+    """Runs training (and evaluation) for one config over a runtime's services.
+
+    Args:
+        cfg: the validated run config.
+        runtime: the rollout and trainer services (see :func:`relax_agent.runtime.local.build_local_runtime`).
+        bus: the data bus the services write to (a :class:`~relax_agent.data.TransferQueue`).
+        reporter: receives progress events (console bar); ``None`` for silence.
+    """
+
+    def __init__(self, cfg: RelaxConfig, runtime: Runtime, bus: Any, reporter: Any = None):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.bus = bus
+        self.reporter = reporter
+        self.out = Path(cfg.run.output_dir)
+        self.logger = M.MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard)
+        self.ckpts = CheckpointManager(self.out, cfg.checkpoint.keep_last)
+        self.sampler = TaskSampler(len(runtime.train_tasks), cfg.run.seed)
+        """Task order at the last step boundary (what a checkpoint saves)."""
+        self.step = 0
+        self.version = 0
+        self.groups_drawn = 0
+        """Groups drawn by the last complete step (names and seeds the next ones)."""
+        self.stop = StopRequest()
+        self.B, self.G = cfg.rollout.tasks_per_step, cfg.rollout.group_size
+        self.s = cfg.max_staleness if cfg.mode == "async" else 0
+        self.weights_dirty = False
+        """True while an update has changed the trainer's weights but its step is not complete
+        (a checkpoint then would not match any step)."""
+
+    def close(self) -> None:
+        """Close the runtime's services and the bus."""
+        self.runtime.close()
+
+    # -- resume -----------------------------------------------------------------------------
+    def restore(self, ckpt: Path) -> None:
+        """Continue from ``ckpt`` (the policy was already loaded from ``ckpt/model``); its
+        weights are published to the engines as the checkpoint's policy version."""
+        check_resume_tasks(ckpt, len(self.runtime.train_tasks), self.cfg)
+        state, trainer_state = load_state(ckpt)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self.version = state["step"], state["policy_version"]
+        self.groups_drawn = state.get("groups_drawn", self.step * self.B)
+        self.runtime.trainer.restore(trainer_state, self.version)
+
+    def save(self) -> Path:
+        """Checkpoint the last complete step."""
+        state = {"policy_version": self.version, "sampler": self.sampler.state_dict(), "groups_drawn": self.groups_drawn}
+        trainer = self.runtime.trainer
+        return self.ckpts.save(self.step, trainer.save_model, trainer.state_dict(), state, dump_config(self.cfg))
+
+    # -- the run ----------------------------------------------------------------------------
+    def params(self, temperature: float | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(r.max_new_tokens, temperature or r.temperature, r.top_p)
+
+    def train(self) -> dict[str, Any]:
+        """Run until ``trainer.steps``; returns the last step's metrics and eval results."""
+        summary: dict[str, Any] = {}
+        with self.stop:
+            try:
+                if self.cfg.eval.at_start and self.step == 0:
+                    summary["eval_start"] = self.run_eval()
+                if self.step < self.cfg.trainer.steps:
+                    summary.update(self._pipeline())
+                if self.cfg.eval.at_end:
+                    summary["eval_end"] = self.run_eval()
+            except KeyboardInterrupt:
+                summary["interrupted"] = True
+            finally:
+                summary["checkpoint"] = self._final_checkpoint()
+                summary["plot"] = str(self.plot()) if self.cfg.logging.plot else None
+                self.logger.close()
+        return summary
+
+    def _final_checkpoint(self) -> str | None:
+        if not self.cfg.trainer.steps:
+            return None
+        if self.weights_dirty:  # an update failed half-way: the trainer's weights match no step
+            latest = self.ckpts.latest()
+            return None if latest is None else str(latest)
+        return str(self.save())
+
+    def _pipeline(self) -> dict[str, Any]:
+        """Create the partition, run producers, the advantage consumer and the trainer until
+        ``trainer.steps``; returns ``{"last": last step's metrics}``."""
+        from relax_agent.data import queue_capacity
+
+        routes = getattr(self.runtime.rollout, "routes", None)
+        self.bus.create_partition(PARTITION, queue_capacity(self.B, self.s, self.G),
+                                  R.rollout_schema(*(routes or ())), group_size=self.G,
+                                  retire_after=[ADVANTAGE_CONSUMER, TRAINER])
+        run = _Run(self)
+        try:
+            self.stop.run(run.main)
+        finally:
+            run.close()
+        return {"last": run.last_row} if run.last_row else {}
+
+    # -- evaluation and plots ---------------------------------------------------------------
+    def run_eval(self, run: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
+        """Evaluate on the held-out tasks; ``run`` drives the coroutines (default: Ctrl-C cancels them)."""
+        e = self.cfg.eval
+        tasks = self.runtime.heldout_tasks[: e.num_tasks]
+        self._report("eval_start", {"total": len(tasks) * len(e.seeds)})
+        result = evaluate(self.runtime.rollout, tasks, e.seeds, self.params(e.temperature),
+                          on_done=lambda t: self._report("episode", {}), run=run or self.stop.run)
+        self.logger.log(self.step, {k: v for k, v in result.items() if not isinstance(v, list)})
+        self._report("eval", result)
+        return result
+
+    def plot(self) -> Path:
+        return M.plot_curves(self.logger.path, self.out / "plots" / "curves.png")
+
+    def _report(self, event: str, data: dict[str, Any]) -> None:
+        if self.reporter is not None:
+            self.reporter(event, self.step, data)
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+
+class _Run:
+    """One pass of the pipeline: the coroutines and the trainer thread of :meth:`Controller.train`."""
+
+    def __init__(self, ctrl: Controller) -> None:
+        cfg = ctrl.cfg
+        self.ctrl = ctrl
+        self.gate = StalenessGate(ctrl.B, ctrl.s)
+        self.draws = TaskSampler(len(ctrl.runtime.train_tasks), cfg.run.seed)
+        self.draws.load_state_dict(ctrl.sampler.state_dict())
+        self.next_seq = ctrl.groups_drawn
+        self.seq_of: dict[str, int] = {}
+        """group id -> sequence number, for groups started and not yet trained or dropped."""
+        self.trained: set[str] = set()
+        """Group ids trained or dropped (a re-delivered lease of one is acked and skipped)."""
+        self.dropped: list[_Group] = []
+        """Groups dropped as too stale since the last step; dumped (untrained) with the next step."""
+        self.dropped_this_step = 0
+        self.advantages = AdvantageConsumer(ctrl.bus, PARTITION, ctrl.G, cfg.trainer.adv_std_normalize)
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
+        self.last_row: dict[str, Any] = {}
+        self.fields = [*R.TRAIN_FIELDS, R.TRAINABLE, R.TRAJECTORY]
+        if getattr(ctrl.runtime.rollout, "routes", None) is not None:
+            self.fields += list(R.ROUTE_FIELDS)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    async def main(self) -> None:
+        helpers = [asyncio.ensure_future(self._produce()), asyncio.ensure_future(self._advantages())]
+        try:
+            await self._train()
+        finally:
+            for h in helpers:
+                h.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+
+    # -- producers --------------------------------------------------------------------------
+    async def _produce(self) -> None:
+        running: set[asyncio.Task] = set()
+        try:
+            while True:
+                await self.gate.admit()
+                job = self._next_job()
+                fut = asyncio.ensure_future(self.ctrl.runtime.rollout.play_group(job, self.ctrl.params()))
+                running.add(fut)
+                fut.add_done_callback(running.discard)
+                fut.add_done_callback(self._raise_failed)
+        finally:
+            for fut in list(running):
+                fut.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    def _next_job(self) -> GroupJob:
+        """Group ``seq``: ids and seeds are those of step ``seq // B``, slot ``seq % B``."""
+        seq = self.next_seq
+        self.next_seq += 1
+        step, g = divmod(seq, self.ctrl.B)
+        task = self.ctrl.runtime.train_tasks[self.draws.next(1)[0]]
+        group_id = f"s{step}/g{g}"
+        self.seq_of[group_id] = seq
+        seed = self.ctrl.cfg.run.seed + step * SEED_STRIDE + g * self.ctrl.G
+        return GroupJob(seq, group_id, task, seed, self.ctrl.G)
+
+    def _raise_failed(self, fut: asyncio.Future) -> None:
+        """A group the bus refused ends the run (episodes never raise: they fail as records)."""
+        if not fut.cancelled() and fut.exception() is not None:
+            self._failure = fut.exception()
+
+    _failure: BaseException | None = None
+
+    async def _advantages(self) -> None:
+        while True:
+            await asyncio.to_thread(self.advantages.process_one, _POLL_S)
+
+    # -- trainer side -------------------------------------------------------------------------
+    async def _train(self) -> None:
+        ctrl, cfg = self.ctrl, self.ctrl.cfg
+        t_last = time.perf_counter()
+        while ctrl.step < cfg.trainer.steps:
+            groups, wait_s = await self._collect()
+            t_last = await self._in_trainer(lambda: self._step(groups, wait_s, t_last))
+            if ctrl._due(cfg.checkpoint.every_steps):
+                await self._in_trainer(ctrl.save)
+            if ctrl._due(cfg.eval.every_steps) and ctrl.step < cfg.trainer.steps:
+                await self._in_trainer(lambda: ctrl.run_eval(run=lambda fn: asyncio.run(fn())))
+            if ctrl.step < cfg.trainer.steps:
+                self.gate.step_done()
+
+    async def _collect(self) -> tuple[list[_Group], float]:
+        """Take B complete groups as they come; drop those that would exceed max_staleness."""
+        groups: list[_Group] = []
+        wait_s = 0.0
+        self.dropped_this_step = 0
+        while len(groups) < self.ctrl.B:
+            if self._failure is not None:
+                raise self._failure
+            t0 = time.perf_counter()
+            try:
+                batch = await asyncio.to_thread(self.ctrl.bus.get, PARTITION, self.fields, TRAINER, self.ctrl.G,
+                                                timeout_s=_POLL_S, sampler="group")
+            except QueueTimeoutError:
+                continue
+            finally:
+                wait_s += time.perf_counter() - t0
+            group = self._take(batch, groups)
+            if group is None:
+                continue
+            if self.gate.too_stale(self.ctrl.version, group.version):
+                self._drop(group)
+            else:
+                groups.append(group)
+        return groups, wait_s
+
+    def _take(self, batch: Any, held: list[_Group]) -> _Group | None:
+        """The group of ``batch``; None when it is a re-delivery of a group already trained or
+        dropped (acked now) or held for this step (the newer lease replaces the held one)."""
+        gid = batch.group_ids[0]
+        if gid in self.trained:
+            self._ack(batch.lease_id)
+            return None
+        versions = {int(v) for v in batch.versions}
+        assert len(versions) == 1, f"a group carries one sample version, got {versions}"
+        group = _Group(self.seq_of[gid], versions.pop(), dict(batch.fields), list(batch.fields[R.TRAJECTORY]),
+                       batch.lease_id)
+        for i, other in enumerate(held):
+            if other.seq == group.seq:
+                held[i] = group
+                return None
+        return group
+
+    def _drop(self, group: _Group) -> None:
+        self.dropped.append(group)
+        self._retire(group)
+        self.gate.drop()
+        self.dropped_this_step += 1
+
+    def _retire(self, group: _Group) -> None:
+        gid = group.trajs[0].group_id
+        self.trained.add(gid)
+        self.seq_of.pop(gid, None)
+        self._ack(group.lease_id)
+
+    def _ack(self, lease_id: str) -> None:
+        try:
+            self.ctrl.bus.ack(lease_id)
+        except LeaseError:
+            pass  # the lease expired and the rows were handed out again: that lease is acked on arrival
+
+    def _step(self, groups: list[_Group], wait_s: float, t_last: float) -> float:
+        """Train on the step's groups (in group order), publish, ack, log (trainer thread).
+
+        ``t_last``: when the previous step ended; returns when this one did."""
+        ctrl = self.ctrl
+        groups.sort(key=lambda grp: grp.seq)
+        trajs = [t for grp in groups for t in grp.trajs]
+        versions = [grp.version for grp in groups for _ in grp.trajs]
+        trained_at = ctrl.version
+        train_metrics, kept = self._update(groups)
+        for grp in groups:
+            self._retire(grp)
+        ctrl.step += 1
+        ctrl.weights_dirty = False
+        ctrl.groups_drawn = self.next_seq
+        ctrl.sampler.load_state_dict(self.draws.state_dict())
+        dropped, self.dropped = self.dropped, []
+        rows = list(zip(trajs, versions)) + [(t, grp.version) for grp in dropped for t in grp.trajs]
+        write_rollout_dump(ctrl.out / "rollouts" / f"step_{ctrl.step:06d}.jsonl", rows, trained_at, kept,
+                           {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode)
+        t_end = time.perf_counter()
+        row = self._row(trajs, versions, trained_at, train_metrics, wait_s, t_end - t_last)
+        ctrl.logger.log(ctrl.step, row)
+        ctrl.logger.log_histogram(ctrl.step, STALENESS_HIST, [trained_at - v for v in versions])
+        ctrl._report("step", row)
+        self.last_row = row
+        return t_end
+
+    def _update(self, groups: list[_Group]) -> tuple[dict[str, float], set[str]]:
+        """Train on the rows of ``groups`` that are trainable with a non-zero advantage and publish
+        the new version; returns the metrics and the ids of the rows that entered the gradient."""
+        ctrl = self.ctrl
+        keep = [(grp, i) for grp in groups for i in range(len(grp.trajs))
+                if bool(grp.fields[R.TRAINABLE][i]) and float(grp.fields[R.ADVANTAGE][i]) != 0.0]
+        kept = {grp.trajs[i].sample_id for grp, i in keep}
+        n_valid = sum(int(np.count_nonzero(grp.fields[R.TRAINABLE])) for grp in groups)
+        out = {"train/samples": float(len(keep)), "train/zero_advantage": float(n_valid - len(keep))}
+        if not keep:
+            return out, kept  # every group was uniform: no gradient, no new version
+        names = [f for f in self.fields if f not in (R.TRAJECTORY,)]
+        rows = {name: [grp.fields[name][i] for grp, i in keep] for name in names}
+        ctrl.weights_dirty = True
+        out.update(ctrl.runtime.trainer.train(rows, ctrl.version + 1))
+        ctrl.version += 1
+        return out, kept
+
+    def _row(self, trajs: list[Trajectory], versions: list[int], trained_at: int, train_metrics: dict[str, float],
+             wait_s: float, step_s: float) -> dict[str, Any]:
+        ctrl = self.ctrl
+        live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
+        return {**rollout_metrics(trajs, step_s), **train_metrics,
+                **staleness_metrics([trained_at - v for v in versions], ctrl.s),
+                M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
+                DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),
+                "policy_version": ctrl.version}
+
+    async def _in_trainer(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the trainer thread; when cancelled, let it finish before re-raising."""
+        fut = self.pool.submit(fn)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            concurrent.futures.wait([fut])
+            raise

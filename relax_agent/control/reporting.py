@@ -1,0 +1,55 @@
+"""What a step leaves behind for people: its metric row and its rollout dump."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from relax_agent import metrics as M
+from relax_agent.evaluation import episode_accuracy
+from relax_agent.records import Trajectory
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, float]:
+    """Step metrics of a batch of trajectories (means over trainable samples)."""
+    ok = [t for t in trajs if t.trainable]
+    n_ok = max(len(ok), 1)
+    generated = sum(len(turn.token_ids) for t in trajs for turn in t.turns)
+    out = {
+        M.REWARD: sum(t.reward for t in ok) / n_ok,
+        M.ACCURACY: sum(episode_accuracy(t) for t in ok) / n_ok,
+        M.FORMAT_RATE: sum(float(t.metrics.get("well_formed", 0.0)) for t in ok) / n_ok,
+        M.TOKENS_PER_S: generated / max(rollout_s, 1e-9),
+        "rollout/response_tokens": generated / max(len(trajs), 1),
+        "rollout/failed": float(len(trajs) - len(ok)),
+        "rollout/episodes": float(len(trajs)),
+        "timing/rollout_s": rollout_s,
+    }
+    for reason, count in Counter(str(t.stop_reason) for t in trajs).items():
+        out[f"stop/{reason}"] = float(count)
+    return out
+
+
+def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], trained_at: int, kept: set[str],
+                       dropped: set[str], decode: Callable[[Sequence[int]], str]) -> None:
+    """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
+
+    ``rows``: ``(trajectory, sample_version)`` pairs. Each line records ``sample_version`` (engine
+    policy version when its group started), ``trained_at_version`` (the trainer's version when
+    the step trained), ``trained`` (it entered the gradient: trainable with a non-zero
+    advantage) and ``dropped_stale`` (its group finished too late for ``max_staleness`` and was
+    not trained).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for t, version in rows:
+            f.write(json.dumps({
+                "sample_id": t.sample_id, "task_id": t.task_id, "reward": t.reward,
+                "reward_status": str(t.reward_status), "metrics": t.metrics, "stop_reason": str(t.stop_reason),
+                "error": t.error, "policy_versions": t.policy_versions,
+                "response": [decode(turn.token_ids) for turn in t.turns],
+                "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
+                "dropped_stale": t.sample_id in dropped,
+            }) + "\n")

@@ -1,0 +1,189 @@
+"""Every check of a run that needs no model: config combinations, env id and kwargs, device
+and dtypes, task counts, the reward service and its token.
+
+A typo in a config fails here in milliseconds, naming the key, before a policy loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import warnings
+from typing import Any
+
+import torch
+
+from relax_agent.config import RelaxConfig
+from relax_agent.errors import ConfigError, RewardServiceError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> str:
+    """"auto" -> "cuda" when available else "cpu"; raises ConfigError for unavailable CUDA."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={name!r} but no CUDA device is available; use run.device=cpu")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise ConfigError(f"run.device={name!r}: expected auto, cpu or cuda[:N]")
+    return name
+
+
+def check_env_id(env_id: str) -> None:
+    """Raise ConfigError (with close matches) when ``env_id`` is not registered.
+
+    ``"pkg.module:ns/Name-v0"`` imports ``pkg.module`` first (from the working directory too,
+    as ``python -m`` would), which registers the env.
+    """
+    import gymnasium
+
+    import relax_agent.envs  # noqa: F401  (registers the built-in envs)
+
+    module, _, name = env_id.rpartition(":")
+    if module:
+        import importlib
+        import os
+        import sys
+
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"env.id={env_id!r}: cannot import module {module!r}: {exc}") from exc
+        env_id = name
+    if env_id in gymnasium.registry:
+        return
+    close = difflib.get_close_matches(env_id, list(gymnasium.registry), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    raise ConfigError(f"env.id={env_id!r} is not a registered environment{hint} (see `relax-agent envs list`)")
+
+
+def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
+    """Raise ConfigError naming an ``env.kwargs`` key the env's constructor does not take."""
+    import inspect
+
+    import gymnasium
+    from gymnasium.envs.registration import load_env_creator
+
+    spec = gymnasium.spec(env_id.rpartition(":")[2])
+    creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    params = inspect.signature(creator).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in kwargs:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; {env_id} takes {sorted(accepted)}"
+            raise ConfigError(f"env.kwargs.{key}: unknown argument of {env_id}{hint}")
+
+
+def preflight(cfg: RelaxConfig) -> str:
+    """Checks that need no model: parser name, env id, device, dtype per device. Returns the device."""
+    from relax_agent.rollout.parsers import build_parser
+
+    build_parser(cfg.rollout.tool_parser)
+    check_env_id(cfg.env.id)
+    check_env_kwargs(cfg.env.id, cfg.env.kwargs)
+    device = resolve_device(cfg.run.device)
+    check_dtypes(device, cfg.engine.dtype, cfg.trainer.dtype)
+    check_mode(cfg, device)
+    return device
+
+
+def check_mode(cfg: RelaxConfig, device: str) -> None:
+    """Refuse ``weights.transport: nccl`` in async mode (ConfigError naming it and the device);
+    warn about ``weights`` keys that ``mode: colocate`` ignores.
+
+    Async mode's engine shares the trainer's process, which nccl cannot reach (it broadcasts
+    to rollout processes on CUDA GPUs); colocate publishes through ``inproc`` whatever is set.
+    """
+    if cfg.mode == "async" and cfg.weights.transport == "nccl":
+        why = (f"run.device resolves to {device!r} and nccl needs CUDA GPUs" if not device.startswith("cuda") else
+               "nccl reaches rollout engines in other processes, and this run's engine shares the trainer's process")
+        raise ConfigError(f"weights.transport='nccl' with mode=async: {why}; use weights.transport=tcp or inproc")
+    if cfg.mode == "colocate":
+        ignored = _changed_keys("weights", cfg.weights, keep=("check_finite",))
+        if ignored:
+            warnings.warn(f"mode=colocate ignores {', '.join(ignored)}: colocate always publishes weights through "
+                          "weights.transport=inproc (the engine shares the trainer's device); these keys apply to "
+                          "mode=async", stacklevel=2)
+
+
+def _changed_keys(section: str, value: Any, keep: tuple[str, ...] = ()) -> list[str]:
+    """``section.key=value`` for each key of ``value`` (other than ``keep``) that differs from its
+    section's default."""
+    default = type(value)().model_dump()
+    return [f"{section}.{k}={v!r}" for k, v in value.model_dump().items() if v != default[k] and k not in keep]
+
+
+def check_dtypes(device: str, engine_dtype: str, trainer_dtype: str) -> None:
+    """Refuse rollout / training dtypes the device cannot run (ConfigError naming the key).
+
+    Checked by running the ops themselves (a matmul, softmax and attention in the dtype; for
+    fp16 training also autocast and a loss scaler), not by a table: torch 2.13 on CPU runs all
+    of fp32, bf16 and fp16 (fp16 matmul measured as fast as fp32 there), older builds lack fp16
+    kernels; CUDA GPUs before Ampere lack bf16.
+    """
+    for key, dtype in (("engine.dtype", engine_dtype), ("trainer.dtype", trainer_dtype)):
+        problem = _dtype_problem(device, dtype, training=key == "trainer.dtype")
+        if problem:
+            raise ConfigError(f"{key}={dtype} does not run on {device}: {problem}; use fp32"
+                              + ("" if dtype == "bf16" else " or bf16"))
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_problem(device: str, dtype: str, training: bool) -> str | None:
+    if dtype == "fp32":
+        return None
+    if dtype == "bf16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support"
+    try:
+        x = torch.ones(2, 4, 8, device=device)
+        if training:
+            with torch.autocast(torch.device(device).type, dtype=_DTYPES[dtype]):
+                torch.nn.functional.scaled_dot_product_attention(x, x, x @ torch.ones(8, 8, device=device)).sum()
+            if dtype == "fp16":
+                torch.amp.GradScaler(torch.device(device).type)
+        else:
+            h = x.to(_DTYPES[dtype])
+            torch.softmax(torch.nn.functional.scaled_dot_product_attention(h, h, h @ h.transpose(1, 2) @ h), -1)
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def check_task_counts(cfg: RelaxConfig, num_train_tasks: int) -> None:
+    """Raise ConfigError when one step asks for more distinct tasks than the train split holds."""
+    if cfg.rollout.tasks_per_step > num_train_tasks:
+        raise ConfigError(
+            f"rollout.tasks_per_step={cfg.rollout.tasks_per_step} is more than the {num_train_tasks} train tasks "
+            f"of env.id={cfg.env.id!r}; set rollout.tasks_per_step <= {num_train_tasks}"
+        )
+
+
+REWARD_STARTUP_TIMEOUT_S = 15.0
+"""How long the start-up check waits for a remote reward service (it may still be starting)."""
+
+
+def build_checked_reward(cfg: RelaxConfig) -> Any:
+    """The configured reward, checked once (a wrong URL or token fails here); None for the env's own."""
+    import asyncio
+
+    from relax_agent.reward_services import build_reward, check_reward
+    from relax_agent.rollout.rewarding import needs_scoring
+
+    if not needs_scoring(cfg.reward):
+        return None
+    reward = build_reward(cfg.reward)
+    try:
+        asyncio.run(asyncio.wait_for(check_reward(reward), REWARD_STARTUP_TIMEOUT_S))
+    except asyncio.TimeoutError:
+        urls = [c.url for c in cfg.reward.components if c.source == "remote"]
+        raise RewardServiceError(
+            f"reward service {', '.join(map(str, urls))} did not answer its start-up check within "
+            f"{REWARD_STARTUP_TIMEOUT_S:.0f} s; is it running? (reward.url)"
+        ) from None
+    return reward

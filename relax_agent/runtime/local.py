@@ -1,0 +1,137 @@
+"""``runtime: local``: every role in this process (asyncio for rollout, a worker thread for training).
+
+:class:`LocalRolloutService` plays groups with a :class:`~relax_agent.rollout.runner.RolloutRunner`
+against the in-process engine and puts their fields into the data bus;
+:class:`LocalTrainerService` collates fields, trains a :class:`~relax_agent.train.backends.base.Trainer`
+and publishes through a :class:`~relax_agent.weights.WeightSync` attached to that engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from relax_agent.records import Trajectory, trajectory_fields
+from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Runtime, Task
+
+
+class LocalRolloutService:
+    """Implements :class:`~relax_agent.runtime.base.RolloutService` over an in-process runner.
+
+    Args:
+        runner: plays episodes against ``runner.engine``.
+        bus: the data bus (a :class:`~relax_agent.data.TransferQueue`).
+        partition: where groups go.
+        routes: ``((layers, top_k), dtype)`` of the engine's recorded MoE routes (routing replay), or None.
+    """
+
+    def __init__(self, runner: Any, bus: Any, partition: str = PARTITION,
+                 routes: tuple[tuple[int, ...], str] | None = None) -> None:
+        self.runner = runner
+        self.bus = bus
+        self.partition = partition
+        self.routes = routes
+
+    @property
+    def policy_version(self) -> int:
+        return self.runner.engine.policy_version
+
+    async def play_group(self, job: GroupJob, params: SamplingParams) -> GroupDone:
+        t0 = time.perf_counter()
+        version = self.policy_version
+        specs = [dataclasses.replace(s, group_id=job.group_id, sample_id=f"{job.group_id}/{i}")
+                 for i, s in enumerate(self.runner.specs([job.task], job.group_size, prefix=job.group_id, seed=job.seed))]
+        trajs = await self.runner.run(specs, params)
+        ids = [t.sample_id for t in trajs]
+        await asyncio.to_thread(self.bus.put, self.partition, ids, trajectory_fields(trajs, self.routes),
+                                group_ids=[job.group_id] * len(ids), versions=[version] * len(ids))
+        return GroupDone(job, ids, version, time.perf_counter() - t0)
+
+    def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
+        return self.runner.specs(tasks, group_size, prefix=prefix, seed=seed)
+
+    async def run(self, specs: Sequence[Any], params: SamplingParams,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        return await self.runner.run(specs, params, on_done)
+
+    def close(self) -> None:
+        self.runner.engine.close()
+
+
+class LocalTrainerService:
+    """Implements :class:`~relax_agent.runtime.base.TrainerService` over an in-process trainer.
+
+    Args:
+        trainer: the backend (``trainer.backend``).
+        sync: publishes versions to the engines (``weights.transport``).
+        pad_token_id: fills padding in collated batches.
+        save_tokenizer: writes the tokenizer beside a saved model (``path -> None``).
+    """
+
+    def __init__(self, trainer: Any, sync: Any, pad_token_id: int,
+                 save_tokenizer: Callable[[Path], None] | None = None) -> None:
+        self.trainer = trainer
+        self.sync = sync
+        self.pad_token_id = pad_token_id
+        self._save_tokenizer = save_tokenizer
+
+    def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
+        from relax_agent.train.collate import collate_fields
+
+        batch = collate_fields(fields, self.pad_token_id)
+        t0 = time.perf_counter()
+        out = dict(self.trainer.train_step(batch))
+        out["timing/train_s"] = time.perf_counter() - t0
+        out.update(self._publish(version))
+        return out
+
+    def _publish(self, version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        stats = self.sync.publish(self.trainer.policy_state_dict(), version)
+        return {"timing/weight_sync_s": time.perf_counter() - t0, **stats.as_metrics()}
+
+    def restore(self, trainer_state: dict[str, Any], version: int) -> None:
+        self.trainer.load_state_dict(trainer_state)
+        self._publish(version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def save_model(self, path: Any) -> None:
+        self.trainer.save_model(Path(path))
+        if self._save_tokenizer is not None:
+            self._save_tokenizer(Path(path))
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
+    """The local services of ``roles`` (see :func:`relax_agent.roles.build_roles`) on ``bus``.
+
+    Weights go through ``weights.transport`` in async mode and through ``inproc`` in colocate
+    mode (the engine shares the trainer's device and process).
+    """
+    from relax_agent.weights import build_weight_sync
+
+    routes = getattr(roles.engine, "route_layout", None)
+    rollout = LocalRolloutService(roles.runner, bus, PARTITION, routes)
+    trainer = None
+    closers: list[Callable[[], None]] = []
+    if roles.trainer is not None:
+        weights = cfg.weights if cfg.mode == "async" else cfg.weights.model_copy(update={"transport": "inproc"})
+        sync = build_weight_sync(weights, engines=[roles.engine])
+        tok = roles.tokenizer
+        trainer = LocalTrainerService(roles.trainer, sync, _pad_id(tok), getattr(tok, "save_pretrained", None))
+        closers.append(trainer.close)
+    closers.append(roles.close)
+    return Runtime(rollout, trainer, roles.train_tasks, roles.heldout_tasks, roles.tokenizer.decode, closers)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad if pad is not None else tokenizer.eos_token_id)

@@ -1,0 +1,101 @@
+"""From data-bus fields to training tensors: GRPO advantages of a group, and a padded batch.
+
+The trainer never sees a :class:`~relax_agent.records.Trajectory`: it reads the rows' fields
+(:func:`relax_agent.records.rollout_schema`) as arrays and collates them here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from relax_agent import records as R
+from relax_agent.errors import DataError
+from relax_agent.train.algorithms import group_advantages
+from relax_agent.train.batch import TrainBatch
+
+
+def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_normalize: bool = True) -> torch.Tensor:
+    """GRPO advantages [B] of rows given as fields ``reward`` [B], ``trainable`` [B] and
+    ``loss_mask`` (B rows [T_i]), grouped by ``group_ids``.
+
+    A row that is not trainable (reward error / timeout, episode error) or has no policy
+    token (the prompt alone filled ``max_total_tokens``) is left out of its group's statistics
+    and gets 0 (see :func:`~relax_agent.train.algorithms.group_advantages`).
+    """
+    ids: dict[str, int] = {}
+    group_index = torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
+    has_tokens = [int(np.count_nonzero(m)) > 0 for m in fields[R.LOSS_MASK]]
+    valid = torch.tensor([bool(ok) and tok for ok, tok in zip(fields[R.TRAINABLE], has_tokens)], dtype=torch.bool)
+    rewards = torch.tensor([float(r) if ok else 0.0 for r, ok in zip(fields[R.REWARD], valid.tolist())],
+                           dtype=torch.float32)
+    return group_advantages(rewards, group_index, valid, std_normalize=std_normalize)
+
+
+def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any = None) -> TrainBatch:
+    """Right-pad rows given as fields into a :class:`TrainBatch`.
+
+    Args:
+        fields: ``token_ids``, ``loss_mask``, ``rollout_logprobs`` (B ragged rows [T_i]);
+            ``advantage`` [B] unless ``advantages`` is given; optional ``trainable`` [B] (a
+            row that is not trainable keeps its place with an all-zero loss mask); optional
+            ``routed_experts`` (rows [T_i, layers, top_k]) with ``routes_mask`` (rows [T_i]).
+        pad_token_id: written into padding positions (masked out by ``attention_mask``).
+        advantages: [B] overrides the ``advantage`` field.
+
+    Raises:
+        DataError: no rows, an empty row, a loss mask set on token 0, ragged fields of unequal
+            lengths, advantages of another length, routes of different shapes or dtypes.
+    """
+    tokens = fields[R.TOKEN_IDS]
+    b = len(tokens)
+    if not b:
+        raise DataError("collate needs at least one row; got none")
+    adv = torch.as_tensor(np.asarray(fields[R.ADVANTAGE] if advantages is None else advantages, dtype=np.float32)).reshape(-1)
+    if adv.numel() != b:
+        raise DataError(f"got {adv.numel()} advantages for {b} rows")
+    lengths = [len(t) for t in tokens]
+    if 0 in lengths:
+        raise DataError(f"rows without tokens cannot be trained on: rows {[i for i, n in enumerate(lengths) if not n]}")
+    trainable = fields.get(R.TRAINABLE)
+    t_max = max(lengths)
+    input_ids = torch.full((b, t_max), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, t_max), dtype=torch.long)
+    loss_mask = torch.zeros((b, t_max), dtype=torch.bool)
+    rollout_logprobs = torch.zeros((b, t_max), dtype=torch.float32)
+    for i, n in enumerate(lengths):
+        mask, lp = np.asarray(fields[R.LOSS_MASK][i]), np.asarray(fields[R.ROLLOUT_LOGPROBS][i])
+        if len(mask) != n or len(lp) != n:
+            raise DataError(f"row {i}: token_ids has {n} entries, loss_mask {len(mask)}, rollout_logprobs {len(lp)}")
+        if mask[0]:
+            raise DataError(f"row {i}: loss_mask is 1 on token 0 (which has no log-prob, nothing precedes it)")
+        input_ids[i, :n] = torch.tensor(np.asarray(tokens[i], dtype=np.int64))
+        attention_mask[i, :n] = 1
+        rollout_logprobs[i, :n] = torch.tensor(lp.astype(np.float32))
+        if trainable is None or bool(trainable[i]):
+            loss_mask[i, :n] = torch.tensor(mask.astype(bool))
+    routes = _collate_routes(fields, lengths, t_max)
+    return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv, *routes)
+
+
+def _collate_routes(fields: Mapping[str, Any], lengths: list[int], t_max: int) -> tuple[Any, Any]:
+    """``(routed_experts [B, T, layers, top_k], routes_mask [B, T])`` right-padded; (None, None)
+    without routes (no field, or no row with a recorded route)."""
+    rows, masks = fields.get(R.ROUTED_EXPERTS), fields.get(R.ROUTES_MASK)
+    if rows is None:
+        return None, None
+    present = [(i, np.asarray(r)) for i, r in enumerate(rows) if r is not None and len(r) and np.any(masks[i])]
+    if not present:
+        return None, None
+    kinds = {(r.shape[1:], r.dtype) for _, r in present}
+    if len(kinds) > 1:
+        raise DataError(f"rows carry routed_experts of different [layers, top_k] / dtype: {sorted(map(str, kinds))}")
+    shape, dtype = kinds.pop()
+    out = np.zeros((len(lengths), t_max, *shape), dtype=dtype)
+    mask = np.zeros((len(lengths), t_max), dtype=bool)
+    for i, r in present:
+        out[i, :len(r)] = r
+        mask[i, :len(r)] = np.asarray(masks[i], dtype=bool)
+    return torch.from_numpy(out), torch.from_numpy(mask)
