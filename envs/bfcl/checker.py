@@ -24,6 +24,23 @@ A call set is correct when
     element must have the doc's ``items`` type or the type of the first value of an
     allowed list (so an int inside a float array passes only when the answer's own list
     starts with an int; the int-for-float allowance applies to top-level values only).
+
+Java and JavaScript tasks (``task["language"]``): every argument must be a string, decoded by
+BFCL's rules for the doc's Java/JavaScript type (:mod:`relax_agent.envs.bfcl.languages`) before
+the checks above, with that language's type table; no int-for-float allowance.
+
+Relevance tasks (``task["expect"]``): "no_call" (irrelevance, live_irrelevance) is correct when the
+turn holds no decodable call, "a_call" (live_relevance) when it holds one. As in BFCL's decoder, a
+turn counts as a call only when every entry decodes: a string name and arguments that are a JSON
+object; one entry that does not (or a block the parser could not read) makes the whole turn "no
+call" (BFCL's ``is_empty_output``).
+
+Deliberate differences from BFCL, and ``bfcl_compat=True``, which reproduces BFCL's verdicts:
+  * pairing: BFCL pairs each expected call, in order, with the first model call that fits it
+    (greedy), so a call set can fail although a one-to-one assignment exists (``parallel_178``
+    reversed). We search for any perfect assignment; compat pairs greedily.
+  * tuples: we accept a Python tuple for ``array`` as for ``tuple`` (calls built in Python, not
+    JSON); compat accepts it for ``tuple`` only.
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from relax_agent.envs.bfcl.languages import NESTED_TYPES, UndecodableValue, decode_value, type_table
 from relax_agent.errors import ConfigError, DataError
 
 PYTHON_TYPES: dict[str, type] = {
@@ -80,36 +98,68 @@ def reward(result: CheckResult, partial_credit: float = 0.1) -> float:
     return float(partial_credit) if result.well_formed else 0.0
 
 
-def check_calls(calls: list[dict[str, Any]], task: dict[str, Any]) -> CheckResult:
+def check_calls(calls: list[dict[str, Any]], task: dict[str, Any], bfcl_compat: bool = False) -> CheckResult:
     """Judge ``calls`` (each ``{"name": str, "arguments": dict}``) against a BFCL task.
 
     ``task`` is a dict from :func:`relax_agent.envs.bfcl.data.load_tasks` (uses its
-    ``functions`` and ``possible_answer``; an empty answer means "expect no call").
+    ``functions``, ``possible_answer``, ``expect`` and ``language``; a task without ``expect``
+    expects no call when its answer is empty). A call the parser could not read is an entry
+    ``{"name": None, "arguments": None, "error": why}``. ``bfcl_compat``: BFCL's greedy pairing
+    and tuple rule (module docstring).
 
     Raises:
         DataError: the task's answer names a function its docs lack, or a doc uses an
             unknown type.
     """
     expected = task["possible_answer"]
-    if not expected:
-        if calls:
-            return CheckResult(False, False, f"expected no call (irrelevance), got {len(calls)}")
-        return CheckResult(True, True, "ok")
+    expect = task.get("expect") or ("calls" if expected else "no_call")
+    if expect != "calls":
+        return _relevance(calls, expect)
     functions = {f["name"]: f for f in task["functions"]}
     form_error = _form_error(calls, functions)
     well_formed = form_error is None
     if len(calls) != len(expected):
         return CheckResult(False, well_formed, form_error or f"expected {len(expected)} calls, got {len(calls)}")
-    errors = [[_call_error(call, exp, functions) for call in calls] for exp in expected]
-    if _has_perfect_matching([[e is None for e in row] for row in errors]):
+    language = task.get("language", "python")
+    errors = [[_call_error(call, exp, functions, language, bfcl_compat) for call in calls] for exp in expected]
+    fits = [[e is None for e in row] for row in errors]
+    if (_greedy_matching if bfcl_compat else _has_perfect_matching)(fits):
         return CheckResult(True, well_formed, "ok")
-    return CheckResult(False, well_formed, form_error or _mismatch_reason(errors, expected))
+    reason = _mismatch_reason(errors, expected)
+    if bfcl_compat and reason.startswith("calls match"):
+        reason = "no greedy pairing (BFCL's rule, bfcl_compat) of the calls with the expected calls"
+    return CheckResult(False, well_formed, form_error or reason)
+
+
+def has_decoded_call(calls: list[Any]) -> bool:
+    """BFCL's decoder view of a turn: at least one call, and every entry a string name with a
+    JSON-object of arguments (otherwise BFCL's ``is_empty_output`` sees no call at all)."""
+    return bool(calls) and all(
+        isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+        and "error" not in c for c in calls
+    )
+
+
+def _relevance(calls: list[Any], expect: str) -> CheckResult:
+    called = has_decoded_call(calls)
+    if expect == "no_call":
+        if called:
+            return CheckResult(False, False, f"expected no call (irrelevance), got {len(calls)}")
+        return CheckResult(True, True, "ok" if not calls else "ok (the calls do not decode, so they count as no call)")
+    if expect == "a_call":
+        if called:
+            return CheckResult(True, True, "ok")
+        why = "no tool call" if not calls else "the calls do not decode (a name and JSON-object arguments each)"
+        return CheckResult(False, False, f"expected a call (relevance): {why}")
+    raise DataError(f"task expect={expect!r}; expected 'calls', 'no_call' or 'a_call'")
 
 
 def _form_error(calls: list[Any], functions: dict[str, Any]) -> str | None:
     if not calls:
         return "no tool call"
     for i, call in enumerate(calls):
+        if isinstance(call, dict) and call.get("error"):
+            return f"call {i} did not parse: {call['error']}"
         name = call.get("name") if isinstance(call, dict) else None
         if name not in functions:
             return f"call {i} names unknown function {name!r}; expected one of {sorted(functions)}"
@@ -144,7 +194,19 @@ def _has_perfect_matching(ok: list[list[bool]]) -> bool:
     return all(augment(i, set()) for i in range(len(ok)))
 
 
-def _call_error(call: Any, expected_call: dict[str, Any], functions: dict[str, Any]) -> str | None:
+def _greedy_matching(ok: list[list[bool]]) -> bool:
+    """BFCL's pairing: each expected call, in order, takes the first unused call that fits it."""
+    used: set[int] = set()
+    for row in ok:
+        j = next((j for j, fits in enumerate(row) if fits and j not in used), None)
+        if j is None:
+            return False
+        used.add(j)
+    return True
+
+
+def _call_error(call: Any, expected_call: dict[str, Any], functions: dict[str, Any], language: str = "python",
+                bfcl_compat: bool = False) -> str | None:
     """None when ``call`` satisfies ``expected_call`` ({func_name: {param: allowed}}), else why not."""
     ((name, allowed_params),) = expected_call.items()
     if name not in functions:
@@ -163,7 +225,7 @@ def _call_error(call: Any, expected_call: dict[str, Any], functions: dict[str, A
     for param, value in args.items():
         if param not in properties or param not in allowed_params:
             return f"unexpected parameter {param!r}"
-        error = _value_error(param, value, properties[param], allowed_params[param])
+        error = _value_error(param, value, properties[param], allowed_params[param], language, bfcl_compat)
         if error is not None:
             return error
     for param, allowed in allowed_params.items():
@@ -172,11 +234,11 @@ def _call_error(call: Any, expected_call: dict[str, Any], functions: dict[str, A
     return None
 
 
-def _python_type(bfcl_type: Any) -> type:
+def _python_type(bfcl_type: Any, table: dict[str, type] = PYTHON_TYPES) -> type:
     try:
-        return PYTHON_TYPES[bfcl_type]
+        return table[bfcl_type]
     except (KeyError, TypeError):
-        raise DataError(f"unknown BFCL parameter type {bfcl_type!r}; expected one of {sorted(PYTHON_TYPES)}") from None
+        raise DataError(f"unknown BFCL parameter type {bfcl_type!r}; expected one of {sorted(table)}") from None
 
 
 def _answer_type(allowed: list[Any]) -> type | None:
@@ -184,20 +246,35 @@ def _answer_type(allowed: list[Any]) -> type | None:
     return next((type(a) for a in allowed if a != ""), None)
 
 
-def _value_error(param: str, value: Any, schema: dict[str, Any], allowed: list[Any]) -> str | None:
+_NESTED = {"python": ("array", "tuple"), "java": NESTED_TYPES, "javascript": NESTED_TYPES}
+
+
+def _value_error(param: str, value: Any, schema: dict[str, Any], allowed: list[Any], language: str = "python",
+                 bfcl_compat: bool = False) -> str | None:
     doc_type = schema.get("type")
-    expected_type = _python_type(doc_type)
-    if isinstance(value, tuple):
-        value = list(value)
-    if doc_type == "float" and type(value) is int:
-        value = float(value)
+    table = type_table(language)
+    expected_type = _python_type(doc_type, table)
+    nested = schema["items"].get("type") if doc_type in _NESTED[language] and "items" in schema else None
+    item_type = None if nested is None else _python_type(nested, table)
+    if language != "python":
+        if type(value) is not str:
+            return (f"parameter {param!r}: expected a string holding a {language} {doc_type} value, "
+                    f"got {type(value).__name__} ({value!r})")
+        try:
+            value = decode_value(value, doc_type, language, nested)
+        except UndecodableValue as exc:
+            return f"parameter {param!r}: {exc}"
+    else:
+        if isinstance(value, tuple) and (doc_type == "tuple" or not bfcl_compat):
+            value = list(value)
+        if doc_type == "float" and type(value) is int:
+            value = float(value)
     answer_type = _answer_type(allowed)
     if type(value) is expected_type:
-        if not _items_typed(value, schema, allowed):
-            item_type = schema["items"].get("type")
-            return f"parameter {param!r}: expected {doc_type} of {item_type}, got {value!r}"
+        if not _items_typed(value, item_type, allowed):
+            return f"parameter {param!r}: expected {doc_type} of {nested}, got {value!r}"
         if answer_type is None or answer_type is expected_type:
-            return _allowed_error(param, value, schema, allowed)
+            return _allowed_error(param, value, item_type, allowed)
     elif type(value) is not answer_type:
         return f"parameter {param!r}: expected type {doc_type}, got {type(value).__name__} ({value!r})"
     if value not in allowed:
@@ -205,12 +282,11 @@ def _value_error(param: str, value: Any, schema: dict[str, Any], allowed: list[A
     return None
 
 
-def _items_typed(value: Any, schema: dict[str, Any], allowed: list[Any]) -> bool:
+def _items_typed(value: Any, item_type: type | None, allowed: list[Any]) -> bool:
     """BFCL's one-level element type check for arrays: some allowed value is not a list, or
     every element has the ``items`` type or the type of that allowed list's first value."""
-    if schema.get("type") not in ("array", "tuple") or "items" not in schema:
+    if item_type is None:
         return True
-    item_type = _python_type(schema["items"].get("type"))
     for candidate in allowed:
         if not isinstance(candidate, list):
             return True
@@ -220,11 +296,11 @@ def _items_typed(value: Any, schema: dict[str, Any], allowed: list[Any]) -> bool
     return False
 
 
-def _allowed_error(param: str, value: Any, schema: dict[str, Any], allowed: list[Any]) -> str | None:
+def _allowed_error(param: str, value: Any, item_type: type | None, allowed: list[Any]) -> str | None:
     """Membership of a correctly typed value, compared the way BFCL does for its type."""
     if isinstance(value, dict):
         return _dict_error(param, value, allowed)
-    if isinstance(value, list) and schema.get("items", {}).get("type") == "dict":
+    if isinstance(value, list) and item_type is dict:
         return _list_of_dicts_error(param, value, allowed)
     if isinstance(value, str):
         if standardize_string(value) in [standardize_string(a) for a in allowed if isinstance(a, str)]:

@@ -1,9 +1,14 @@
 """BFCL v4 single-turn tasks, read from the ``bfcl-eval`` wheel's data folder.
 
 The wheel's ``bfcl_eval/__init__`` chain can pull heavy dependencies, so the package is
-located with :func:`importlib.util.find_spec` and its JSON-lines files are read directly;
-nothing from ``bfcl_eval`` is imported. Install it without dependencies:
-``pip install --no-deps bfcl-eval``.
+located with :func:`importlib.util.find_spec` and nothing from ``bfcl_eval`` is imported.
+Install it without dependencies: ``pip install --no-deps bfcl-eval``.
+
+The JSON-lines files are loaded with the ``datasets`` library (:func:`read_jsonl`), each line
+as one row of its ``text`` builder, decoded with ``json.loads``. (Its ``json`` builder unifies
+the rows' nested schemas into one Arrow type: it adds missing keys as nulls and changes the
+answers of simple_python, multiple, parallel, live_multiple, multi-turn tasks..., so it cannot
+carry BFCL's heterogeneous function docs and answers unchanged.)
 
 A task is a dict::
 
@@ -12,7 +17,9 @@ A task is a dict::
      "question": [{"role": "user", "content": "..."}],      # first (only) turn of BFCL's question
      "functions": [<BFCL function doc>, ...],
      "tools": [<OpenAI tool schema>, ...],                  # schema.to_openai_tool of each doc
-     "possible_answer": [{"math.factorial": {"number": [5]}}, ...]}   # [] for irrelevance
+     "possible_answer": [{"math.factorial": {"number": [5]}}, ...],   # [] for (ir)relevance
+     "expect": "calls",          # "no_call" (irrelevance, live_irrelevance), "a_call" (live_relevance)
+     "language": "python"}       # "java" / "javascript": string-encoded values (see ``languages``)
 
 ``possible_answer`` holds one entry per expected call; each lists, per parameter, the
 allowed values (``""`` among them means the parameter may be omitted).
@@ -31,10 +38,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from relax_agent.envs.bfcl.languages import language_doc, language_of
 from relax_agent.envs.bfcl.schema import to_openai_tool
 from relax_agent.errors import ConfigError, DataError
 
-CATEGORIES: tuple[str, ...] = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
+CATEGORIES: tuple[str, ...] = (
+    "simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance",
+    "simple_java", "simple_javascript",
+    "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance",
+)
+EXPECT: dict[str, str] = {"irrelevance": "no_call", "live_irrelevance": "no_call", "live_relevance": "a_call"}
+"""Categories judged by relevance (BFCL's ``relevance_file_runner``); every other one by the AST check."""
 SPLITS: tuple[str, ...] = ("train", "heldout")
 FILE_PREFIX = "BFCL_v4_"
 _INSTALL_HINT = "pip install --no-deps bfcl-eval"
@@ -55,11 +69,31 @@ def data_dir() -> Path:
     return path
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a BFCL JSON-lines file, loaded through ``datasets`` (one row per line, decoded as is).
+
+    Raises:
+        DataError: the file is missing or a line is not JSON.
+    """
     if not path.is_file():
         raise DataError(f"BFCL file {path} is missing; reinstall the wheel: {_INSTALL_HINT}")
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    progress = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        lines = datasets.load_dataset("text", data_files=str(path), split="train")["text"]
+    finally:
+        if progress:
+            datasets.enable_progress_bars()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{number} is not a JSON line ({exc.msg}); reinstall: {_INSTALL_HINT}") from None
+    return rows
 
 
 def _check_category(category: str) -> None:
@@ -71,13 +105,15 @@ def _check_category(category: str) -> None:
 def _load(category: str) -> tuple[dict[str, Any], ...]:
     root = data_dir()
     name = f"{FILE_PREFIX}{category}.json"
-    rows = _read_jsonl(root / name)
+    rows = read_jsonl(root / name)
+    expect = EXPECT.get(category, "calls")
     answers: dict[str, list] = {}
-    if category != "irrelevance":
-        answers = {row["id"]: row["ground_truth"] for row in _read_jsonl(root / "possible_answer" / name)}
+    if expect == "calls":
+        answers = {row["id"]: row["ground_truth"] for row in read_jsonl(root / "possible_answer" / name)}
+    language = language_of(category)
     tasks = []
     for row in rows:
-        if category != "irrelevance" and row["id"] not in answers:
+        if expect == "calls" and row["id"] not in answers:
             raise DataError(f"BFCL task {row['id']!r} has no entry in possible_answer/{name}")
         tasks.append(
             {
@@ -85,8 +121,10 @@ def _load(category: str) -> tuple[dict[str, Any], ...]:
                 "category": category,
                 "question": row["question"][0],
                 "functions": row["function"],
-                "tools": [to_openai_tool(f) for f in row["function"]],
+                "tools": [to_openai_tool(language_doc(f, language)) for f in row["function"]],
                 "possible_answer": answers.get(row["id"], []),
+                "expect": expect,
+                "language": language,
             }
         )
     return tuple(tasks)

@@ -24,10 +24,15 @@ class BFCLEnv(TextEnv):
     """A BFCL v4 single-turn category as a gymnasium environment.
 
     Args:
-        category: "simple_python", "multiple", "parallel", "parallel_multiple" or "irrelevance".
+        category: one of :data:`~relax_agent.envs.bfcl.data.CATEGORIES` ("simple_python",
+            "multiple", "parallel", "parallel_multiple", "irrelevance", "simple_java",
+            "simple_javascript", "live_simple", "live_multiple", "live_parallel",
+            "live_parallel_multiple", "live_irrelevance", "live_relevance").
         split: the split ``reset`` draws from when no task is given ("train" or "heldout").
         heldout_fraction: share of tasks held out, by SHA-1 of the task id (see ``data``).
         partial_credit: reward for a well-formed but wrong answer, in [0, 1].
+        bfcl_compat: judge exactly as BFCL does where our checker deliberately differs
+            (greedy pairing of parallel calls, tuples; see :mod:`relax_agent.envs.bfcl.checker`).
 
     Raises:
         ConfigError: any argument outside the values above.
@@ -36,9 +41,11 @@ class BFCLEnv(TextEnv):
     reward_description = (
         "1.0 when the assistant's tool calls pass BFCL's AST check (right number of calls, "
         "function names, required and allowed parameters, value types and allowed values, "
-        "order-free for parallel tasks; for irrelevance tasks: no call at all); "
+        "order-free for parallel tasks; Java/JavaScript values string-encoded and decoded by "
+        "BFCL's type rules; for irrelevance tasks: no decodable call, for live_relevance: one); "
         "partial_credit (default 0.1) when the calls are only well-formed (at least one call, "
-        "each naming a task function with a JSON-object of arguments); else 0.0."
+        "each naming a task function with a JSON-object of arguments); else 0.0. A block the "
+        "parser could not read counts as a malformed call."
     )
 
     def __init__(
@@ -47,6 +54,7 @@ class BFCLEnv(TextEnv):
         split: str = "train",
         heldout_fraction: float = 0.2,
         partial_credit: float = 0.1,
+        bfcl_compat: bool = False,
     ) -> None:
         super().__init__()
         check_env_args(category, CATEGORIES, split, heldout_fraction)
@@ -56,6 +64,7 @@ class BFCLEnv(TextEnv):
         self.split = split
         self.heldout_fraction = heldout_fraction
         self.partial_credit = partial_credit
+        self.bfcl_compat = bfcl_compat
         self._done = False
 
     def tasks(self, split: str = "train") -> list[dict[str, Any]]:
@@ -94,7 +103,8 @@ class BFCLEnv(TextEnv):
             )
         self._done = True
         calls = calls_from_message(action)
-        result = check_calls(calls, self.task)
+        calls += [{"name": None, "arguments": None, "error": str(e)} for e in action.get("parse_errors") or []]
+        result = check_calls(calls, self.task, bfcl_compat=self.bfcl_compat)
         info = {
             "correct": float(result.correct),
             "well_formed": float(result.well_formed),

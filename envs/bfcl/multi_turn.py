@@ -13,7 +13,9 @@
 An episode plays the task's user turns in order. Inside a turn, each assistant message with
 tool calls runs them against the episode's own API instances (:class:`ApiSession`, a fresh set
 per ``reset``) and returns one ``tool`` message per call. The turn ends when the model answers
-without a tool call (or its calls did not parse, as in BFCL), or after its
+without a tool call, or with a message whose calls do not all decode (a block the parser could
+not read, or arguments that are not a JSON object): as in BFCL, such a message is dropped whole,
+none of its calls run, and it ends the turn like an answer without calls; or after its
 ``max_steps_per_turn + 1``-th message with calls (BFCL's ``MAXIMUM_STEP_LIMIT`` force-quit; the
 task is then failed, and the episode goes on to the next turn so later turns still earn credit).
 The ended turn is judged (:mod:`relax_agent.envs.bfcl.multi_turn_checker`) and the next user
@@ -31,6 +33,9 @@ an episode's rewards sum to the fraction of judged turns correct, even when the 
 truncates it. ``info`` of every step carries the running numbers (``turn_accuracy``,
 ``correct`` / ``task_correct`` = BFCL's whole-task 0/1, ``well_formed``, ``num_calls``).
 
+``bfcl_compat=True`` shares omitted mutable defaults between the episode's and the ground
+truth's API instances, as BFCL does (see :mod:`relax_agent.envs.bfcl.multi_turn_checker`).
+
 Episode length in model turns (``env.max_turns`` in the config counts LLM calls): at most
 ``turns x (max_steps_per_turn + 1)``; BFCL tasks have up to 7 turns (8 in the miss variants).
 """
@@ -45,7 +50,7 @@ from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import check_env_args, split_tasks
 from relax_agent.envs.bfcl.env import tool_call_entries
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
-from relax_agent.envs.bfcl.multi_turn_checker import TurnJudge
+from relax_agent.envs.bfcl.multi_turn_checker import TurnJudge, decodable_step, session_for
 from relax_agent.envs.bfcl.multi_turn_data import API_CLASSES, CATEGORIES, compact_doc, load_tasks, task_docs
 from relax_agent.envs.bfcl.schema import to_openai_tool
 from relax_agent.envs.tool_env import truncate
@@ -83,6 +88,8 @@ class BFCLMultiTurnEnv(TextEnv):
             None keeps every task.
         compact_docs: drop the class preamble BFCL repeats in every function description
             (:func:`compact_doc`; ~25% fewer prompt tokens, for small context windows).
+        bfcl_compat: reproduce BFCL's verdicts where our checker deliberately differs (shared
+            mutable defaults).
 
     Raises:
         ConfigError: an argument outside the values above.
@@ -98,7 +105,7 @@ class BFCLMultiTurnEnv(TextEnv):
 
     def __init__(self, category: str = "multi_turn_base", split: str = "train", heldout_fraction: float = 0.25,
                  max_steps_per_turn: int = BFCL_MAX_STEPS_PER_TURN, max_observation_chars: int = 4000,
-                 classes: list[str] | None = None, compact_docs: bool = False) -> None:
+                 classes: list[str] | None = None, compact_docs: bool = False, bfcl_compat: bool = False) -> None:
         super().__init__()
         check_env_args(category, CATEGORIES, split, heldout_fraction)
         if max_steps_per_turn < 0 or max_observation_chars < 100:
@@ -114,6 +121,7 @@ class BFCLMultiTurnEnv(TextEnv):
             raise ConfigError(f"classes={classes!r}: unknown {unknown}; expected names from {sorted(API_CLASSES)}")
         self.classes = None if classes is None else frozenset(classes)
         self.compact_docs = compact_docs
+        self.bfcl_compat = bfcl_compat
         self._session: ApiSession | None = None
         self._judge: TurnJudge | None = None
 
@@ -133,8 +141,9 @@ class BFCLMultiTurnEnv(TextEnv):
         if self.compact_docs:
             offered = [compact_doc(d) for d in offered]
             self._added = {turn: [compact_doc(d) for d in docs] for turn, docs in self._added.items()}
-        self._session = ApiSession(task["involved_classes"], task["initial_config"])
-        self._judge = TurnJudge(task)
+        pool: dict[tuple[str, str, str], Any] | None = {} if self.bfcl_compat else None
+        self._session = session_for(task, pool)
+        self._judge = TurnJudge(task, pool)
         self._turn, self._steps, self._turn_results, self._turn_calls = 0, 0, [], 0
         self._judged = sum(1 for gt in task["ground_truth"] if gt)
         self._turns_correct, self._forced, self._calls, self._well_formed = 0, False, 0, 0
@@ -168,8 +177,12 @@ class BFCLMultiTurnEnv(TextEnv):
             raise EnvError(f"action must be an assistant message dict, got {got}")
         if not isinstance(action.get("tool_calls") or [], list):
             raise EnvError(f"action['tool_calls'] must be a list, got {type(action['tool_calls']).__name__}")
-        self._calls += len(action.get("parse_errors") or [])
+        parse_errors = action.get("parse_errors") or []
+        self._calls += len(parse_errors)
         calls = calls_of(action)
+        if parse_errors or not decodable_step([{"name": n, "arguments": a} for _, n, a in calls]):
+            self._calls += len(calls)  # BFCL drops the undecodable message whole: nothing runs
+            return self._end_turn([])
         observation = [self._run(*call) for call in calls]
         if calls:
             self._steps += 1

@@ -10,7 +10,7 @@ dependencies, so the wheel installed with ``--no-deps`` is enough.
 (``multi_turn_eval/multi_turn_utils.py``) does, without its two hazards: BFCL keeps instances in
 module globals keyed by model name and task id (state leaks between runs of the same task) and
 runs each call with ``eval`` of a string. Here every session owns its instances, loaded with
-``_load_scenario(deepcopy(initial_config[cls]), long_context=False)`` (not for the stateless
+``_load_scenario(deepcopy(initial_config[cls]), long_context=...)`` (not for the stateless
 ``MathAPI``), and a call is a lookup of a public method by name plus ``method(**arguments)``.
 As in BFCL, any public method of an involved class can be called (a later class wins a name
 clash; there is none in v4), and results become strings the same way: a ``str`` as is, a ``dict``
@@ -18,7 +18,11 @@ as ``json.dumps`` (``str`` if that fails), anything else ``str``; an exception b
 ``"Error during execution: <message>"``.
 
 Three guards BFCL lacks: arguments are deep-copied and omitted mutable defaults (``mentions=[]``)
-filled with fresh copies, so no state is shared with the caller or between episodes; ``MathAPI``
+filled with fresh copies, so no state is shared with the caller or between episodes (BFCL
+shares each such default between every call, the model's and the ground truth's instances of
+every task in the process: a ``mention`` on a tweet posted without mentions also shows up in
+the ground truth's tweets; a session given a ``shared_defaults`` pool reproduces that within one
+episode, which is what ``bfcl_compat`` uses); ``MathAPI``
 calls run under one process-wide lock (``logarithm`` sets the process-global ``mpmath.mp.dps``,
 so concurrent episodes would race); and arguments that would run for minutes (``power``
 exponents beyond :data:`MAX_EXPONENT`, ``precision`` beyond :data:`MAX_PRECISION`) are refused
@@ -114,18 +118,25 @@ class ApiSession:
     Args:
         involved_classes: class names (keys of :data:`API_CLASSES`), in the task's order.
         initial_config: ``{class name: scenario dict}``; deep-copied, never mutated.
+        long_context: load the scenarios as BFCL's long-context category does.
+        shared_defaults: None (each omitted mutable default gets a fresh copy per call), or a
+            dict that sessions share: an omitted mutable default is then one object per
+            ``(class, method, parameter)`` for every call of every session holding the dict,
+            as the Python default itself is in BFCL.
 
     Raises:
         DataError: an unknown class, or bfcl-eval is not installed.
     """
 
-    def __init__(self, involved_classes: list[str], initial_config: dict[str, Any]):
+    def __init__(self, involved_classes: list[str], initial_config: dict[str, Any], long_context: bool = False,
+                 shared_defaults: dict[tuple[str, str, str], Any] | None = None):
+        self.shared_defaults = shared_defaults
         self.instances: dict[str, Any] = {}
         self._methods: dict[str, tuple[str, Callable[..., Any]]] = {}
         for class_name in involved_classes:
             instance = api_class(class_name)()
             if class_name not in STATELESS_CLASSES:
-                instance._load_scenario(copy.deepcopy(initial_config.get(class_name, {})), long_context=False)
+                instance._load_scenario(copy.deepcopy(initial_config.get(class_name, {})), long_context=long_context)
             self.instances[class_name] = instance
             for name, method in inspect.getmembers(instance, predicate=inspect.ismethod):
                 if not name.startswith("_"):
@@ -153,7 +164,7 @@ class ApiSession:
         guard = _guard_error(class_name, arguments)
         if guard is not None:
             return ERROR_PREFIX + guard
-        arguments = self._own_arguments(name, arguments)
+        arguments = self._own_arguments(class_name, name, arguments)
         try:
             if class_name == "MathAPI":
                 with _MATH_LOCK:
@@ -164,8 +175,9 @@ class ApiSession:
             return f"{ERROR_PREFIX}{exc}"
         return format_result(result)
 
-    def _own_arguments(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """A deep copy of ``arguments`` plus fresh copies of omitted mutable defaults.
+    def _own_arguments(self, class_name: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A deep copy of ``arguments`` plus fresh copies of omitted mutable defaults (from the
+        ``shared_defaults`` pool when the session has one).
 
         The instances keep argument objects in their state (``post_tweet`` stores its
         ``mentions`` list, which ``mention`` later extends): without the copy, the episode's state
@@ -175,7 +187,11 @@ class ApiSession:
         own = copy.deepcopy(arguments)
         for param in self.signature(name).parameters.values():
             if param.name not in own and isinstance(param.default, (list, dict, set)):
-                own[param.name] = copy.deepcopy(param.default)
+                if self.shared_defaults is None:
+                    own[param.name] = copy.deepcopy(param.default)
+                else:
+                    key = (class_name, name, param.name)
+                    own[param.name] = self.shared_defaults.setdefault(key, copy.deepcopy(param.default))
         return own
 
     def keyword_call(self, text: str) -> tuple[str, dict[str, Any]]:

@@ -16,6 +16,15 @@ parameter) are not judged, as in BFCL v4, but their calls still run and count fo
 BFCL stops at the first failing turn; here every judged turn gets its own verdict, and the task
 is correct exactly when all of them are (BFCL's verdict). BFCL also fails a task whose model was
 force-quit in a turn (more than its step limit); :class:`TaskVerdict` takes that as ``forced``.
+
+Decoding, as BFCL's ``_evaluate_single_multi_turn_entry``: a step (one assistant message) with an
+entry that does not decode (no string name, arguments that are not a JSON object, or a block the
+parser could not read) is dropped whole: none of its calls run (:func:`decodable_step`).
+
+Deliberate difference: BFCL shares each omitted mutable default (``post_tweet(mentions=[])``)
+between the model's and the ground truth's instances (one Python default object); we give each
+call a fresh copy. ``bfcl_compat=True`` shares them within the task, as BFCL does for a task
+judged first in its process.
 """
 
 from __future__ import annotations
@@ -97,14 +106,16 @@ class TurnJudge:
 
     Args:
         task: a multi-turn task dict (see :mod:`relax_agent.envs.bfcl.multi_turn_data`).
+        shared_defaults: the model session's mutable-defaults pool, to share it with the ground
+            truth's session (``bfcl_compat``); None gives the truth its own fresh defaults.
 
     Raises:
         DataError: the task's classes cannot be loaded.
     """
 
-    def __init__(self, task: dict[str, Any]):
+    def __init__(self, task: dict[str, Any], shared_defaults: dict[tuple[str, str, str], Any] | None = None):
         self.task = task
-        self.truth = ApiSession(task["involved_classes"], task["initial_config"])
+        self.truth = session_for(task, shared_defaults)
         self.model_results: list[str] = []
         self.turn = 0
 
@@ -131,13 +142,29 @@ class TurnJudge:
         return TurnVerdict(True, "ok")
 
 
-def check_task(task: dict[str, Any], calls: Sequence[Sequence[Sequence[dict[str, Any]]]]) -> TaskVerdict:
+def session_for(task: dict[str, Any], shared_defaults: dict[tuple[str, str, str], Any] | None = None) -> ApiSession:
+    """A fresh :class:`ApiSession` for ``task`` (its classes, initial state and long-context flag)."""
+    return ApiSession(task["involved_classes"], task["initial_config"], long_context=task.get("long_context", False),
+                      shared_defaults=shared_defaults)
+
+
+def decodable_step(step: Sequence[Any]) -> bool:
+    """True when every call of one assistant message decodes (a string name and a JSON-object of
+    arguments, no parse error); BFCL drops a step that does not, all its calls with it."""
+    return all(isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+               and not c.get("error") for c in step)
+
+
+def check_task(task: dict[str, Any], calls: Sequence[Sequence[Sequence[dict[str, Any]]]],
+               bfcl_compat: bool = False) -> TaskVerdict:
     """Judge a whole call sequence offline, the way the environment judges an episode.
 
     Args:
         task: a multi-turn task dict.
         calls: ``calls[turn][step]`` is one assistant message's calls, each
-            ``{"name": str, "arguments": dict}``; a turn may have no steps.
+            ``{"name": str, "arguments": dict}``; a turn may have no steps. A step with an entry
+            that does not decode is dropped whole (:func:`decodable_step`).
+        bfcl_compat: share omitted mutable defaults between the model's and the truth's sessions.
 
     Raises:
         DataError: ``calls`` has a different number of turns than the task, or the task is malformed.
@@ -146,11 +173,12 @@ def check_task(task: dict[str, Any], calls: Sequence[Sequence[Sequence[dict[str,
 
     if len(calls) != len(task["turns"]):
         raise DataError(f"task {task['id']!r} has {len(task['turns'])} turns, calls cover {len(calls)}")
-    model = ApiSession(task["involved_classes"], task["initial_config"])
-    judge = TurnJudge(task)
+    pool: dict[tuple[str, str, str], Any] | None = {} if bfcl_compat else None
+    model = session_for(task, pool)
+    judge = TurnJudge(task, pool)
     verdicts = []
     for steps in calls:
-        turn_calls = [c for step in steps for c in step]
+        turn_calls = [c for step in steps if decodable_step(step) for c in step]
         results = [model.call(c["name"], c["arguments"]) for c in turn_calls]
         verdicts.append(judge.judge(model, results, len(turn_calls)))
     return TaskVerdict(tuple(verdicts))
@@ -162,7 +190,7 @@ def ground_truth_calls(task: dict[str, Any]) -> list[list[list[dict[str, Any]]]]
     Raises:
         DataError: a ground-truth call does not parse or fit its method.
     """
-    session = ApiSession(task["involved_classes"], task["initial_config"])
+    session = session_for(task)
     out = []
     for turn in task["ground_truth"]:
         keyword = [session.keyword_call(c) for c in turn]

@@ -1,8 +1,9 @@
 """BFCL v4 multi-turn tasks and API function docs, read from the ``bfcl-eval`` wheel's data folder.
 
-Three categories (200 tasks each): ``multi_turn_base``, ``multi_turn_miss_func`` (a function's
-doc is withheld until a later turn) and ``multi_turn_miss_param`` (a request lacks a parameter
-value). A task is a dict::
+Four categories (200 tasks each): ``multi_turn_base``, ``multi_turn_miss_func`` (a function's
+doc is withheld until a later turn), ``multi_turn_miss_param`` (a request lacks a parameter
+value) and ``multi_turn_long_context`` (the APIs start from a much larger state, BFCL's
+``long_context=True`` scenarios, so results are long). A task is a dict::
 
     {"id": "multi_turn_base_0",
      "category": "multi_turn_base",
@@ -10,7 +11,8 @@ value). A task is a dict::
      "initial_config": {"GorillaFileSystem": {...}, ...},     # state each API class starts from
      "involved_classes": ["TwitterAPI", "GorillaFileSystem"],
      "missed_functions": {3: ["sort"]},                      # turn -> names whose docs arrive then
-     "ground_truth": [["cd(folder='document')", ...], ...]}  # one list of call strings per turn
+     "ground_truth": [["cd(folder='document')", ...], ...],  # one list of call strings per turn
+     "long_context": False}                                   # True for multi_turn_long_context
 
 A turn listed in ``missed_functions`` has no user message in BFCL's data; the environment sends
 the withheld docs then (see :mod:`relax_agent.envs.bfcl.multi_turn`). A turn whose ground truth
@@ -27,10 +29,13 @@ import functools
 import re
 from typing import Any
 
-from relax_agent.envs.bfcl.data import FILE_PREFIX, _read_jsonl, data_dir
+from relax_agent.envs.bfcl.data import FILE_PREFIX, read_jsonl, data_dir
 from relax_agent.errors import DataError
 
-CATEGORIES: tuple[str, ...] = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param")
+CATEGORIES: tuple[str, ...] = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+LONG_CONTEXT_CATEGORIES: tuple[str, ...] = ("multi_turn_long_context",)
+"""Categories whose API instances load their scenario with ``long_context=True`` (BFCL: many more
+files, messages, tweets... in the initial state, for a long context)."""
 
 API_CLASSES: dict[str, tuple[str, str]] = {
     "GorillaFileSystem": ("gorilla_file_system", "gorilla_file_system.json"),
@@ -55,7 +60,7 @@ def _check_category(category: str) -> None:
 def _class_docs(class_name: str) -> tuple[dict[str, Any], ...]:
     if class_name not in API_CLASSES:
         raise DataError(f"unknown BFCL API class {class_name!r}; expected one of {sorted(API_CLASSES)}")
-    return tuple(_read_jsonl(data_dir() / "multi_turn_func_doc" / API_CLASSES[class_name][1]))
+    return tuple(read_jsonl(data_dir() / "multi_turn_func_doc" / API_CLASSES[class_name][1]))
 
 
 def class_docs(class_name: str) -> list[dict[str, Any]]:
@@ -118,6 +123,7 @@ def _task(row: dict[str, Any], ground_truth: list[list[str]], category: str) -> 
         "involved_classes": list(row["involved_classes"]),
         "missed_functions": missed,
         "ground_truth": ground_truth,
+        "long_context": category in LONG_CONTEXT_CATEGORIES,
     }
 
 
@@ -125,9 +131,9 @@ def _task(row: dict[str, Any], ground_truth: list[list[str]], category: str) -> 
 def _load(category: str) -> tuple[dict[str, Any], ...]:
     root = data_dir()
     name = f"{FILE_PREFIX}{category}.json"
-    answers = {row["id"]: row["ground_truth"] for row in _read_jsonl(root / "possible_answer" / name)}
+    answers = {row["id"]: row["ground_truth"] for row in read_jsonl(root / "possible_answer" / name)}
     tasks = []
-    for row in _read_jsonl(root / name):
+    for row in read_jsonl(root / name):
         if row["id"] not in answers:
             raise DataError(f"BFCL task {row['id']!r} has no entry in possible_answer/{name}")
         tasks.append(_task(row, answers[row["id"]], category))

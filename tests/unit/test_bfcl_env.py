@@ -20,6 +20,14 @@ COUNTS = {
     "parallel": (200, 162, 38),
     "parallel_multiple": (200, 159, 41),
     "irrelevance": (240, 190, 50),
+    "simple_java": (100, 81, 19),
+    "simple_javascript": (50, 41, 9),
+    "live_simple": (258, 211, 47),
+    "live_multiple": (1053, 858, 195),
+    "live_parallel": (16, 15, 1),
+    "live_parallel_multiple": (24, 17, 7),
+    "live_irrelevance": (884, 713, 171),
+    "live_relevance": (16, 14, 2),
 }
 
 
@@ -41,9 +49,13 @@ def test_task_counts_and_fields(category):
     assert len({t["id"] for t in tasks}) == total
     for t in tasks:
         assert t["category"] == category
-        assert t["question"] and all(m["role"] in ("system", "user") for m in t["question"])
+        # live tasks may open with earlier conversation turns (live_irrelevance_*: assistant replies too)
+        assert t["question"] and all(m["role"] in ("system", "user", "assistant") for m in t["question"])
+        assert t["question"][-1]["role"] == "user"
         assert [tool["function"]["name"] for tool in t["tools"]] == [f["name"] for f in t["functions"]]
-        assert (t["possible_answer"] == []) == (category == "irrelevance")
+        assert (t["possible_answer"] == []) == (t["expect"] != "calls")
+        assert t["expect"] == {"irrelevance": "no_call", "live_irrelevance": "no_call",
+                               "live_relevance": "a_call"}.get(category, "calls")
     assert (len(split_tasks(tasks, "train")), len(split_tasks(tasks, "heldout"))) == (train, heldout)
 
 
@@ -66,8 +78,8 @@ def test_split_is_stable_and_disjoint():
 def test_bad_split_and_category_are_named():
     with pytest.raises(DataError, match="'test'"):
         split_tasks(load_tasks("parallel"), "test")
-    with pytest.raises(DataError, match="'live_simple'"):
-        load_tasks("live_simple")
+    with pytest.raises(DataError, match="'web_search'"):
+        load_tasks("web_search")
 
 
 def test_missing_wheel_says_how_to_install(monkeypatch):
@@ -159,7 +171,7 @@ def test_step_needs_a_fresh_episode():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"category": "live_simple"}, {"split": "test"}, {"heldout_fraction": 1.5}, {"partial_credit": -0.1}]
+    "kwargs", [{"category": "web_search"}, {"split": "test"}, {"heldout_fraction": 1.5}, {"partial_credit": -0.1}]
 )
 def test_bad_kwargs_are_config_errors(kwargs):
     with pytest.raises(ConfigError, match=next(iter(kwargs))):

@@ -49,9 +49,9 @@ def _play(env: BFCLMultiTurnEnv, task: dict[str, Any], calls: list[list[list[dic
     return total, info, observations
 
 
-def test_three_ids_are_registered_with_their_category() -> None:
+def test_four_ids_are_registered_with_their_category() -> None:
     assert set(MULTI_TURN_ENV_IDS) == {"relax/BFCL-multi-turn-base-v0", "relax/BFCL-multi-turn-miss-func-v0",
-                                       "relax/BFCL-multi-turn-miss-param-v0"}
+                                       "relax/BFCL-multi-turn-miss-param-v0", "relax/BFCL-multi-turn-long-context-v0"}
     for env_id, category in MULTI_TURN_ENV_IDS.items():
         env = gymnasium.make(env_id)
         assert env.unwrapped.category == category
@@ -159,17 +159,35 @@ def test_bad_calls_become_error_results_not_crashes() -> None:
     task = _task("multi_turn_base_0")
     env = BFCLMultiTurnEnv()
     env.reset(options={"task": task})
-    action = {"role": "assistant", "content": "", "parse_errors": ["tool call is not valid JSON"], "tool_calls": [
+    action = {"role": "assistant", "content": "", "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "no_such_tool", "arguments": {}}},
         {"id": "b", "type": "function", "function": {"name": "cd", "arguments": {"dir": "x"}}},
-        {"id": "c", "type": "function", "function": {"name": "cd", "arguments": "{not json"}},
         {"id": "d", "type": "function", "function": {"name": "_load_scenario", "arguments": {}}}]}
     obs, reward, terminated, _, info = env.step(action)
-    assert [m["tool_call_id"] for m in obs] == ["a", "b", "c", "d"] and reward == 0.0 and not terminated
+    assert [m["tool_call_id"] for m in obs] == ["a", "b", "d"] and reward == 0.0 and not terminated
     assert obs[0]["content"] == "Error during execution: name 'no_such_tool' is not defined"
     assert obs[1]["content"].startswith("Error during execution: ") and "dir" in obs[1]["content"]
-    assert obs[3]["content"] == "Error during execution: name '_load_scenario' is not defined"
-    assert info["num_calls"] == 5 and info["well_formed"] == 0.0
+    assert obs[2]["content"] == "Error during execution: name '_load_scenario' is not defined"
+    assert info["num_calls"] == 3 and info["well_formed"] == 0.0 and info["turn"] == 0
+
+
+@pytest.mark.parametrize("undecodable", [
+    {"parse_errors": ["tool call is not valid JSON"]},
+    {"tool_calls": [{"id": "c", "type": "function", "function": {"name": "cd", "arguments": "{not json"}}]},
+])
+def test_a_message_with_an_undecodable_call_is_dropped_whole(undecodable: dict[str, Any]) -> None:
+    """As BFCL: none of the message's calls run (the good ``cd`` neither), and the turn ends."""
+    task = _task("multi_turn_base_0")
+    env = BFCLMultiTurnEnv()
+    env.reset(options={"task": task})
+    good = {"id": "g", "type": "function", "function": {"name": "cd", "arguments": {"folder": "document"}}}
+    action = {"role": "assistant", "content": "", "tool_calls": [good, *undecodable.get("tool_calls", [])],
+              **{k: v for k, v in undecodable.items() if k != "tool_calls"}}
+    obs, reward, terminated, _, info = env.step(action)
+    assert [m["role"] for m in obs] == ["user"] and obs == task["turns"][1]  # the next user turn, no tool results
+    assert info["turn"] == 1 and reward == 0.0 and not terminated
+    assert info["num_calls"] == 2 and info["well_formed"] == 0.0
+    assert "no tool call" in info["reason"]
 
 
 def test_step_limit_force_ends_the_turn_and_fails_the_task() -> None:
@@ -213,7 +231,7 @@ def test_contract_errors() -> None:
     with pytest.raises(EnvError, match="assistant message"):
         env.step("hello")
     with pytest.raises(ConfigError, match="category"):
-        BFCLMultiTurnEnv(category="multi_turn_long_context")
+        BFCLMultiTurnEnv(category="multi_turn_composite")
     with pytest.raises(ConfigError, match="max_steps_per_turn"):
         BFCLMultiTurnEnv(max_steps_per_turn=-1)
 
