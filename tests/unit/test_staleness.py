@@ -1,4 +1,4 @@
-"""The async loop with fakes: staleness gate, recorded versions, stale-group drop, Ctrl-C."""
+"""The control loop with fakes: staleness gate, recorded versions, stale-group drop, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from relax_agent.async_controller import DROPPED_GROUPS, STALENESS_MAX, AsyncLoop, StalenessGate
 from relax_agent.config import validate_config
-from relax_agent.controller import Controller
+from relax_agent.control import build_controller
+from relax_agent.control.schedule import DROPPED_GROUPS, STALENESS_MAX, StalenessGate
 from relax_agent.roles import Roles
 from relax_agent.rollout.engines.fake import FakeEngine
+from relax_agent.train.backends.fake import FakeTrainer
 from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
 from relax_agent.records import Trajectory, Turn
 from relax_agent.sampler import TaskSampler
@@ -60,7 +61,7 @@ class FakeRunner(RolloutRunner):
     """Episodes that wait (``delay_s(spec)``: seconds, or a condition), then generate once."""
 
     def __init__(self, engine, delay_s):
-        self.engine, self.limits, self.delay_s = engine, RolloutLimits(), delay_s
+        self.engine, self.limits, self.delay_s, self.reward = engine, RolloutLimits(), delay_s, None
         self.cancelled = self.in_flight = 0
 
     async def run(self, specs, params, on_done=None):
@@ -90,30 +91,25 @@ class FakeRunner(RolloutRunner):
         return list(await asyncio.gather(*(one(s) for s in specs)))
 
 
-class FakeTrainer:
-    def __init__(self, train_s=0.0):
-        self.batches, self.train_s = [], train_s
-
-    def train_step(self, batch):
-        time.sleep(self.train_s)
-        self.batches.append(batch.size)
-        return {"train/loss": 0.0}
-
-    def policy_state_dict(self):
-        return {"w": torch.full((4,), float(len(self.batches)))}
-
-
 def make_controller(tmp_path: Path, s: int, delay_s, steps: int = 6, train_s: float = 0.0, mode: str = "async"):
     cfg = validate_config({
         "mode": mode, "max_staleness": s, "run": {"output_dir": str(tmp_path)},
         "rollout": {"tasks_per_step": 2, "group_size": 3, "max_new_tokens": 4},
-        "trainer": {"steps": steps}, "logging": {"tensorboard": False},
-        "eval": {"at_start": False, "at_end": False}, "checkpoint": {"every_steps": 0}})
+        "trainer": {"steps": steps, "backend": "fake"},
+        "eval": {"at_start": False, "at_end": False}, "checkpoint": {"every_steps": 0}, "logging": {
+            "tensorboard": False, "plot": False}})
     engine = FakeEngine(lambda prompt, params: [5, 6, 2])
     tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda ids: " ".join(map(str, ids)))
     tasks = [{"id": f"t{i}"} for i in range(10)]
-    roles = Roles(cfg, "cpu", None, tokenizer, engine, FakeTrainer(train_s), FakeRunner(engine, delay_s), tasks, [])
-    return Controller(cfg, roles)
+    roles = Roles(cfg, "cpu", tokenizer, engine, FakeTrainer(train_s), FakeRunner(engine, delay_s), tasks, [])
+    return build_controller(cfg, roles)
+
+
+def run(ctrl) -> dict:
+    try:
+        return ctrl.train()
+    finally:
+        ctrl.close()
 
 
 def dumped(tmp_path: Path) -> list[dict]:
@@ -134,14 +130,14 @@ def lognormal_delay(spec) -> float:
 @pytest.mark.parametrize("s", [0, 1, 2])
 def test_no_trained_sample_exceeds_max_staleness(tmp_path, s):
     ctrl = make_controller(tmp_path, s, lognormal_delay, steps=6)
-    AsyncLoop(ctrl).run()
+    run(ctrl)
     rows = [r for r in dumped(tmp_path) if not r["dropped_stale"]]
     assert ctrl.step == 6 and len(rows) == 6 * 2 * 3
     assert all(0 <= r["trained_at_version"] - r["sample_version"] <= s for r in rows)
     assert all(min(r["policy_versions"]) >= r["sample_version"] for r in rows)  # version = at group start
     assert max(m[STALENESS_MAX] for m in metrics(tmp_path)) <= s
-    assert ctrl.roles.trainer.batches and ctrl.version == len(ctrl.roles.trainer.batches)
-    assert len(ctrl.roles.engine.calls) >= len(rows)
+    assert ctrl.runtime.trainer.trainer.batches and ctrl.version == len(ctrl.runtime.trainer.trainer.batches)
+    assert len(ctrl.runtime.rollout.runner.engine.calls) >= len(rows)
     if s == 0:  # on-policy: step k trains exactly colocate's groups of step k, made by version k - 1
         assert all(r["sample_id"].startswith(f"s{r['step'] - 1}/") for r in rows)
         assert all(r["trained_at_version"] == r["sample_version"] for r in rows)
@@ -152,14 +148,15 @@ def test_no_trained_sample_exceeds_max_staleness(tmp_path, s):
 
 def test_async_s0_draws_the_same_tasks_and_versions_as_colocate(tmp_path):
     async_ctrl = make_controller(tmp_path / "a", 0, lognormal_delay, steps=3)
-    AsyncLoop(async_ctrl).run()
+    run(async_ctrl)
     colo = make_controller(tmp_path / "c", 0, lognormal_delay, steps=3, mode="colocate")
-    colo.roles.runner.engine = colo.roles.engine
-    for _ in range(3):
-        colo.train_step()
-    key = lambda r: (r["sample_id"], r["task_id"], r["sample_version"], r["trained_at_version"])  # noqa: E731
+    run(colo)
+    key = lambda r: (r["sample_id"], r["task_id"], r["sample_version"], r["trained_at_version"], r["reward"])  # noqa: E731
     assert [key(r) for r in dumped(tmp_path / "a")] == [key(r) for r in dumped(tmp_path / "c")]
     assert async_ctrl.sampler.state_dict() == colo.sampler.state_dict()
+    a, c = async_ctrl.runtime.trainer.trainer.batches, colo.runtime.trainer.trainer.batches
+    assert len(a) == len(c) == 3
+    assert all(torch.equal(x.advantages, y.advantages) and torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
 
 
 def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):
@@ -167,7 +164,7 @@ def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):
         return (lambda: ctrl.version >= 3) if spec.group_id == "s0/g0" else 0.005
 
     ctrl = make_controller(tmp_path, 1, delay, steps=8)
-    AsyncLoop(ctrl).run()
+    run(ctrl)
     rows = dumped(tmp_path)
     late = [r for r in rows if r["sample_id"].startswith("s0/g0/")]
     # recorded (nothing vanishes from the dumps), marked dropped, never trained
@@ -179,24 +176,68 @@ def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):
 
 
 def test_stop_cancels_rollouts_and_finishes_the_update(tmp_path):
-    ctrl = make_controller(tmp_path, 1, lambda spec: 0.05, steps=1000, train_s=0.02)
-    loop = AsyncLoop(ctrl)
+    def delay(spec):  # groups of step 4 on never finish by themselves: they are in flight at the stop
+        return (lambda: False) if int(spec.group_id.split("/")[0][1:]) >= 4 else 0.005
+
+    ctrl = make_controller(tmp_path, 1, delay, steps=1000, train_s=0.02)
+    runner = ctrl.runtime.rollout.runner
 
     def interrupt():
-        while ctrl.step < 3 or not ctrl.roles.runner.in_flight:
+        while ctrl.step < 3 or not runner.in_flight:
             time.sleep(0.005)
         ctrl.stop._on_sigint()
 
     threading.Thread(target=interrupt, daemon=True).start()
-    with ctrl.stop, pytest.raises(KeyboardInterrupt):
-        loop.run()
-    trainer = ctrl.roles.trainer
-    assert ctrl.step >= 3 and ctrl.version == len(trainer.batches) == ctrl.step
-    assert ctrl.roles.engine.loaded[-1][0] == ctrl.version
+    summary = run(ctrl)
+    trainer = ctrl.runtime.trainer.trainer
+    assert summary["interrupted"] and ctrl.step >= 3 and ctrl.version == len(trainer.batches) == ctrl.step
+    assert runner.engine.loaded[-1][0] == ctrl.version
     # the sampler is saved as of the last step boundary, in step with the groups drawn by then
-    assert ctrl.step * 2 <= ctrl.groups_drawn <= (ctrl.step + 2) * 2 and loop.next_seq >= ctrl.groups_drawn
+    assert ctrl.step * 2 <= ctrl.groups_drawn <= (ctrl.step + 2) * 2
     replay = TaskSampler(10, 0)
     replay.next(ctrl.groups_drawn)
     assert ctrl.sampler.state_dict() == replay.state_dict()
-    assert ctrl.roles.runner.cancelled > 0  # episodes in flight were cancelled
+    assert runner.cancelled > 0  # episodes in flight were cancelled
     assert len(dumped(tmp_path)) == ctrl.step * 2 * 3
+
+
+def test_a_group_waiting_past_the_lease_timeout_is_trained_once_and_never_crashes(tmp_path):
+    """The trainer holds s0/g0's lease while s0/g1's slow tool runs past data.lease_timeout_s:
+    the re-delivered lease replaces the held one, later re-deliveries are acked and skipped."""
+    def delay(spec):
+        return 1.0 if spec.group_id == "s0/g1" else 0.001
+
+    ctrl = make_controller(tmp_path, 0, delay, steps=3, train_s=0.5)
+    ctrl.cfg.data.lease_timeout_s = 0.2
+    ctrl.bus.close()
+    from relax_agent.data import build_transfer_queue
+
+    ctrl.bus = ctrl.runtime.rollout.bus = build_transfer_queue(ctrl.cfg.data)
+    ctrl.runtime.closers[-1] = ctrl.bus.close
+    run(ctrl)
+    rows = dumped(tmp_path)
+    assert ctrl.step == 3 and len(rows) == 3 * 2 * 3
+    assert sorted(r["sample_id"] for r in rows) == sorted({r["sample_id"] for r in rows})  # none twice
+    assert [b.size for b in ctrl.runtime.trainer.trainer.batches] == [6, 6, 6] or all(
+        b.size <= 6 for b in ctrl.runtime.trainer.trainer.batches)
+
+
+def test_a_run_on_the_fake_engine_and_fake_trainer_loads_no_model(tmp_path, tiny_model_dir, monkeypatch):
+    import relax_agent.models
+    from relax_agent.config import load_config
+    from relax_agent.roles import build_roles
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the fake engine and trainer need no model")
+
+    monkeypatch.setattr(relax_agent.models, "load_policy", no_model)
+    cfg = load_config("examples/tiny.yaml", [
+        f"model.path={tiny_model_dir}", "env.id=examples.custom_env:examples/Echo-v0", "engine.kind=fake",
+        "trainer.backend=fake", "trainer.steps=2", "eval.at_start=false", "eval.at_end=false",
+        "logging.tensorboard=false", "logging.plot=false", f"run.output_dir={tmp_path}"])
+    ctrl = build_controller(cfg, build_roles(cfg))
+    summary = run(ctrl)
+    assert ctrl.step == 2 and summary["last"]["policy_version"] == ctrl.version
+    assert ctrl.version == len(ctrl.runtime.trainer.trainer.batches)
+    assert (Path(summary["checkpoint"]) / "model" / "fake_model.json").exists()
+    assert len(dumped(tmp_path)) == 2 * 2 * 4

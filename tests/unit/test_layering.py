@@ -1,0 +1,94 @@
+"""Dependencies run one way: a walk over every import (lazy ones inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROOTS = {"relax_agent": "relax_agent", "envs": "relax_agent.envs", "sandboxes": "relax_agent.sandboxes",
+         "reward_services": "relax_agent.reward_services"}
+
+WIRING = ("relax_agent.cli", "relax_agent.config", "relax_agent.control", "relax_agent.runtime",
+          "relax_agent.roles", "relax_agent.preflight")
+RULES = [
+    # (importer prefix, forbidden prefixes, why)
+    *[(p, ("relax_agent.train", "relax_agent.rollout", "relax_agent.control", "relax_agent.runtime",
+           "relax_agent.weights", "relax_agent.data", *WIRING), "plugins know nothing of training")
+      for p in ("relax_agent.envs", "relax_agent.sandboxes", "relax_agent.reward_services")],
+    ("relax_agent.rollout", ("relax_agent.train", *WIRING), "rollout meets the trainer only through records"),
+    ("relax_agent.train", ("relax_agent.rollout", *WIRING), "the trainer meets rollout only through records"),
+    ("relax_agent.data", ("relax_agent.train", "relax_agent.rollout", "relax_agent.moe", "relax_agent.records",
+                          "relax_agent.control", "relax_agent.runtime", *WIRING), "the bus knows fields, no algorithm"),
+    ("relax_agent.weights", ("relax_agent.train", "relax_agent.control", "relax_agent.runtime", *WIRING),
+     "weight sync knows tensors, not trainers"),
+    ("relax_agent.records", ("relax_agent.rollout", "relax_agent.train", *WIRING), "records are neutral"),
+    ("relax_agent.runtime", ("relax_agent.cli", "relax_agent.control"), "services do not drive the loop"),
+]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    root = ROOTS[parts[0]].split(".")
+    parts = root + parts[1:]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import submodule`
+    return {m for m in out if m.startswith("relax_agent")}
+
+
+def edges() -> list[tuple[str, str, str]]:
+    found = []
+    for top in ROOTS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            found += [(module_name(path), imported, str(path.relative_to(REPO))) for imported in imports(path)]
+    return found
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_forbidden_import_edge():
+    bad = []
+    for importer, imported, where in edges():
+        for prefix, forbidden, why in RULES:
+            if not _under(importer, prefix):
+                continue
+            for f in forbidden:
+                if _under(imported, f) and not _under(imported, prefix):
+                    bad.append(f"{where}: {importer} imports {imported} ({why})")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+@pytest.mark.parametrize("importer, imported", [("relax_agent.rollout.chat", "relax_agent.train.batch"),
+                                                ("relax_agent.data.store", "relax_agent.train.algorithms"),
+                                                ("relax_agent.envs.calculator", "relax_agent.rollout.runner")])
+def test_the_rules_catch_a_forbidden_edge(importer, imported):
+    hits = [why for prefix, forbidden, why in RULES if _under(importer, prefix)
+            and any(_under(imported, f) for f in forbidden)]
+    assert hits
+
+
+def test_module_names_follow_the_package_dir_mapping():
+    assert module_name(REPO / "envs" / "bfcl" / "env.py") == "relax_agent.envs.bfcl.env"
+    assert module_name(REPO / "relax_agent" / "data" / "__init__.py") == "relax_agent.data"
