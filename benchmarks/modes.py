@@ -65,7 +65,7 @@ register(id=ENV_ID, entry_point=SlowToolEcho)
 def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, staleness: int) -> dict[str, Any]:
     """Train one mode in this process; returns its summary."""
     from relax_agent.config import validate_config
-    from relax_agent.controller import Controller
+    from relax_agent.control import build_controller
     from relax_agent.metrics import read_metrics
     from relax_agent.roles import build_roles
 
@@ -83,11 +83,11 @@ def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, st
         "checkpoint": {"every_steps": 0},
         "logging": {"tensorboard": False, "progress": False, "plot": False},
     }, "benchmarks/modes.py")
-    roles = build_roles(cfg)
+    ctrl = build_controller(cfg, build_roles(cfg))
     try:
-        Controller(cfg, roles).train()
+        ctrl.train()
     finally:
-        roles.close()
+        ctrl.close()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
     wall_s = sum(r["timing/step_s"] for r in rows)
     samples = len(rows) * args.tasks_per_step * args.group_size

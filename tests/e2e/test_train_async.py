@@ -36,7 +36,7 @@ def _metrics(run: Path) -> list[dict]:
 def _train_in_process(tiny_model_dir, out, *overrides):
     """The CLI's path without a new interpreter: config, roles, controller."""
     from relax_agent.config import load_config
-    from relax_agent.controller import Controller
+    from relax_agent.control import build_controller
     from relax_agent.roles import build_roles
 
     cfg = load_config(REPO / "examples/tiny.yaml", [
@@ -46,10 +46,11 @@ def _train_in_process(tiny_model_dir, out, *overrides):
     roles = build_roles(cfg)
     engine_params = {p.data_ptr() for p in roles.engine._model.parameters()}
     assert not engine_params & {p.data_ptr() for p in roles.trainer.model.parameters()}  # separate copies
+    ctrl = build_controller(cfg, roles)
     try:
-        Controller(cfg, roles).train()
+        ctrl.train()
     finally:
-        roles.close()
+        ctrl.close()
 
 
 @pytest.fixture(scope="module")

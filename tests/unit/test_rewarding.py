@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from relax_agent.config import load_config
-from relax_agent.controller import rollout_metrics
+from relax_agent.control.reporting import rollout_metrics
 from relax_agent.reward_services import ENV_REWARD_KEY, FakeReward
 from relax_agent.rollout.rewarding import needs_scoring, reward_item, score
 from relax_agent.records import Trajectory, Turn
