@@ -58,3 +58,72 @@ def test_strict_mode_refuses_junk_after_the_call():
     clean = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     assert len(build_parser("hermes_strict").parse(clean).tool_calls) == 1
     assert len(build_parser("hermes_strict").parse('<tool_call>{"name": "f", "arguments": {}}  ').tool_calls) == 1
+
+
+# ---------------------------------------------------------------- bare and fenced JSON
+def _names(action) -> list[str]:
+    return [c["function"]["name"] for c in action.tool_calls]
+
+
+@pytest.mark.parametrize("name", ["json", "json_strict"])
+def test_bare_json_call_and_list(name):
+    parser = build_parser(name)
+    one = parser.parse(' {"name": "math.factorial", "arguments": {"number": 5}} \n')
+    assert one.tool_calls == ({"id": "call_0", "type": "function",
+                               "function": {"name": "math.factorial", "arguments": {"number": 5}}},)
+    assert one.content == "" and one.errors == ()
+    many = parser.parse('[{"name": "a", "arguments": {"k": 1}}, {"name": "b", "parameters": "{\\"n\\": 2}"}]')
+    assert _names(many) == ["a", "b"] and many.tool_calls[1]["function"]["arguments"] == {"n": 2}
+    assert [c["id"] for c in many.tool_calls] == ["call_0", "call_1"]
+    assert parser.parse("The answer is 42.").tool_calls == () and parser.parse("The answer is 42.").errors == ()
+
+
+def test_bare_json_lenient_finds_calls_in_text_strict_does_not():
+    text = 'Let me call it: {"name": "f", "arguments": {"x": 1}} and then {"name": "g", "arguments": {}}.'
+    lenient = build_parser("json").parse(text)
+    assert _names(lenient) == ["f", "g"] and lenient.content == "Let me call it:  and then ."
+    strict = build_parser("json_strict").parse(text)
+    assert strict.tool_calls == () and strict.errors == () and strict.content == text
+    junk = build_parser("json_strict").parse('{"name": "f", "arguments": {}} trailing')
+    assert junk.tool_calls == () and "trailing" in junk.errors[0]
+    assert _names(build_parser("json").parse('{"name": "f", "arguments": {}} trailing')) == ["f"]
+
+
+def test_bare_json_non_call_objects_are_content_and_broken_calls_errors():
+    data = build_parser("json").parse('Result: {"temperature": 20}')
+    assert data.tool_calls == () and data.errors == () and data.content == 'Result: {"temperature": 20}'
+    broken = build_parser("json").parse('{"name": "f", "arguments": {"x": ')
+    assert broken.tool_calls == () and "not valid JSON" in broken.errors[0]
+    strict = build_parser("json_strict")
+    assert "string 'name'" in strict.parse('{"temperature": 20}').errors[0]
+    assert "not valid JSON" in strict.parse('[{"name": "f",').errors[0]
+    assert "arguments" in strict.parse('{"name": "f", "arguments": [1]}').errors[0]
+
+
+@pytest.mark.parametrize("name", ["json_fenced", "json_fenced_strict"])
+def test_fenced_json_calls(name):
+    text = 'I will look it up.\n```json\n{"name": "f", "arguments": {"x": 1}}\n```\nand\n```JSON\n[{"name": "g", "arguments": {}}]\n```'
+    action = build_parser(name).parse(text)
+    assert _names(action) == ["f", "g"] and action.errors == ()
+    assert action.content == "I will look it up.\n\nand"
+    code = build_parser(name).parse("Run this:\n```python\nprint({'name': 1})\n```")
+    assert code.tool_calls == () and code.errors == () and "print" in code.content
+
+
+def test_fenced_json_strictness():
+    lenient, strict = build_parser("json_fenced"), build_parser("json_fenced_strict")
+    untagged = '```\n{"name": "f", "arguments": {}}\n```'
+    assert _names(lenient.parse(untagged)) == ["f"] and strict.parse(untagged).tool_calls == ()
+    unclosed = '```json\n{"name": "f", "arguments": {}}'
+    assert _names(lenient.parse(unclosed)) == ["f"] and strict.parse(unclosed).tool_calls == ()
+    trailing = '```json\n{"name": "f", "arguments": {}} // the call\n```'
+    assert _names(lenient.parse(trailing)) == ["f"]
+    assert strict.parse(trailing).tool_calls == () and "// the call" in strict.parse(trailing).errors[0]
+    broken = '```json\n{"name": "f", "arguments": \n```'
+    for parser in (lenient, strict):
+        action = parser.parse(broken)
+        assert action.tool_calls == () and "not valid JSON" in action.errors[0]
+        assert action.message()["parse_errors"] == list(action.errors)
+    assert lenient.parse("```\nls -la\n```").errors == ()  # untagged non-JSON fences are code, not calls
+    assert build_parser("json").parse("no JSON here").message() == {"role": "assistant", "content": "no JSON here",
+                                                                     "tool_calls": []}
