@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,9 +29,38 @@ import torch
 
 from relax_agent.errors import CheckpointError
 
+_NAME = re.compile(r"step_(\d+)")
 
-def _step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step_"))
+
+def _step_of(path: Path) -> int | None:
+    """The step of a ``step_NNNNNN`` folder; None for any other name."""
+    match = _NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (naming the file), or None when it looks complete:
+    ``state.json`` parses with a step, ``trainer.pt`` and ``rng.pt`` are non-empty, ``model/``
+    holds non-empty files."""
+    state = ckpt / "state.json"
+    try:
+        data = json.loads(state.read_text())
+    except FileNotFoundError:
+        return f"{state} is missing"
+    except (OSError, ValueError) as exc:
+        return f"{state} is not valid JSON ({exc})"
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+        return f"{state} has no integer 'step'"
+    for name in ("trainer.pt", "rng.pt"):
+        f = ckpt / name
+        if not f.is_file() or f.stat().st_size == 0:
+            return f"{f} is {'missing' if not f.is_file() else 'empty (0 bytes)'}"
+    model = ckpt / "model"
+    files = [f for f in model.rglob("*") if f.is_file()] if model.is_dir() else []
+    if not files:
+        return f"{model} holds no model files"
+    empty = [str(f) for f in files if f.stat().st_size == 0]
+    return f"{empty[0]} is empty (0 bytes)" if empty else None
 
 
 class CheckpointManager:
@@ -68,15 +99,13 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def all(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        if not self.root.exists():
-            return []
-        done = [p for p in self.root.glob("step_*") if (p / "state.json").exists()]
-        return sorted(done, key=_step_of)
+        """Numbered checkpoint folders that hold a ``state.json``, oldest first (other names are ignored)."""
+        return _numbered(self.root)
 
     def latest(self) -> Path | None:
-        found = self.all()
-        return found[-1] if found else None
+        """The newest checkpoint that passes :func:`checkpoint_problem`; newer broken ones are
+        skipped with a warning naming what is wrong."""
+        return _newest_valid(self.all())
 
 
 def resolve(path: str | Path) -> Path:
@@ -87,21 +116,49 @@ def resolve(path: str | Path) -> Path:
     """
     p = Path(path)
     if (p / "state.json").exists():
+        problem = checkpoint_problem(p)
+        if problem:
+            raise CheckpointError(f"checkpoint {p} cannot be loaded: {problem}")
         return p
     for root in (p, p / "checkpoints"):
-        if root.is_dir():
-            done = sorted((c for c in root.glob("step_*") if (c / "state.json").exists()), key=_step_of)
-            if done:
-                return done[-1]
+        found = _newest_valid(_numbered(root))
+        if found is not None:
+            return found
     raise CheckpointError(f"no complete checkpoint at {str(p)!r} (expected a step_NNNNNN folder with state.json)")
+
+
+def _numbered(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    done = [c for c in root.iterdir() if c.is_dir() and _step_of(c) is not None and (c / "state.json").exists()]
+    return sorted(done, key=lambda c: _step_of(c) or 0)
+
+
+def _newest_valid(candidates: list[Path]) -> Path | None:
+    for ckpt in reversed(candidates):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt
+        warnings.warn(f"skipping checkpoint {ckpt}: {problem}", stacklevel=3)
+    return None
 
 
 def load_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state.json contents, trainer state) of a checkpoint; restores the RNG states too."""
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt} cannot be loaded: {problem}")
     state = json.loads((ckpt / "state.json").read_text())
-    trainer_state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    trainer_state, rng = _torch_load(ckpt / "trainer.pt"), _torch_load(ckpt / "rng.pt")
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     return state, trainer_state
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated or corrupt file: name it
+        raise CheckpointError(f"{path} is corrupt or truncated ({type(exc).__name__}: {exc}); "
+                              "resume from an earlier checkpoint or delete this one") from exc

@@ -90,7 +90,32 @@ def preflight(cfg: RelaxConfig) -> str:
     device = resolve_device(cfg.run.device)
     check_dtypes(device, cfg.engine.dtype, cfg.trainer.dtype)
     check_mode(cfg, device)
+    check_output_dir(cfg.run.output_dir)
     return device
+
+
+def check_output_dir(path: str) -> None:
+    """Raise ConfigError naming ``run.output_dir`` when the run could not write there: it is a
+    file, cannot be created, or a test file cannot be written (read-only, /proc, disk full)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"run.output_dir={path!r} is a file, not a folder; choose a folder path")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".write-check-")
+        try:
+            os.write(fd, b"x" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"run.output_dir={path!r} is not writable: {exc.strerror or exc}; "
+                          "choose a folder this user can write") from exc
 
 
 def check_mode(cfg: RelaxConfig, device: str) -> None:

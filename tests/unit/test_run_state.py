@@ -29,16 +29,15 @@ def test_sampler_refuses_empty_data_and_a_different_dataset():
         TaskSampler(6, 0).load_state_dict(TaskSampler(5, 0).state_dict())
 
 
-class _Saveable:
-    def save_pretrained(self, path, **_):
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "weights.txt").write_text("w")
+def _save_model(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "weights.txt").write_text("w")
 
 
 def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
     m = CheckpointManager(tmp_path, keep_last=2)
     for step in (1, 2, 3):
-        m.save(step, _Saveable(), _Saveable(), {"opt": step}, {"policy_version": step}, "a: 1\n")
+        m.save(step, _save_model, {"opt": step}, {"policy_version": step}, "a: 1\n")
     assert [p.name for p in m.all()] == ["step_000002", "step_000003"]
     (tmp_path / "checkpoints" / ".step_000004.tmp").mkdir()  # a crash mid-save
     (tmp_path / "checkpoints" / "step_000005").mkdir()        # no state.json: incomplete
@@ -57,3 +56,58 @@ def test_metrics_keep_the_last_row_per_step_and_plot(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r.get("rollout/reward")) for r in rows] == [(0, None), (1, 0.7), (2, 0.9)]
     assert plot_curves(tmp_path / "metrics.jsonl", tmp_path / "p.png").stat().st_size > 5000
+
+
+def _three_checkpoints(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        m.save(step, _save_model, {"opt": step}, {"policy_version": step}, "a: 1\n")
+    return m, tmp_path / "checkpoints"
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda c: (c / "trainer.pt").write_bytes(b""), "trainer.pt is empty"),
+    (lambda c: (c / "state.json").write_text("{not json"), "state.json is not valid JSON"),
+    (lambda c: (c / "model" / "weights.txt").write_bytes(b""), "weights.txt is empty"),
+    (lambda c: (c / "rng.pt").unlink(), "rng.pt is missing"),
+])
+def test_resume_skips_a_broken_newest_checkpoint_naming_the_file(tmp_path, damage, problem):
+    from relax_agent.checkpoint import load_state
+
+    m, root = _three_checkpoints(tmp_path)
+    damage(root / "step_000003")
+    with pytest.warns(UserWarning, match=problem):
+        assert m.latest().name == "step_000002"
+    with pytest.raises(CheckpointError, match=problem):
+        load_state(root / "step_000003")
+
+
+def test_a_truncated_trainer_state_is_an_error_naming_the_file(tmp_path):
+    from relax_agent.checkpoint import load_state
+
+    _, root = _three_checkpoints(tmp_path)
+    f = root / "step_000003" / "trainer.pt"
+    f.write_bytes(f.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match="trainer.pt is corrupt or truncated"):
+        load_state(root / "step_000003")
+
+
+def test_stray_folders_beside_checkpoints_are_ignored(tmp_path):
+    m, root = _three_checkpoints(tmp_path)
+    (root / "step_best").mkdir()
+    (root / "step_best" / "state.json").write_text("{}")
+    (root / "notes").mkdir()
+    assert [p.name for p in m.all()] == ["step_000001", "step_000002", "step_000003"]
+    assert m.latest().name == resolve(tmp_path).name == "step_000003"
+
+
+@pytest.mark.parametrize("where, problem", [("file", "is a file"), ("/proc/relax-run", "not writable")])
+def test_an_output_dir_that_cannot_be_written_fails_in_preflight(tmp_path, where, problem):
+    from relax_agent.errors import ConfigError
+    from relax_agent.preflight import check_output_dir
+
+    path = tmp_path / "a-file" if where == "file" else where
+    if where == "file":
+        path.write_text("x")
+    with pytest.raises(ConfigError, match=f"run.output_dir=.*{problem}"):
+        check_output_dir(str(path))

@@ -241,3 +241,23 @@ def test_a_run_on_the_fake_engine_and_fake_trainer_loads_no_model(tmp_path, tiny
     assert ctrl.version == len(ctrl.runtime.trainer.trainer.batches)
     assert (Path(summary["checkpoint"]) / "model" / "fake_model.json").exists()
     assert len(dumped(tmp_path)) == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("mode", ["colocate", "async"])
+def test_non_finite_weights_stop_the_run_and_are_neither_published_nor_saved(tmp_path, mode):
+    from relax_agent.errors import WeightSyncError
+
+    class Diverging(FakeTrainer):
+        def policy_state_dict(self):
+            return {"w": torch.full((4,), float("nan") if self.step >= 2 else float(self.step))}
+
+    ctrl = make_controller(tmp_path, 0, lambda spec: 0.001, steps=5, mode=mode)
+    ctrl.cfg.checkpoint.every_steps = 1
+    ctrl.runtime.trainer.trainer = Diverging()
+    with pytest.raises(WeightSyncError, match="(?i)nan|finite"):
+        run(ctrl)
+    engine = ctrl.runtime.rollout.runner.engine
+    assert ctrl.step == 1 and engine.policy_version == 1  # the engines keep the last good version
+    assert all(torch.isfinite(sd["w"]).all() for _, sd in engine.loaded)
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step_000001"]  # no checkpoint of the diverged weights
