@@ -79,6 +79,9 @@ class RolloutConfig(Section):
     """Tokens the policy may sample in one assistant turn."""
     max_total_tokens: int = Field(default=2048, ge=16)
     """Budget for prompt + all turns of an episode; the episode is truncated past it."""
+    episode_timeout_s: float = Field(default=1800.0, gt=0.0)
+    """Most seconds one whole episode may take (env and engine calls together); past it the
+    episode becomes a failed record (reward status "timeout") naming this key."""
     temperature: float = Field(default=1.0, gt=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     tool_parser: str = "hermes"

@@ -2,18 +2,36 @@
 
 The prompt is rendered through the tokenizer's chat template exactly once per episode.
 After that the trajectory only grows by (a) the token ids the engine sampled and (b) the
-template's token *delta* for each new observation (tool results, user follow-ups), which is
-computed against a fixed reference conversation so the sampled tokens are never re-rendered
-or re-tokenized (FIELD_NOTES: "token drift when multi-turn history is re-rendered").
+template's token *delta* for each new observation (tool results, user follow-ups), so the
+sampled tokens are never re-rendered or re-tokenized (FIELD_NOTES: "token drift when
+multi-turn history is re-rendered").
+
+How a delta is found, without assuming how the template closes a turn: the template renders a
+short context conversation twice, once ending with an assistant turn and once with the new
+messages after it (the assistant turn carries one tool call per tool result, for templates
+that need ``tool_calls`` before a tool message). Where the two renderings part, or at the last
+special token of the assistant turn, is the token that closes the turn (``<|im_end|>``, or
+``<|eom_id|>`` where Llama-3.1 closes a turn that a tool result follows); the delta is what
+follows it. What a template cannot do is refused when the renderer is built, with a
+:class:`~relax_agent.errors.ConfigError` naming the feature.
+
+Observation text is plain text: a tool result or user message that spells a special or added
+token (``<|im_end|>``, ``<tool_call>``) is tokenized as the characters it is, so a tool cannot
+forge turns; special tokens come only from the template's own structure.
+
+Content parts (image, audio, video) stay parts. A text-only policy (``accepts_media=False``)
+refuses them with an error naming the part type and the message index; :func:`check_media`
+is the same check for start-up code.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from relax_agent.configbase import Section
+from relax_agent.errors import ConfigError, EnvError
 
 HERMES_SYSTEM = (
     "You are a function-calling AI model. You are provided with function signatures within "
@@ -34,17 +52,52 @@ EXAMPLE_TURNS = (
 )
 """A worked tool call shown as one demonstration exchange before the real request."""
 
-_REF_USER = "ping"
+_REF_USER = {"role": "user", "content": "ping"}
 _REF_ASSISTANT = "pong"
+_PLAIN_ROLES = frozenset({"user", "tool"})
+"""Roles whose text comes from the env (observations): always tokenized as plain text."""
+_PLACEHOLDER = re.compile("\ue000(\\d+)\ue001")
+
+
+def _placeholder(i: int) -> str:
+    return f"\ue000{i}\ue001"  # private-use characters: no template trims or escapes them
 
 
 def text_of(content: Any) -> str:
-    """Flatten OpenAI content (a string or a list of content parts) to text."""
+    """Flatten OpenAI content (a string or a list of content parts) to its text parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def media_parts(messages: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
+    """``(message index, part type)`` of every non-text content part in ``messages``."""
+    return [(i, str(p.get("type"))) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") != "text"]
+
+
+def check_media(messages: Sequence[dict[str, Any]], accepts_media: bool, where: str = "messages") -> None:
+    """Refuse media content parts for a text-only policy (call it at start-up on the env's prompts).
+
+    Args:
+        messages: OpenAI-format chat messages.
+        accepts_media: whether the policy takes image/audio/video parts.
+        where: how the error names the list (e.g. ``"env.reset observation"``).
+
+    Raises:
+        ConfigError: ``accepts_media`` is False and a message has a non-text part; names the
+            first one's message index and part type, and how many there are.
+    """
+    found = [] if accepts_media else media_parts(messages)
+    if found:
+        i, kind = found[0]
+        more = f" ({len(found)} media parts in all)" if len(found) > 1 else ""
+        raise ConfigError(
+            f"{where}[{i}] has a {kind!r} content part{more}, but the policy is text-only "
+            f"(ChatRenderer accepts_media=False): use a policy that takes media or an env whose messages are text"
+        )
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -59,7 +112,8 @@ class RenderedPrompt:
 
     Attributes:
         token_ids: [P] the rendered prompt, ending with the assistant generation prompt.
-        messages: the messages as rendered (system prompt with tools included).
+        messages: the messages as rendered (system prompt with tools included; text-only
+            content flattened to strings, media parts kept as parts).
     """
 
     token_ids: tuple[int, ...]
@@ -70,7 +124,7 @@ class ChatRenderer:
     """Renders prompts and observation deltas with a tokenizer's chat template.
 
     Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
+        tokenizer: a Hugging Face (fast) tokenizer with a chat template.
         tools_in: "template" (pass ``tools=`` to the template), "system" (Hermes-style system
             prompt), or "auto" (template when it reads ``tools``, else system).
         system_prompt: replaces the default tool-introducing system prompt; may contain
@@ -78,27 +132,109 @@ class ChatRenderer:
         tool_example: show one worked tool call as a demonstration exchange (a user request and
             the assistant's ``<tool_call>`` reply) after the system prompt; small models follow
             a demonstrated format far more often than a described one.
+        accepts_media: the policy takes image/audio/video content parts (they are passed to the
+            template as parts); when False a message with one raises ConfigError.
+
+    Attributes:
+        system_role: the template accepts a ``system`` message; when it refuses one, system
+            text is put at the start of the first user message (as Gemma's own template does).
+        tool_role: "tool" when the template renders tool messages, "user" when it refuses that
+            role (tool results then go in as user messages wrapped in ``<tool_response>``,
+            the Hermes convention). Decided once, here, never per message.
 
     Raises:
-        ConfigError: the tokenizer has no chat template.
+        ConfigError: the tokenizer has no chat template, or the template lacks a feature
+            token-in/token-out needs (named in the message): a generation prompt that starts an
+            assistant turn, a special token that closes it, a way to render tool results.
     """
 
     def __init__(self, tokenizer: Any, tools_in: str = "auto", system_prompt: str | None = None,
-                 tool_example: bool = True):
-        from relax_agent.errors import ConfigError
-
+                 tool_example: bool = True, accepts_media: bool = False):
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("model.path: the tokenizer has no chat template; relax-agent needs one")
         self.tokenizer = tokenizer
         self.use_template_tools = tools_in == "template" or (tools_in == "auto" and template_supports_tools(tokenizer))
         self.system_prompt = system_prompt
         self.tool_example = tool_example
-        self._end_of_turn = self._find_end_of_turn()
+        self.accepts_media = accepts_media
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self._added = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}))
+        self._special_ids = frozenset(i for i, t in added.items() if t.special) | frozenset(self._eos_ids())
+        self._heads: dict[int, str] = {}
+        self.system_role = self._renders([{"role": "system", "content": "s"}, _REF_USER])
+        self._gen_prefix = self._probe_generation_prompt()
+        self.tool_role = "tool"
+        self._end_after_user = self._probe_boundary([{"role": "user", "content": "x"}])
+        self._probe_tool_role()
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+    # -- start-up probes ----------------------------------------------------------------------
+    def _renders(self, msgs: list[dict[str, Any]]) -> bool:
+        try:
+            self._render(msgs, gen=True)
+        except Exception:  # the template raised: it refuses this conversation shape
+            return False
+        return True
+
+    def _probe_generation_prompt(self) -> str:
+        prefix = self._template("a user turn", [_REF_USER], gen=True)
+        turn = self._template("an assistant turn", [_REF_USER, {"role": "assistant", "content": _REF_ASSISTANT}])
+        if not turn.startswith(prefix):
+            raise ConfigError(
+                "model.path: the chat template's generation prompt (add_generation_prompt=True ends with "
+                f"{prefix[-40:]!r}) is not how it starts an assistant turn ({turn[len(prefix) - 40:][:80]!r}); "
+                "token-in/token-out samples right after the generation prompt, so the two must agree"
+            )
+        return prefix
+
+    def _probe_boundary(self, new: list[dict[str, Any]]) -> str:
+        """The text of the token that closes an assistant turn followed by ``new``."""
+        alone, tail = self._after_assistant(new)
+        start, stop = self._closing_token(alone, tail, [m["role"] for m in new])
+        return tail[start:stop]
+
+    def _probe_tool_role(self) -> None:
+        tool = [{"role": "tool", "content": "x"}]
+        try:
+            self._probe_boundary(tool)
+            return
+        except ConfigError:
+            raise
+        except Exception as exc:  # the template raised on a tool message
+            refused = exc
+        self.tool_role = "user"
+        try:
+            self._probe_boundary(tool)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"model.path: the chat template renders tool results neither as 'tool' messages ({refused}) nor as "
+                f"user messages after an assistant turn ({exc}); relax-agent needs one of the two"
+            ) from exc
+
+    def _template(self, what: str, msgs: list[dict[str, Any]], gen: bool = False) -> str:
+        try:
+            return self._render(msgs, gen=gen)
+        except Exception as exc:
+            raise ConfigError(f"model.path: the chat template cannot render {what}: {type(exc).__name__}: {exc}") from exc
+
+    def _render(self, msgs: Sequence[dict[str, Any]], gen: bool = False, **kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=gen, **kwargs)
 
     # -- prompt ---------------------------------------------------------------------------
     def render_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> RenderedPrompt:
-        """Render the opening messages (and tools) once, ending with the generation prompt."""
-        msgs = [self._plain(m) for m in messages]
+        """Render the opening messages (and tools) once, ending with the generation prompt.
+
+        Raises:
+            ConfigError: a media part reaches a text-only policy (names the message index and type).
+            EnvError: a user/tool message spells a special token and the template rewrites
+                message content, so it cannot be kept as plain text.
+        """
+        msgs = self._contents(messages)
         kwargs: dict[str, Any] = {}
         if tools and self.use_template_tools:
             kwargs["tools"] = list(tools)
@@ -108,9 +244,9 @@ class ChatRenderer:
             msgs = self._with_system(msgs, self._tool_system_prompt(tools))
             if tools and self.tool_example:
                 msgs = msgs[:1] + list(EXAMPLE_TURNS) + msgs[1:]
-        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return RenderedPrompt(tuple(ids), tuple(msgs))
+        rendered = msgs if self.system_role else self._fold_system(msgs)
+        text, spans = self._render_plain(rendered, gen=True, **kwargs)
+        return RenderedPrompt(tuple(self._encode(text, spans)), tuple(msgs))
 
     def _tool_system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
         schemas = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
@@ -121,51 +257,191 @@ class ChatRenderer:
     @staticmethod
     def _with_system(msgs: list[dict[str, Any]], system: str) -> list[dict[str, Any]]:
         if msgs and msgs[0]["role"] == "system":
-            return [{"role": "system", "content": system + "\n\n" + msgs[0]["content"]}] + msgs[1:]
+            return [{**msgs[0], "content": system + "\n\n" + text_of(msgs[0]["content"])}] + msgs[1:]
         return [{"role": "system", "content": system}] + msgs
 
     @staticmethod
-    def _plain(message: dict[str, Any]) -> dict[str, Any]:
-        return {"role": message["role"], "content": text_of(message.get("content"))}
+    def _fold_system(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """For templates that refuse a system role: leading system text opens the first user message."""
+        if not msgs or msgs[0]["role"] != "system":
+            return msgs
+        system, rest = text_of(msgs[0]["content"]), msgs[1:]
+        if rest and rest[0]["role"] == "user" and isinstance(rest[0]["content"], str):
+            return [{**rest[0], "content": system + "\n\n" + rest[0]["content"]}] + rest[1:]
+        return [{"role": "user", "content": system}] + rest
+
+    def _contents(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages as the template gets them: text-only content as a string, media parts as parts."""
+        check_media(messages, self.accepts_media)
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list) and all(p.get("type") == "text" for p in content):
+                content = text_of(content)
+            out.append({**m, "content": "" if content is None else content})
+        return out
 
     # -- deltas ---------------------------------------------------------------------------
-    def _reference(self) -> list[dict[str, Any]]:
-        return [{"role": "system", "content": "s"}, {"role": "user", "content": _REF_USER},
-                {"role": "assistant", "content": _REF_ASSISTANT}]
+    def _head(self, num_calls: int) -> dict[str, Any]:
+        """The context assistant turn: fixed text, plus one tool call per tool result that follows
+        (templates may require ``tool_calls`` before a tool message)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": _REF_ASSISTANT}
+        if num_calls:
+            msg["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": "tool", "arguments": {}}}
+                                 for i in range(num_calls)]
+        return msg
 
-    def _find_end_of_turn(self) -> str:
-        """The text the template puts right after an assistant message's content (its end token)."""
-        text = self.tokenizer.apply_chat_template(self._reference(), tokenize=False)
-        tail = text[text.rindex(_REF_ASSISTANT) + len(_REF_ASSISTANT):]
-        eos = self.tokenizer.eos_token or ""
-        if eos and eos in tail:
-            return tail[: tail.index(eos) + len(eos)]
-        return tail.rstrip("\n") if tail.strip() else tail
+    def _after_assistant(self, new: list[dict[str, Any]]) -> tuple[str, str]:
+        """Render the context's assistant turn alone and followed by ``new`` (with the generation prompt).
+
+        Returns:
+            (the turn alone, the turn followed by ``new``), each after the generation prompt.
+        """
+        new = [self._as_user(m) if m["role"] == "tool" and self.tool_role == "user" else m for m in new]
+        num_calls = sum(m["role"] == "tool" for m in new)
+        seen = 0
+        for i, m in enumerate(new):
+            if m["role"] == "tool":
+                new[i] = {"tool_call_id": f"call_{seen}", **m}
+                seen += 1
+        if num_calls not in self._heads:
+            self._heads[num_calls] = self._render([_REF_USER, self._head(num_calls)])[len(self._gen_prefix):]
+        full = self._render([_REF_USER, self._head(num_calls), *new], gen=True)
+        if not full.startswith(self._gen_prefix):
+            raise ConfigError("model.path: the chat template renders the context before an assistant turn differently "
+                              "once more messages follow it; token-in/token-out needs a stable prefix")
+        return self._heads[num_calls], full[len(self._gen_prefix):]
+
+    def _closing_token(self, closed: str, tail: str, roles: list[str]) -> tuple[int, int]:
+        """Character span in ``tail`` of the token closing the assistant turn (see module doc)."""
+        a = self.tokenizer(closed, add_special_tokens=False, return_offsets_mapping=True)
+        b = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
+        a_ids, b_ids = list(a["input_ids"]), list(b["input_ids"])
+        k = next((j for j, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y), min(len(a_ids), len(b_ids)))
+        special = self._special_ids
+        if k < len(a_ids):  # the template closes the turn with another token when `roles` follow
+            if k < len(b_ids) and a_ids[k] in special and b_ids[k] in special:
+                return tuple(b["offset_mapping"][k])
+            raise ConfigError(
+                f"model.path: the chat template renders an assistant turn differently when {roles} follow "
+                f"({closed[:80]!r} vs {tail[:80]!r}), not only by its closing token; token-in/token-out cannot "
+                "append observations to sampled turns with this template"
+            )
+        ends = [j for j in range(len(a_ids)) if a_ids[j] in special]
+        j = ends[-1] if ends else k
+        if j >= len(b_ids) or b_ids[j] not in special:
+            raise ConfigError(
+                f"model.path: the chat template closes an assistant turn with no special token (after the turn it "
+                f"renders {tail[:80]!r}); token-in/token-out needs one (the engine stops on it)"
+            )
+        return tuple(b["offset_mapping"][j])
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
-        """[k] tokens that close an assistant turn (appended, unmasked, after a length cut)."""
-        return tuple(self.tokenizer(self._end_of_turn, add_special_tokens=False)["input_ids"])
+        """[k] tokens that close an assistant turn a user message follows."""
+        return tuple(self.tokenizer(self._end_after_user, add_special_tokens=False)["input_ids"])
 
-    def observation_delta(self, new_messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Token ids that follow a closed assistant turn: the new messages and the next
-        generation prompt, exactly as the template would render them.
+    def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True) -> list[int]:
+        """Token ids that follow an assistant turn: the new messages and the next generation
+        prompt, exactly as the template renders them after that turn.
 
-        Tool messages are rendered with role ``tool``; a template that rejects that role gets
-        them as user messages wrapped in ``<tool_response>`` (Hermes convention).
+        Args:
+            new_messages: the env's new messages (tool results, user follow-ups).
+            closed: the sampled turn ends with the template's closing token (finish reason
+                "stop"); when False (cut at ``max_new_tokens``) the delta starts with the token
+                that closes the turn before these messages.
+
+        Returns:
+            [d] token ids; user/tool text in them is plain text (never special tokens).
+
+        Raises:
+            ConfigError: a media part reaches a text-only policy (names the message index and type).
+            EnvError: a user/tool message spells a special token and the template rewrites
+                message content, so it cannot be kept as plain text.
         """
-        ref = self._reference()
-        msgs = [self._plain(m) for m in new_messages]
-        try:
-            full = self.tokenizer.apply_chat_template(ref + msgs, tokenize=False, add_generation_prompt=True)
-        except Exception:  # template refuses the tool role
-            msgs = [self._as_user(m) for m in msgs]
-            full = self.tokenizer.apply_chat_template(ref + msgs, tokenize=False, add_generation_prompt=True)
-        cut = full.index(_REF_ASSISTANT + self._end_of_turn) + len(_REF_ASSISTANT + self._end_of_turn)
-        return self.tokenizer(full[cut:], add_special_tokens=False)["input_ids"]
+        msgs = self._contents(new_messages)
+        texts, held = self._placeheld(msgs)
+        alone, held_tail = self._after_assistant(held)  # where the turn closes: independent of the env's text
+        start, stop = self._closing_token(alone, held_tail, [m["role"] for m in held])
+        cut = stop if closed else start
+        _, tail = self._after_assistant(msgs)
+        assert tail[:cut] == held_tail[:cut], "the context before the new messages depends on their text"
+        spans = self._spans(held_tail[cut:], tail[cut:], texts) if self._spells_added(texts) else []
+        return self._encode(tail[cut:], spans)
 
     @staticmethod
     def _as_user(m: dict[str, Any]) -> dict[str, Any]:
-        if m["role"] != "tool":
-            return m
         return {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+
+    # -- plain-text tokenization ------------------------------------------------------------
+    def _placeheld(self, msgs: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
+        """(texts, ``msgs`` with each user/tool text replaced by placeholder i for texts[i])."""
+        texts: list[str] = []
+
+        def hold(text: str) -> str:
+            texts.append(text)
+            return _placeholder(len(texts) - 1)
+
+        out = []
+        for m in msgs:
+            content = m["content"]
+            if m["role"] in _PLAIN_ROLES:
+                if isinstance(content, str):
+                    content = hold(content)
+                else:
+                    content = [{**p, "text": hold(p["text"])} if p.get("type") == "text" else p for p in content]
+            out.append({**m, "content": content})
+        return texts, out
+
+    def _render_plain(self, msgs: list[dict[str, Any]], gen: bool, **kwargs: Any) -> tuple[str, list[tuple[int, int]] | None]:
+        """(rendered text, character spans of user/tool text in it, or None if they cannot be located)."""
+        texts, held = self._placeheld(msgs)
+        text = self._render(msgs, gen=gen, **kwargs)
+        if not self._spells_added(texts):
+            return text, []
+        return text, self._spans(self._render(held, gen=gen, **kwargs), text, texts)
+
+    def _spells_added(self, texts: list[str]) -> bool:
+        return any(tok in t for t in texts for tok in self._added)
+
+    @staticmethod
+    def _spans(held: str, text: str, texts: list[str]) -> list[tuple[int, int]] | None:
+        """Where ``texts`` sit in ``text``, given its rendering ``held`` with placeholders; None when
+        the template changed them (neither verbatim nor trimmed)."""
+        parts = _PLACEHOLDER.split(held)  # [structure, index, structure, index, ..., structure]
+        for variant in (lambda t: t, str.strip):
+            out, spans = [], []
+            for k, piece in enumerate(parts):
+                if k % 2 == 0:
+                    out.append(piece)
+                    continue
+                start = sum(map(len, out))
+                out.append(variant(texts[int(piece)]))
+                spans.append((start, start + len(out[-1])))
+            if "".join(out) == text:
+                return spans
+        return None
+
+    def _encode(self, text: str, spans: list[tuple[int, int]] | None) -> list[int]:
+        """Token ids of ``text`` in which an added/special token spelled inside ``spans`` is plain text.
+
+        Each such occurrence is split after its first character, so the tokenizer cannot match
+        it; text without one is tokenized in one call (identical to plain ``tokenizer(text)``).
+        """
+        if spans is None:
+            raise EnvError("a user/tool message spells a special token (one of the tokenizer's added tokens) and the "
+                           "chat template rewrites message content, so it cannot be tokenized as plain text")
+        cuts = sorted({s + i + 1 for s, e in spans for tok in self._added for i in _find_all(text[s:e], tok)})
+        bounds = [0, *cuts, len(text)]
+        ids: list[int] = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            ids += self.tokenizer(text[lo:hi], add_special_tokens=False)["input_ids"]
+        return ids
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    out, i = [], text.find(sub)
+    while i >= 0:
+        out.append(i)
+        i = text.find(sub, i + 1)
+    return out

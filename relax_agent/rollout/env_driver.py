@@ -1,4 +1,4 @@
-"""Multi-turn episodes: env <-> policy, recorded token-in/token-out.
+"""The env-driven rollout driver: env <-> policy multi-turn episodes, recorded token-in/token-out.
 
 One :func:`run_episode` call plays one episode to the end and always returns a
 :class:`Trajectory`: a crash in the environment becomes a failed-episode record carrying
@@ -6,72 +6,67 @@ its cause (``error``), never an exception that kills the group and never a dropp
 Envs with ``async def areset/astep`` are awaited on the event loop; synchronous envs run in a
 daemon thread per call, so one slow tool never blocks other episodes and a call that hangs past
 ``step_timeout_s`` is abandoned (a failed record with reward status "timeout") without holding
-up the run's shutdown.
+up the run's shutdown. The whole episode, engine calls included, ends by ``episode_timeout_s``;
+a call still running then is cancelled and abandoned, and the episode is a timed-out record
+(an async env that ignores its cancellation cannot turn it back into a rewarded one).
+
+Budget: ``max_total_tokens`` is checked before every engine call (the reply may use only what
+is left) and before every env step (a reply cut by the budget is not sent to the env); an
+observation that does not fit ends the episode with stop reason "max_total_tokens".
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
-import traceback
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from relax_agent.envs.spaces import is_message
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.errors import EnvError
+from relax_agent.records import StopReason, Trajectory
 from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.driver import Deadline, EpisodeSpec, call_within
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ToolCallParser
-from relax_agent.records import Trajectory, Turn
+from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
 
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """Identity and limits of one episode.
+class EnvDriver:
+    """Plays each episode in a fresh env built by ``make_env`` (the :class:`RolloutDriver` of env tasks).
 
-    Attributes:
-        sample_id / group_id / task_id: ids recorded on the trajectory.
-        task: the task dict passed as ``env.reset(options={"task": task})``.
-        seed: seed passed to ``env.reset``; turn k samples with engine seed ``seed * 1009 + k``.
-        max_turns: assistant turns before the episode is truncated.
-        max_total_tokens: token budget for prompt + turns + observations.
-        step_timeout_s: most seconds one ``env.step`` may take before the episode fails.
+    Args:
+        make_env: builds a fresh environment per episode (episodes never share one); runs in a
+            daemon thread, bounded by ``step_timeout_s``.
+        engine: the inference engine; concurrent requests are batched by the engine.
+        renderer: chat renderer for prompts and observation deltas.
+        parser: tool-call parser.
     """
 
-    sample_id: str
-    group_id: str
-    task_id: str
-    task: dict[str, Any]
-    seed: int
-    max_turns: int = 1
-    max_total_tokens: int = 2048
-    step_timeout_s: float = 60.0
+    def __init__(self, make_env: Callable[[], Any], engine: InferenceEngine, renderer: ChatRenderer,
+                 parser: ToolCallParser):
+        self.make_env = make_env
+        self.engine = engine
+        self.renderer = renderer
+        self.parser = parser
+
+    async def play(self, spec: EpisodeSpec, params: SamplingParams) -> Trajectory:
+        """Build the env and play ``spec`` in it; a constructor that raises or hangs gives a failed
+        record whose cause starts with ``"make_env: "``."""
+        deadline = Deadline(spec.episode_timeout_s)
+        try:
+            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s,
+                                      _step_cause(spec))
+        except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
+            return failed_episode(spec, exc, during="make_env")
+        return await run_episode(env, spec, self.engine, self.renderer, self.parser, params, deadline)
 
 
-class _Recorder:
-    """Accumulates the token stream of one episode."""
-
-    def __init__(self, prompt_ids: tuple[int, ...]):
-        self.token_ids = list(prompt_ids)
-        self.loss_mask = [0] * len(prompt_ids)
-        self.logprobs = [0.0] * len(prompt_ids)
-        self.turns: list[Turn] = []
-
-    def add_turn(self, token_ids: tuple[int, ...], logprobs: tuple[float, ...], version: int, finish: str,
-                 routed_experts: Any = None) -> None:
-        self.turns.append(Turn(len(self.token_ids), token_ids, logprobs, version, finish, routed_experts))
-        self.token_ids += token_ids
-        self.loss_mask += [1] * len(token_ids)
-        self.logprobs += list(logprobs)
-
-    def add_context(self, token_ids: list[int] | tuple[int, ...]) -> None:
-        self.token_ids += token_ids
-        self.loss_mask += [0] * len(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
+def _step_cause(spec: EpisodeSpec) -> str:
+    return f"env call exceeded step_timeout_s={spec.step_timeout_s}"
 
 
 _MAKE_WRAPPERS = frozenset({"TimeLimit", "OrderEnforcing", "PassiveEnvChecker"})
@@ -80,28 +75,33 @@ _MAKE_WRAPPERS = frozenset({"TimeLimit", "OrderEnforcing", "PassiveEnvChecker"})
 
 @dataclass
 class _EnvCalls:
-    """How the orchestrator calls one env: its async ``areset``/``astep`` when the env has them
-    (the env's own, or the unwrapped env's under ``gymnasium.make``'s standard wrappers), else the
-    sync methods in a worker thread."""
+    """How the driver calls one env: its async ``areset``/``astep`` when the env has them (the
+    env's own, or the unwrapped env's under ``gymnasium.make``'s standard wrappers), else the
+    sync methods in a worker thread; each call bounded by ``step_timeout_s`` and the deadline."""
 
     env: Any
-    timeout_s: float
+    spec: EpisodeSpec
+    deadline: Deadline
     steps: int = 0
 
     def __post_init__(self) -> None:
         self.target, self.max_steps = _async_target(self.env)
 
+    async def _call(self, awaitable: Any, what: str) -> Any:
+        return await self.deadline.call(awaitable, what, self.spec.step_timeout_s, _step_cause(self.spec))
+
     async def reset(self, **kwargs: Any) -> Any:
         self.steps = 0
         if self.target is not None:
-            return await asyncio.wait_for(self.target.areset(**kwargs), self.timeout_s)
-        return await asyncio.wait_for(call_in_thread(self.env.reset, **kwargs), self.timeout_s)
+            return await self._call(self.target.areset(**kwargs), "env.reset")
+        return await self._call(call_in_thread(self.env.reset, **kwargs), "env.reset")
 
     async def step(self, action: dict[str, Any]) -> Any:
         self.steps += 1
+        what = f"env.step {self.steps}"
         if self.target is None:
-            return await asyncio.wait_for(call_in_thread(self.env.step, action), self.timeout_s)
-        out = await asyncio.wait_for(self.target.astep(action), self.timeout_s)
+            return await self._call(call_in_thread(self.env.step, action), what)
+        out = await self._call(self.target.astep(action), what)
         if self.max_steps is not None and self.steps >= self.max_steps and isinstance(out, tuple) and len(out) == 5:
             obs, reward, terminated, _, info = out
             out = (obs, reward, terminated, True, info)  # what gymnasium's TimeLimit does
@@ -168,89 +168,73 @@ def _numeric(info: dict[str, Any]) -> dict[str, float]:
 
 
 async def run_episode(env: Any, spec: EpisodeSpec, engine: InferenceEngine, renderer: ChatRenderer,
-                      parser: ToolCallParser, params: SamplingParams) -> Trajectory:
-    """Play one episode of ``env`` with the policy behind ``engine``.
+                      parser: ToolCallParser, params: SamplingParams, deadline: Deadline | None = None) -> Trajectory:
+    """Play one episode of ``env`` with the policy behind ``engine``, then close ``env``.
+
+    Args:
+        deadline: the episode's end; default ``spec.episode_timeout_s`` from now.
 
     Returns:
         The trajectory; on an env failure, a record with ``error`` set and
-        ``reward_status="error"`` (masked out of training, counted in metrics). Its
+        ``reward_status="error"`` (``"timeout"`` past ``step_timeout_s`` or
+        ``episode_timeout_s``), masked out of training and counted in metrics. Its
         ``stop_reason`` is "length" when the last response was cut off by ``max_new_tokens``
         (the engine's finish reason), else "terminated", "truncated", "max_turns" or
         "max_total_tokens".
     """
-    messages: list[dict[str, Any]] = []
-    rec: _Recorder | None = None
-    reward, metrics, stop = 0.0, {}, "max_turns"
-    calls = _EnvCalls(env, spec.step_timeout_s)
+    deadline = deadline or Deadline(spec.episode_timeout_s)
+    rec = TrajectoryRecorder(spec)
+    calls = _EnvCalls(env, spec, deadline)
     try:
         obs, info = _check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
         prompt = renderer.render_prompt(obs, info.get("tools", ()))
-        messages = list(prompt.messages)
-        rec = _Recorder(prompt.token_ids)
-        for turn in range(spec.max_turns):
-            budget = spec.max_total_tokens - len(rec.token_ids)
-            if budget <= 0:
-                stop = "max_total_tokens"
-                break
-            seed = params.seed if params.seed is not None else spec.seed * 1009 + turn
-            gen = await engine.generate(list(rec.token_ids), replace(params, max_new_tokens=min(params.max_new_tokens, budget), seed=seed))
-            rec.add_turn(gen.token_ids, gen.logprobs, gen.policy_version, gen.finish_reason, gen.routed_experts)
-            text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            action = parser.parse(text).message()
-            messages.append({**action, "content": text})
-            out = _check_step(await calls.step(action))
-            new_obs, step_reward, terminated, truncated, step_info = out
-            reward += step_reward
-            metrics.update(_numeric(step_info))
-            messages.extend(new_obs)
-            if terminated or truncated:
-                stop = "terminated" if terminated else "truncated"
-                break
-            if gen.finish_reason == "length":
-                rec.add_context(renderer.end_of_turn_ids)
-            rec.add_context(renderer.observation_delta(new_obs))
-        else:
-            stop = "max_turns"
-        if stop != "max_total_tokens" and rec.turns and rec.turns[-1].finish_reason == "length":
-            stop = "length"  # the last response was cut off by max_new_tokens (or the token budget)
-    except Exception as exc:  # env bugs become data, not crashes
-        return _failed(spec, rec, messages, exc)
+        rec.add_prompt(prompt.token_ids, prompt.messages)
+        reward, metrics, stop = await _play_turns(rec, calls, spec, engine, renderer, parser, params, deadline)
+    except Exception as exc:  # env bugs, timeouts and template refusals become data, not crashes
+        return rec.fail_with(exc)
     finally:
         await _close(env, spec.step_timeout_s)
-    return Trajectory(
-        sample_id=spec.sample_id, group_id=spec.group_id, task_id=spec.task_id,
-        token_ids=tuple(rec.token_ids), loss_mask=tuple(rec.loss_mask),
-        rollout_logprobs=tuple(rec.logprobs), prompt_len=rec.turns[0].start if rec.turns else len(rec.token_ids),
-        turns=tuple(rec.turns), reward=reward, messages=tuple(messages), metrics=metrics, stop_reason=stop,
-    )
+    return rec.finish(reward, metrics, stop)
+
+
+async def _play_turns(rec: TrajectoryRecorder, calls: _EnvCalls, spec: EpisodeSpec, engine: InferenceEngine,
+                      renderer: ChatRenderer, parser: ToolCallParser, params: SamplingParams,
+                      deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
+    """The turn loop after the prompt: (summed env reward, last numeric info, stop reason)."""
+    reward, metrics = 0.0, {}
+    for turn in range(spec.max_turns):
+        budget = spec.max_total_tokens - rec.num_tokens
+        if budget <= 0:
+            return reward, metrics, StopReason.MAX_TOTAL_TOKENS
+        seed = params.seed if params.seed is not None else spec.seed * 1009 + turn
+        request = replace(params, max_new_tokens=min(params.max_new_tokens, budget), seed=seed)
+        gen = await deadline.call(engine.generate(list(rec.token_ids), request), f"engine.generate (turn {turn + 1})")
+        rec.add_turn(gen)
+        if gen.finish_reason == "length" and rec.num_tokens >= spec.max_total_tokens:
+            return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # cut by the budget: not an action for the env
+        text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        action = parser.parse(text).message()
+        rec.add_messages([{**action, "content": text}])
+        new_obs, step_reward, terminated, truncated, step_info = _check_step(await calls.step(action))
+        reward += step_reward
+        metrics.update(_numeric(step_info))
+        rec.add_messages(new_obs)
+        if terminated or truncated:
+            return reward, metrics, _ended(rec, StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
+        delta = renderer.observation_delta(new_obs, closed=gen.finish_reason != "length")
+        if rec.num_tokens + len(delta) >= spec.max_total_tokens:
+            return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # the observation leaves no room for a reply
+        rec.add_context(delta)
+    return reward, metrics, _ended(rec, StopReason.MAX_TURNS)
+
+
+def _ended(rec: TrajectoryRecorder, stop: StopReason) -> StopReason:
+    """``stop``, or "length" when the last response was cut off by ``max_new_tokens``."""
+    return StopReason.LENGTH if rec.turns and rec.turns[-1].finish_reason == "length" else stop
 
 
 async def _close(env: Any, timeout_s: float) -> None:
     try:
-        await asyncio.wait_for(call_in_thread(env.close), timeout_s)
+        await call_within(call_in_thread(env.close), timeout_s, "env.close")
     except Exception:  # closing must never mask the episode's own outcome (a hung close is abandoned)
         pass
-
-
-def failed_episode(spec: EpisodeSpec, exc: BaseException, during: str = "") -> Trajectory:
-    """The failed record of an episode that could not start (e.g. ``make_env`` raised);
-    ``during`` names the call that failed and prefixes the cause."""
-    traj = _failed(spec, None, [], exc)
-    return replace(traj, error=f"{during}: {traj.error}") if during else traj
-
-
-def _failed(spec: EpisodeSpec, rec: _Recorder | None, messages: list[dict[str, Any]], exc: BaseException) -> Trajectory:
-    if isinstance(exc, asyncio.TimeoutError):
-        cause = f"env call exceeded step_timeout_s={spec.step_timeout_s}"
-    else:
-        frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-        where = f" at {frame.filename}:{frame.lineno}" if frame and frame.filename != __file__ else ""
-        cause = f"{type(exc).__name__}: {exc}{where}"
-    rec = rec or _Recorder(())
-    return Trajectory(
-        sample_id=spec.sample_id, group_id=spec.group_id, task_id=spec.task_id,
-        token_ids=tuple(rec.token_ids), loss_mask=tuple(rec.loss_mask), rollout_logprobs=tuple(rec.logprobs),
-        prompt_len=rec.turns[0].start if rec.turns else len(rec.token_ids), turns=tuple(rec.turns),
-        reward=0.0, reward_status="timeout" if isinstance(exc, asyncio.TimeoutError) else "error",
-        messages=tuple(messages), stop_reason="env_error", error=cause,
-    )

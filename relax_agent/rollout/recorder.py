@@ -1,0 +1,106 @@
+"""The one place a :class:`~relax_agent.records.Trajectory` is built, finished or failed.
+
+A driver feeds the recorder the rendered prompt, each sampled turn exactly as the engine
+returned it, and each observation's token delta; :meth:`TrajectoryRecorder.finish` makes the
+record of a played episode, :meth:`TrajectoryRecorder.fail` the failed record of one that
+could not be played (the tokens so far are kept for inspection).
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Sequence
+
+from relax_agent.records import RewardStatus, StopReason, Trajectory, Turn
+from relax_agent.rollout.driver import EpisodeSpec, EpisodeTimeout
+from relax_agent.rollout.engines.base import Generation
+
+
+class TrajectoryRecorder:
+    """Accumulates the token stream and messages of one episode.
+
+    Args:
+        spec: the episode (its ids go on the record).
+    """
+
+    def __init__(self, spec: EpisodeSpec):
+        self.spec = spec
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turns: list[Turn] = []
+        self.messages: list[dict[str, Any]] = []
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens recorded so far (prompt, turns and observation deltas)."""
+        return len(self.token_ids)
+
+    def add_prompt(self, token_ids: Sequence[int], messages: Sequence[dict[str, Any]]) -> None:
+        """The rendered prompt: [P] token ids (masked out) and the messages it renders."""
+        self.add_context(token_ids)
+        self.messages.extend(messages)
+
+    def add_turn(self, gen: Generation) -> None:
+        """One sampled turn: its [n] token ids (masked in), log-probs, version and routes, as generated."""
+        self.turns.append(Turn(len(self.token_ids), gen.token_ids, gen.logprobs, gen.policy_version,
+                               gen.finish_reason, gen.routed_experts))
+        self.token_ids += gen.token_ids
+        self.loss_mask += [1] * len(gen.token_ids)
+        self.logprobs += list(gen.logprobs)
+
+    def add_context(self, token_ids: Sequence[int]) -> None:
+        """[d] tokens the policy did not sample (an observation delta): masked out, log-prob 0."""
+        self.token_ids += token_ids
+        self.loss_mask += [0] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+
+    def add_messages(self, messages: Sequence[dict[str, Any]]) -> None:
+        """Messages of the conversation (the assistant's, the env's) for logs and rewards."""
+        self.messages.extend(messages)
+
+    def finish(self, reward: float, metrics: dict[str, float], stop: StopReason) -> Trajectory:
+        """The record of a played episode."""
+        return self._record(reward=reward, metrics=metrics, stop_reason=stop)
+
+    def fail(self, cause: str, status: RewardStatus = RewardStatus.ERROR) -> Trajectory:
+        """The failed record: reward 0 with ``status`` (masked out of training), ``error=cause``."""
+        return self._record(reward=0.0, reward_status=status, stop_reason=StopReason.ENV_ERROR, error=cause)
+
+    def fail_with(self, exc: BaseException, during: str = "") -> Trajectory:
+        """:meth:`fail` for an exception: timeouts get status "timeout", the rest "error";
+        the cause is :func:`failure_cause`, prefixed by ``during`` (e.g. ``"make_env"``)."""
+        cause = failure_cause(exc)
+        status = RewardStatus.TIMEOUT if isinstance(exc, EpisodeTimeout) else RewardStatus.ERROR
+        return self.fail(f"{during}: {cause}" if during else cause, status)
+
+    def _record(self, **fields: Any) -> Trajectory:
+        return Trajectory(
+            sample_id=self.spec.sample_id, group_id=self.spec.group_id, task_id=self.spec.task_id,
+            token_ids=tuple(self.token_ids), loss_mask=tuple(self.loss_mask), rollout_logprobs=tuple(self.logprobs),
+            prompt_len=self.turns[0].start if self.turns else len(self.token_ids), turns=tuple(self.turns),
+            messages=tuple(self.messages), **fields,
+        )
+
+
+_OWN_FILES = ("relax_agent/rollout/",)
+
+
+def failure_cause(exc: BaseException) -> str:
+    """What went wrong, for a failed record: a timeout's own message, else
+    ``"{Type}: {message} at {file}:{line}"`` of the innermost frame (no place when that frame is
+    the rollout package's own: the message says it all)."""
+    if isinstance(exc, EpisodeTimeout):
+        return str(exc)
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    frame = frames[-1] if frames else None
+    own = frame is not None and any(part in frame.filename.replace("\\", "/") for part in _OWN_FILES)
+    where = f" at {frame.filename}:{frame.lineno}" if frame and not own else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def failed_episode(spec: EpisodeSpec, exc: BaseException, during: str = "") -> Trajectory:
+    """The failed record of an episode that could not start (e.g. ``make_env`` raised);
+    ``during`` names the call that failed and prefixes the cause."""
+    return TrajectoryRecorder(spec).fail_with(exc, during)
+
