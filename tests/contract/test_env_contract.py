@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import gymnasium
 import pytest
@@ -11,7 +16,23 @@ import pytest
 import relax_agent.envs  # noqa: F401  (registers the built-in envs)
 from relax_agent.envs.testing import CHECKS, EnvContract, run_check
 
+
+def _dataset_tools_file() -> str:
+    """A 20-row JSON-lines file of weather questions for relax/DatasetTools-v0 (written once per run)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}
+    folder = tempfile.mkdtemp(prefix="relax-contract-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = Path(folder) / "weather.jsonl"
+    path.write_text("".join(json.dumps({"id": f"w{i}", "prompt": f"Weather in City{i}?", "tools": [tool],
+                                        "answer": [{"name": "get_weather", "arguments": {"city": f"City{i}"}}]}) + "\n"
+                            for i in range(20)))
+    return str(path)
+
+
 KWARGS: dict[str, dict] = {
+    "relax/DatasetTools-v0": {"data_files": _dataset_tools_file()},  # a small file this module writes
     "relax/PythonExec-v0": {"sandbox": {"backend": "fake"}},  # no Docker needed: in-memory sandbox
     "relax/Calculator-v0": {"num_tasks": 200},
     "relax/ReasoningGym-v0": {"dataset": "leg_counting", "size": 100},
@@ -22,7 +43,11 @@ RELAX_IDS = sorted(i for i in gymnasium.registry if i.startswith("relax/"))
 
 
 def test_builtins_are_registered():
-    expected = {"relax/BFCL-simple-v0", "relax/PythonExec-v0", "relax/Calculator-v0", "relax/ReasoningGym-v0"}
+    expected = {"relax/BFCL-simple-v0", "relax/PythonExec-v0", "relax/Calculator-v0", "relax/ReasoningGym-v0",
+                "relax/DatasetTools-v0", "relax/BFCL-live-simple-v0", "relax/BFCL-live-multiple-v0",
+                "relax/BFCL-live-parallel-v0", "relax/BFCL-live-parallel-multiple-v0", "relax/BFCL-live-irrelevance-v0",
+                "relax/BFCL-live-relevance-v0", "relax/BFCL-simple-java-v0", "relax/BFCL-simple-javascript-v0",
+                "relax/BFCL-multi-turn-long-context-v0"}
     assert expected <= set(RELAX_IDS)
 
 
