@@ -32,6 +32,8 @@ def serve_reward(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Deadline per item, seconds (per call for a batched function).")] = 30.0,
     max_concurrency: Annotated[int, typer.Option(help="Items scored at once per worker (threads for a sync function).")] = 64,
     max_items: Annotated[int, typer.Option(help="Most items accepted in one request.")] = 4096,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted, bytes (larger: HTTP 413).",
+                                                min=1)] = 64 * 2**20,
     kwargs: Annotated[Optional[str], typer.Option(help="JSON object: arguments for a factory target (a class).")] = None,
     runtime: Annotated[Runtime, typer.Option(help="local: uvicorn; ray: a Ray Serve deployment.")] = Runtime.local,
     replicas: Annotated[int, typer.Option(help="Ray Serve replicas (--runtime ray).")] = 1,
@@ -42,7 +44,7 @@ def serve_reward(
     try:
         factory_kwargs = _parse_kwargs(kwargs)
         options: dict[str, Any] = {"timeout_s": timeout_s, "max_concurrency": max_concurrency,
-                                   "max_items": max_items, "kwargs": factory_kwargs}
+                                   "max_items": max_items, "max_body_bytes": max_body_bytes, "kwargs": factory_kwargs}
         if runtime is Runtime.ray:
             if workers != 1:
                 raise ConfigError("--workers applies to --runtime local; use --replicas with --runtime ray")

@@ -5,7 +5,9 @@ connection limits) for one service. It
 
 - retries with exponential backoff and jitter only on transport errors, 429 and 5xx
   (:class:`RetryPolicy`; ``Retry-After`` is honoured up to ``backoff_max_s``);
-- caps requests in flight at ``max_concurrency``;
+- caps requests in flight at ``max_concurrency``, and bounds each attempt in total wall time
+  (``request_deadline_s``: a server that trickles its answer byte by byte cannot hold a call
+  forever, though every single read beats ``request_timeout_s``);
 - micro-batches concurrent ``score`` calls: a fixed set of senders takes everything queued
   when it becomes free (up to ``max_batch_items``), so a lone caller pays no extra latency
   and many callers share few requests;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -39,6 +42,7 @@ from relax_agent.reward_services.protocol import (
     RewardRequest,
     RewardResult,
     RewardStatus,
+    invalid_fields,
 )
 
 log = logging.getLogger("relax_agent.reward_services")
@@ -51,7 +55,8 @@ ITEMS_OK = "reward_client/items_ok"
 ITEMS_ERROR = "reward_client/items_error"
 ITEMS_TIMEOUT = "reward_client/items_timeout"
 UNEXPECTED_RESULTS = "reward_client/unexpected_results"
-"""Results whose id was not asked for, or came twice (ignored, never double-counted)."""
+"""Results whose id was not asked for, or came twice (never taken: an id answered twice is an
+error result, since which answer is right cannot be known)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,9 @@ class RewardClient:
         request_timeout_s: read/write/pool timeout of one request; keep it above the
             service's per-item timeout.
         connect_timeout_s: TCP connect timeout.
+        request_deadline_s: most seconds one attempt may take in all (connect, send, and the
+            whole answer); past it the attempt counts as a timeout and is retried under the
+            retry policy. None: ``2 * request_timeout_s + connect_timeout_s``.
         retry: the retry policy.
         max_concurrency: requests in flight at once (also the connection-pool size).
         max_batch_items: most items in one request.
@@ -119,7 +127,8 @@ class RewardClient:
     """
 
     def __init__(self, base_url: str, *, token: str | None = None, request_timeout_s: float = 60.0,
-                 connect_timeout_s: float = 5.0, retry: RetryPolicy | None = None, max_concurrency: int = 16,
+                 connect_timeout_s: float = 5.0, request_deadline_s: float | None = None,
+                 retry: RetryPolicy | None = None, max_concurrency: int = 16,
                  max_batch_items: int = 64, micro_batching: bool = True, batch_wait_s: float = 0.0,
                  transport: httpx.AsyncBaseTransport | None = None, token_env: str | None = None,
                  seed: int | None = None):
@@ -127,6 +136,11 @@ class RewardClient:
             raise ConfigError(f"reward service url must start with http:// or https://, got {base_url!r}")
         if max_concurrency < 1 or max_batch_items < 1:
             raise ConfigError(f"max_concurrency and max_batch_items must be >= 1, got {max_concurrency}, {max_batch_items}")
+        if request_deadline_s is None:
+            request_deadline_s = 2 * request_timeout_s + connect_timeout_s
+        if not 0 < request_deadline_s < math.inf:
+            raise ConfigError(f"request_deadline_s must be a finite number of seconds > 0, got {request_deadline_s!r}")
+        self.request_deadline_s = request_deadline_s
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
         self.max_batch_items = max_batch_items
@@ -218,11 +232,13 @@ class RewardClient:
             async with state.sem:
                 self._counts[REQUESTS] += 1
                 try:
-                    resp = await state.http.request(method, path, content=body)
+                    resp = await asyncio.wait_for(state.http.request(method, path, content=body), self.request_deadline_s)
                 except httpx.TransportError as exc:
                     error = exc
                 except httpx.RequestError as exc:  # not a transport failure (bad redirect, decoding): no retry
                     return None, exc
+                except asyncio.TimeoutError:
+                    error = httpx.TimeoutException(f"no complete answer within request_deadline_s={self.request_deadline_s:g}")
             if resp is not None:
                 if not RetryPolicy.retryable(resp.status_code):
                     return resp, None
@@ -255,15 +271,22 @@ class RewardClient:
             return [RewardResult.failed(i.id, RewardStatus.ERROR, cause) for i in items]
         wanted = {i.id for i in items}
         by_id: dict[str, RewardResult] = {}
+        twice: set[str] = set()
         for entry in raw:
             rid = entry.get("id") if isinstance(entry, dict) else None
             if rid not in wanted or rid in by_id:
                 self._counts[UNEXPECTED_RESULTS] += 1
+                if rid in by_id:
+                    twice.add(rid)  # type: ignore[arg-type]
                 continue
             try:
                 by_id[rid] = RewardResult.model_validate(entry)
             except ValueError as exc:
-                by_id[rid] = RewardResult.failed(rid, RewardStatus.ERROR, f"malformed result from the service: {exc}")
+                cause = f"reward service at {self.base_url} sent a malformed result: {invalid_fields(exc)}"
+                by_id[rid] = RewardResult.failed(rid, RewardStatus.ERROR, cause)
+        for rid in twice:
+            cause = f"reward service at {self.base_url} returned more than one result for this id"
+            by_id[rid] = RewardResult.failed(rid, RewardStatus.ERROR, cause)
         missing = f"reward service at {self.base_url} returned no result for this id"
         return [by_id.get(i.id) or RewardResult.failed(i.id, RewardStatus.ERROR, missing) for i in items]
 

@@ -14,7 +14,14 @@ import math
 from dataclasses import dataclass
 
 from relax_agent.errors import ConfigError
-from relax_agent.reward_services.protocol import ERROR_KEY, RewardFunction, RewardItem, RewardResult, RewardStatus
+from relax_agent.reward_services.protocol import (
+    ERROR_KEY,
+    RewardFunction,
+    RewardItem,
+    RewardResult,
+    RewardStatus,
+    check_number,
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,11 @@ class CombinedReward:
             cause = "; ".join(f"{name}: {r.extra.get(ERROR_KEY, r.status.value)}" for name, r in failed)
             return RewardResult(id=item_id, status=status, metrics=metrics, extra={ERROR_KEY: cause, "components": summary})
         total = sum(c.weight * r.reward for c, r in zip(self.components, parts))  # type: ignore[operator]
+        try:
+            check_number(total, "the weighted sum of the components")
+        except ValueError as exc:
+            return RewardResult(id=item_id, status=RewardStatus.ERROR, metrics=metrics,
+                                extra={ERROR_KEY: str(exc), "components": summary})
         return RewardResult(id=item_id, reward=total, metrics=metrics, extra={"components": summary})
 
     async def check(self) -> None:

@@ -37,7 +37,8 @@ from relax_agent.reward_services.protocol import RewardFunction
 
 log = logging.getLogger("relax_agent.reward_services")
 
-_REMOTE_ONLY = ("url", "token_env", "request_timeout_s", "connect_timeout_s", "max_batch_items", "micro_batching", "batch_wait_s",
+_REMOTE_ONLY = ("url", "token_env", "request_timeout_s", "connect_timeout_s", "request_deadline_s", "max_batch_items",
+                "micro_batching", "batch_wait_s",
                 "max_attempts", "backoff_initial_s", "backoff_max_s", "retry_max_elapsed_s")
 _LOCAL_ONLY = ("function", "kwargs", "timeout_s")
 
@@ -64,6 +65,9 @@ class RewardComponentConfig(Section):
     request_timeout_s: float = Field(default=60.0, gt=0)
     """remote: timeout of one HTTP request; keep it above the service's own per-item ``--timeout-s``."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
+    request_deadline_s: float | None = Field(default=None, gt=0)
+    """remote: most seconds one HTTP attempt may take in all, however steadily the answer trickles
+    in (``request_timeout_s`` bounds each read only); None: ``2 * request_timeout_s + connect_timeout_s``."""
     max_concurrency: int = Field(default=16, ge=1)
     """Items scored at once (local) or requests in flight (remote)."""
     max_batch_items: int = Field(default=64, ge=1)
@@ -171,6 +175,7 @@ def _build_one(c: RewardComponentConfig, clients: dict[tuple[str, str | None], R
     if key not in clients:
         clients[key] = RewardClient(str(c.url), token=_token(c.token_env), token_env=c.token_env,
                                     request_timeout_s=c.request_timeout_s, connect_timeout_s=c.connect_timeout_s,
+                                    request_deadline_s=c.request_deadline_s,
                                     retry=c.retry_policy(), max_concurrency=c.max_concurrency,
                                     max_batch_items=c.max_batch_items, micro_batching=c.micro_batching,
                                     batch_wait_s=c.batch_wait_s, transport=transport)

@@ -7,16 +7,14 @@ combined with local or remote components like any other.
 
 from __future__ import annotations
 
-import math
-
-from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus
+from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus, check_number
 
 ENV_REWARD_KEY = "env_reward"
 """``RewardItem.metadata`` key holding the episode return computed by the environment."""
 
 
 class EnvReward:
-    """Reads ``metadata["env_reward"]``; an item without a finite number there is an error result."""
+    """Reads ``metadata["env_reward"]``; an item without a number finite in float32 there is an error result."""
 
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
         return [self._one(item) for item in items]
@@ -24,10 +22,11 @@ class EnvReward:
     @staticmethod
     def _one(item: RewardItem) -> RewardResult:
         value = item.metadata.get(ENV_REWARD_KEY)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            cause = f"metadata[{ENV_REWARD_KEY!r}] must be a finite number (the env's episode return), got {value!r}"
-            return RewardResult.failed(item.id, RewardStatus.ERROR, cause)
-        return RewardResult(id=item.id, reward=float(value))
+        try:
+            reward = check_number(value, f"metadata[{ENV_REWARD_KEY!r}] (the env's episode return)")
+        except ValueError as exc:
+            return RewardResult.failed(item.id, RewardStatus.ERROR, str(exc))
+        return RewardResult(id=item.id, reward=reward)
 
     async def aclose(self) -> None:
         return None

@@ -22,6 +22,7 @@ object it returns is the reward function (how the LLM judge takes its endpoint a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -29,16 +30,19 @@ import importlib.util
 import inspect
 import json
 import logging
-import math
+import numbers
 import os
 import sys
+import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from relax_agent.errors import ConfigError
-from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus
+from pydantic import ValidationError
+
+from relax_agent.errors import ConfigError, RewardServiceError
+from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus, check_number, invalid_fields
 
 log = logging.getLogger("relax_agent.reward_services")
 
@@ -167,37 +171,52 @@ def to_result(item_id: str, value: Any) -> RewardResult:
     """
     if isinstance(value, RewardResult):
         return _json_safe(value if value.id == item_id else value.model_copy(update={"id": item_id}))
-    if isinstance(value, (bool, int, float)):
-        if not math.isfinite(value):
-            raise ValueError(f"reward function returned a non-finite reward {value!r}")
-        return RewardResult(id=item_id, reward=float(value))
+    if isinstance(value, numbers.Real):  # bool included: check_number refuses it by name
+        return RewardResult(id=item_id, reward=check_number(value, "reward"))
     if isinstance(value, dict) and "reward" in value:
-        return _json_safe(RewardResult.model_validate({**value, "id": item_id}))
+        try:
+            return _json_safe(RewardResult.model_validate({**value, "id": item_id}))
+        except ValidationError as exc:
+            raise ValueError(f"reward function returned an invalid result: {invalid_fields(exc)}") from None
     raise TypeError(
-        f"reward function returned {type(value).__name__} {str(value)[:80]!r}; expected a number, "
+        f"reward function returned {type(value).__name__} {repr(value)[:80]}; expected a number, "
         "a dict with 'reward' (and optional 'metrics', 'extra'), or a RewardResult"
     )
 
 
 def _json_safe(result: RewardResult) -> RewardResult:
-    """``result`` with ``extra`` made JSON-safe (other objects become their ``str``) and
-    non-finite metrics moved out (named in ``extra["dropped_metrics"]``), so one item can never
-    break the serialization of a whole batch."""
-    bad = sorted(k for k, v in result.metrics.items() if not math.isfinite(v))
-    if not bad and not result.extra:
+    """``result`` with ``extra`` made JSON-safe (other objects become their ``str``), so one
+    item can never break the serialization of a whole batch (metrics that are not finite
+    numbers were already dropped by :class:`RewardResult` itself)."""
+    if not result.extra:
         return result
-    extra = json.loads(json.dumps(result.extra, default=str))
-    if bad:
-        extra["dropped_metrics"] = bad
-    metrics = {k: v for k, v in result.metrics.items() if k not in bad}
-    return result.model_copy(update={"extra": extra, "metrics": metrics})
+    return result.model_copy(update={"extra": json.loads(json.dumps(result.extra, default=str))})
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def error_result(item_id: str, exc: BaseException) -> RewardResult:
     """``status: error`` for ``item_id`` naming the exception and where it was raised."""
-    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-    return RewardResult.failed(item_id, RewardStatus.ERROR, f"{type(exc).__name__}: {exc}{where}")
+    return RewardResult.failed(item_id, RewardStatus.ERROR, f"{type(exc).__name__}: {exc}{_where(exc)}")
+
+
+def _exit_error(name: str, exc: BaseException) -> RewardServiceError:
+    """The item error for a reward function that called ``sys.exit`` or raised ``KeyboardInterrupt``."""
+    return RewardServiceError(
+        f"reward function {name} raised {type(exc).__name__}({exc}){_where(exc)}; it must return a reward or raise "
+        "an Exception (exiting would end the service or the training run, so the call was failed instead)")
+
+
+class _Call:
+    """One invocation of the reward function; ``abandoned`` once its caller was answered ``timeout``."""
+
+    __slots__ = ("abandoned",)
+
+    def __init__(self) -> None:
+        self.abandoned = False
 
 
 class LocalReward:
@@ -223,6 +242,8 @@ class LocalReward:
         self._max_concurrency = max_concurrency
         self._sem_loop: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._pool = None if self._is_async else ThreadPoolExecutor(max_concurrency, thread_name_prefix="reward")
+        self._running: set[_Call] = set()  # calls executing now (not merely queued)
+        self._running_lock = threading.Lock()
 
     @classmethod
     def from_target(cls, target: str, kwargs: dict[str, Any] | None = None, **options: Any) -> "LocalReward":
@@ -251,9 +272,11 @@ class LocalReward:
             kwargs.update({k: getattr(item, k) for k in ITEM_FIELDS if k not in kwargs})
         async with self._semaphore():
             try:
-                value = await asyncio.wait_for(self._invoke(kwargs), self.timeout_s)
+                call = _Call()
+                value = await asyncio.wait_for(self._invoke(kwargs, call), self.timeout_s)
                 return to_result(item.id, value)
             except asyncio.TimeoutError:
+                call.abandoned = True
                 return RewardResult.failed(item.id, RewardStatus.TIMEOUT, f"{self.name} took longer than timeout_s={self.timeout_s}")
             except Exception as exc:  # one item's failure is data, not a crash of the batch
                 log.warning("reward %s failed on item %r", self.name, item.id, exc_info=True)
@@ -262,8 +285,10 @@ class LocalReward:
     async def _score_batch(self, items: list[RewardItem]) -> list[RewardResult]:
         async with self._semaphore():
             try:
-                values = await asyncio.wait_for(self._invoke({"items": list(items)}), self.timeout_s)
+                call = _Call()
+                values = await asyncio.wait_for(self._invoke({"items": list(items)}, call), self.timeout_s)
             except asyncio.TimeoutError:
+                call.abandoned = True
                 cause = f"{self.name} took longer than timeout_s={self.timeout_s} for a batch of {len(items)}"
                 return [RewardResult.failed(i.id, RewardStatus.TIMEOUT, cause) for i in items]
             except Exception as exc:
@@ -284,14 +309,48 @@ class LocalReward:
         except Exception as exc:
             return error_result(item.id, exc)
 
-    async def _invoke(self, kwargs: dict[str, Any]) -> Any:
-        if self._is_async:
-            return await self.fn(**kwargs)
-        loop = asyncio.get_running_loop()
-        value = await loop.run_in_executor(self._pool, functools.partial(self.fn, **kwargs))
-        if inspect.isawaitable(value):
-            value = await value
-        return value
+    async def _invoke(self, kwargs: dict[str, Any], call: "_Call") -> Any:
+        """Call the function; ``sys.exit`` and ``KeyboardInterrupt`` from it become a RewardServiceError."""
+        try:
+            if self._is_async:
+                with self._tracked(call):
+                    return await self.fn(**kwargs)
+            loop = asyncio.get_running_loop()
+            value = await loop.run_in_executor(self._pool, functools.partial(self._call_in_thread, kwargs, call))
+            if inspect.isawaitable(value):
+                value = await value
+            return value
+        except (SystemExit, KeyboardInterrupt) as exc:
+            raise _exit_error(self.name, exc) from None
+
+    def _call_in_thread(self, kwargs: dict[str, Any], call: "_Call") -> Any:
+        with self._tracked(call):
+            return self.fn(**kwargs)
+
+    @contextlib.contextmanager
+    def _tracked(self, call: "_Call") -> Iterator[None]:
+        """Count ``call`` as executing while the body runs."""
+        with self._running_lock:
+            self._running.add(call)
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self._running.discard(call)
+
+    def health(self) -> str | None:
+        """Why this reward cannot take more work, or None when it can.
+
+        Unhealthy when every one of the ``max_concurrency`` slots is held by a call running
+        past ``timeout_s`` (a sync function that hangs keeps its thread: Python cannot stop it),
+        so every new item would only wait and time out.
+        """
+        with self._running_lock:
+            overdue = sum(1 for call in self._running if call.abandoned)
+        if overdue >= self._max_concurrency:
+            return (f"all {self._max_concurrency} slots of {self.name} (max_concurrency) are held by calls running "
+                    f"past timeout_s={self.timeout_s:g}; new items would only time out")
+        return None
 
     async def aclose(self) -> None:
         """Close the function's own resources (its ``aclose``/``close``) and the thread pool."""

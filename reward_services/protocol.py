@@ -10,14 +10,20 @@ Wire format (API version ``v1``)::
 failure (``status: "error"`` or ``"timeout"``, ``reward: null``): failed items are masked out
 of the policy gradient and counted, never scored 0. ``POST /v1/reward`` with an empty
 ``items`` list is the authenticated no-op a client uses to check its token at start-up.
+
+Rewards and metrics are checked here, once, for every path (HTTP, in-process, combined): a
+value is a JSON number (an int or a float, never a string or a boolean) that stays finite in
+float32, the dtype rewards take on the data bus. A bad reward makes its result invalid; a bad
+metric is dropped and named in ``extra["dropped_metrics"]``, so it never costs the real reward.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from relax_agent.records import RewardStatus
 
@@ -27,6 +33,43 @@ HEALTH_PATH = "/healthz"
 
 ERROR_KEY = "error"
 """Key of ``RewardResult.extra`` holding the cause of an ``error``/``timeout`` result."""
+DROPPED_METRICS_KEY = "dropped_metrics"
+"""Key of ``RewardResult.extra`` naming the metrics that were not finite numbers (dropped)."""
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32; rewards and metrics beyond it would become inf on the data bus."""
+
+
+def check_number(value: Any, what: str) -> float:
+    """``value`` as a float if it is a number that is finite in float32.
+
+    Args:
+        value: an int or float (numpy scalars count); ``bool`` and strings are refused.
+        what: names the value in the error (``"reward"``, ``"metric 'correct'"``).
+
+    Raises:
+        ValueError: ``value`` is not a number, or not finite in float32; the message names it.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a number, got {type(value).__name__} {repr(value)[:80]}")
+    try:
+        x = float(value)
+    except OverflowError:
+        x = math.inf
+    if not math.isfinite(x) or abs(x) > FLOAT32_MAX:
+        raise ValueError(f"{what} must be finite in float32 (|x| <= {FLOAT32_MAX:.4g}), got {str(value)[:80]}")
+    return x
+
+
+def invalid_fields(exc: Exception) -> str:
+    """A one-line summary of a validation error: ``"reward: reward must be a number, got str '0.7'"``."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e.get("loc", ()))
+        parts.append(f"{loc or 'result'}: {e.get('msg', 'invalid').removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 class RewardItem(BaseModel):
@@ -85,11 +128,35 @@ class RewardResult(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_bad_metrics(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+            return data
+        good, bad = {}, []
+        for key, value in data["metrics"].items():
+            try:
+                good[key] = check_number(value, f"metric {key!r}")
+            except ValueError:
+                bad.append(str(key))
+        if not bad:
+            return data
+        extra = data.get("extra")
+        extra = dict(extra) if isinstance(extra, dict) else {}
+        prior = extra.get(DROPPED_METRICS_KEY)
+        extra[DROPPED_METRICS_KEY] = sorted({*(prior if isinstance(prior, list) else []), *bad})
+        return {**data, "metrics": good, "extra": extra}
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _reward_is_a_number(cls, value: Any) -> Any:
+        return None if value is None else check_number(value, "reward")
+
     @model_validator(mode="after")
     def _reward_matches_status(self) -> "RewardResult":
         if self.status is RewardStatus.OK:
-            if self.reward is None or not math.isfinite(self.reward):
-                raise ValueError(f"reward must be a finite number when status is 'ok', got {self.reward!r}")
+            if self.reward is None:
+                raise ValueError("reward must be a finite number when status is 'ok', got None")
         elif self.reward is not None:
             object.__setattr__(self, "reward", None)  # a failed item carries no reward
         return self

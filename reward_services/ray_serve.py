@@ -17,7 +17,7 @@ from ray import serve
 
 from relax_agent.errors import ConfigError
 from relax_agent.reward_services.local import LocalReward, resolve_target
-from relax_agent.reward_services.server import DEFAULT_MAX_ITEMS, create_app, read_token
+from relax_agent.reward_services.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_ITEMS, create_app, read_token
 
 APP_NAME = "relax-reward"
 
@@ -32,15 +32,16 @@ class RewardDeployment:
         self._reward = LocalReward.from_target(target, options.get("kwargs"), timeout_s=options["timeout_s"],
                                                max_concurrency=options["max_concurrency"])
         self._token, self._max_items, self._target = token, options["max_items"], target
+        self._max_body_bytes = options.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self._reward, token=self._token, max_items=self._max_items,
-                          title=f"reward service: {self._target}")
+                          max_body_bytes=self._max_body_bytes, title=f"reward service: {self._target}")
 
 
 def build_app(target: str, *, replicas: int = 1, num_cpus_per_replica: float = 1.0, token: str | None = None,
               timeout_s: float = 30.0, max_concurrency: int = 64, max_items: int = DEFAULT_MAX_ITEMS,
-              kwargs: dict[str, Any] | None = None) -> Any:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kwargs: dict[str, Any] | None = None) -> Any:
     """The bound Serve application (pass it to ``serve.run``).
 
     Raises:
@@ -52,7 +53,8 @@ def build_app(target: str, *, replicas: int = 1, num_cpus_per_replica: float = 1
         RewardDeployment, name="reward", num_replicas=replicas,
         ray_actor_options={"num_cpus": num_cpus_per_replica}, max_ongoing_requests=max(1, max_concurrency),
     )
-    options = {"timeout_s": timeout_s, "max_concurrency": max_concurrency, "max_items": max_items, "kwargs": kwargs}
+    options = {"timeout_s": timeout_s, "max_concurrency": max_concurrency, "max_items": max_items,
+               "max_body_bytes": max_body_bytes, "kwargs": kwargs}
     return deployment.bind(resolve_target(target), os.getcwd(), token, options)
 
 

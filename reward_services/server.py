@@ -3,7 +3,9 @@
 Routes: ``POST /v1/reward`` (bearer token when one is set), ``GET /healthz`` (open),
 ``GET /openapi.json`` and ``/docs``. A malformed request is answered 422 with the standard
 FastAPI ``detail`` list plus a one-line ``message`` naming the bad field
-(``"items.0.id: Field required"``).
+(``"items.0.id: Field required"``); a body over ``max_body_bytes`` is answered 413 before it
+is read in full. ``/healthz`` answers 503 with the reason while the reward reports that it
+cannot take work (its ``health()``: e.g. every slot held by a hung call).
 """
 
 from __future__ import annotations
@@ -39,17 +41,26 @@ log = logging.getLogger("relax_agent.reward_services")
 
 DEFAULT_MAX_ITEMS = 4096
 """Most items one request may carry."""
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+"""Largest request body accepted, bytes (64 MiB)."""
 
 
 def create_app(reward: RewardFunction, *, token: str | None = None, max_items: int = DEFAULT_MAX_ITEMS,
-               title: str = "relax-agent reward service") -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, title: str = "relax-agent reward service") -> FastAPI:
     """The FastAPI app serving ``reward``.
 
     Args:
-        reward: scores the items; closed when the app shuts down.
+        reward: scores the items; closed when the app shuts down. If it has a ``health()``
+            method (as :class:`LocalReward` does), a non-None answer makes ``/healthz`` 503.
         token: bearer token required on ``POST /v1/reward``; None serves without auth.
         max_items: requests with more items are refused with 422 naming ``items``.
+        max_body_bytes: larger request bodies are refused with 413.
+
+    Raises:
+        ConfigError: ``max_items`` or ``max_body_bytes`` below 1.
     """
+    if max_items < 1 or max_body_bytes < 1:
+        raise ConfigError(f"max_items and max_body_bytes must be >= 1, got {max_items}, {max_body_bytes}")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,11 +69,17 @@ def create_app(reward: RewardFunction, *, token: str | None = None, max_items: i
 
     app = FastAPI(title=title, version=API_VERSION, lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     auth = _bearer_auth(token)
+    health = getattr(reward, "health", None)
 
-    @app.get(HEALTH_PATH, response_model=HealthResponse)
-    async def healthz() -> HealthResponse:
-        """Liveness: answers without auth as soon as the service can take requests."""
+    @app.get(HEALTH_PATH, response_model=HealthResponse, responses={503: {"description": "cannot take work now"}})
+    async def healthz() -> Any:
+        """Answers without auth: 200 while the service can take requests, 503 with the reason when not."""
+        problem = health() if health is not None else None
+        if problem:
+            return JSONResponse(status_code=503, content={"status": "unavailable", "api_version": API_VERSION,
+                                                          "message": problem})
         return HealthResponse()
 
     @app.post(REWARD_PATH, response_model=RewardResponse, dependencies=[Depends(auth)],
@@ -79,11 +96,78 @@ def create_app(reward: RewardFunction, *, token: str | None = None, max_items: i
 
 
 def _aligned(request: RewardRequest, results: list[RewardResult]) -> list[RewardResult]:
-    """Results in item order; an item the reward function skipped becomes an error result."""
-    by_id = {r.id: r for r in results}
-    missing = RewardStatus.ERROR
-    return [by_id.get(i.id) or RewardResult.failed(i.id, missing, "reward function returned no result for this id")
-            for i in request.items]
+    """Results in item order; an item the reward function skipped, or answered more than once,
+    becomes an error result (results for ids not asked for are dropped)."""
+    by_id: dict[str, RewardResult] = {}
+    twice: set[str] = set()
+    for r in results:
+        if r.id in by_id:
+            twice.add(r.id)
+        by_id[r.id] = r
+    if twice:
+        log.warning("reward function returned more than one result for ids %s", sorted(twice)[:10])
+    out = []
+    for i in request.items:
+        if i.id in twice:
+            out.append(RewardResult.failed(i.id, RewardStatus.ERROR, "reward function returned more than one result "
+                                                                     "for this id"))
+        else:
+            out.append(by_id.get(i.id) or RewardResult.failed(i.id, RewardStatus.ERROR,
+                                                              "reward function returned no result for this id"))
+    return out
+
+
+class BodyLimit:
+    """ASGI middleware: refuse HTTP request bodies over ``max_bytes`` with 413.
+
+    A declared ``Content-Length`` over the limit is refused before the body is read; a body
+    without one (chunked) is counted as it arrives: once it passes the limit the 413 is sent
+    and the app is told the client disconnected (whatever it answers then is dropped).
+    """
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, int(declared))
+            return
+        received, started, over, refused = 0, False, False, False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal received, over, refused
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    over = True
+                    if not started:
+                        refused = True
+                        await self._refuse(send, received)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 went out already
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+    async def _refuse(self, send: Any, size: int) -> None:
+        message = f"request body of {size}+ bytes is over the limit of {self.max_bytes} bytes (--max-body-bytes)"
+        body = json.dumps({"detail": message, "message": message}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _bearer_auth(token: str | None) -> Any:
@@ -131,7 +215,8 @@ def app_from_env() -> FastAPI:
     token = read_token(opts["token_env"]) if opts.get("token_env") else None
     reward = LocalReward.from_target(target, opts.get("kwargs"), timeout_s=opts["timeout_s"],
                                      max_concurrency=opts["max_concurrency"])
-    return create_app(reward, token=token, max_items=opts["max_items"], title=f"reward service: {target}")
+    return create_app(reward, token=token, max_items=opts["max_items"],
+                      max_body_bytes=opts.get("max_body_bytes", DEFAULT_MAX_BODY_BYTES), title=f"reward service: {target}")
 
 
 def read_token(token_env: str) -> str:
@@ -148,7 +233,8 @@ def read_token(token_env: str) -> str:
 
 def serve(target: str, *, host: str = "127.0.0.1", port: int = 8001, workers: int = 1, token_env: str | None = None,
           timeout_s: float = 30.0, max_concurrency: int = 64, max_items: int = DEFAULT_MAX_ITEMS,
-          kwargs: dict[str, Any] | None = None, log_level: str = "info") -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, kwargs: dict[str, Any] | None = None,
+          log_level: str = "info") -> None:
     """Serve ``target`` over HTTP with uvicorn until interrupted (blocks).
 
     The function is loaded once here first, so a bad target fails before any port is bound.
@@ -160,7 +246,7 @@ def serve(target: str, *, host: str = "127.0.0.1", port: int = 8001, workers: in
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     target = resolve_target(target)
     opts = {"token_env": token_env, "timeout_s": timeout_s, "max_concurrency": max_concurrency,
-            "max_items": max_items, "kwargs": kwargs}
+            "max_items": max_items, "max_body_bytes": max_body_bytes, "kwargs": kwargs}
     os.environ[_ENV_TARGET] = target
     os.environ[_ENV_OPTIONS] = json.dumps(opts)
     app_from_env()  # fail fast, in this process, on a bad target or missing token

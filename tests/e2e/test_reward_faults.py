@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import sys
+import threading
 import time
 
+import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
@@ -194,3 +198,105 @@ def test_wrong_token_is_a_clear_error_at_start_up(monkeypatch):
             return out
 
         assert asyncio.run(main())[0].reward == 1.0
+
+
+class Trickler:
+    """A TCP server on 127.0.0.1 that answers any request with HTTP headers, then one body byte
+    every ``every_s`` seconds, forever: every single read beats the read timeout."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{")
+                while not self.stop.wait(self.every_s):
+                    conn.sendall(b" ")
+            except OSError:
+                pass
+
+    def __enter__(self) -> "Trickler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_a_server_that_trickles_its_answer_is_cut_at_the_request_deadline():
+    with Trickler(every_s=0.2) as server:
+        async def main():
+            client = RewardClient(server.url, request_timeout_s=2.0, request_deadline_s=1.5,
+                                  retry=RetryPolicy(max_attempts=2, backoff_initial_s=0.05, backoff_max_s=0.05,
+                                                    max_elapsed_s=30))
+            try:
+                started = time.monotonic()
+                # The outer bound only keeps the code before the fix from hanging this test forever.
+                out = await asyncio.wait_for(client.score(samples(2)), 120)
+                return out, client.metrics(), time.monotonic() - started
+            finally:
+                await client.aclose()
+
+        out, metrics, elapsed = asyncio.run(main())
+    assert [r.status for r in out] == [RewardStatus.TIMEOUT, RewardStatus.TIMEOUT]
+    assert all("request_deadline_s=1.5" in r.extra["error"] for r in out)
+    assert metrics[rc.RETRIES] == 1 and metrics[rc.ITEMS_TIMEOUT] == 2
+    assert elapsed >= 3.0  # two attempts, each held for its full deadline
+
+
+def exits_on_request(metadata: dict) -> float:
+    """Served function: calls ``sys.exit`` or raises KeyboardInterrupt when the item asks for it."""
+    if metadata.get("exit"):
+        sys.exit(metadata["exit"])
+    if metadata.get("interrupt"):
+        raise KeyboardInterrupt
+    return metadata["k"] / 10
+
+
+def test_a_reward_function_that_exits_does_not_kill_serve_reward():
+    batch = [RewardItem(id="a", metadata={"k": 1}), RewardItem(id="b", metadata={"k": 2, "exit": 3}),
+             RewardItem(id="c", metadata={"k": 3, "interrupt": True}), RewardItem(id="d", metadata={"k": 4})]
+    with ServiceProcess(f"{THIS}:exits_on_request") as svc:
+        async def main():
+            client = RewardClient(svc.url, retry=RetryPolicy(max_attempts=2, backoff_initial_s=0.05,
+                                                             backoff_max_s=0.05, max_elapsed_s=5))
+            try:
+                first = await client.score(batch)
+                return first, await client.score(samples(3))
+            finally:
+                await client.aclose()
+
+        first, after = asyncio.run(main())
+        alive = svc.proc.poll() is None
+    assert [(r.id, r.status, r.reward) for r in first] == [
+        ("a", RewardStatus.OK, 0.1), ("b", RewardStatus.ERROR, None), ("c", RewardStatus.ERROR, None),
+        ("d", RewardStatus.OK, 0.4)]
+    assert "raised SystemExit(3)" in first[1].extra["error"]
+    assert "raised KeyboardInterrupt()" in first[2].extra["error"]
+    assert alive and [r.reward for r in after] == [0.0, 0.1, 0.2]
+
+
+def test_serve_reward_refuses_a_body_over_max_body_bytes():
+    with ServiceProcess(f"{THIS}:slow_score", "--max-body-bytes", "4096") as svc:
+        big = {"items": [{"id": "a", "metadata": {"k": 1, "blob": "x" * 100_000}}]}
+        resp = httpx.post(svc.url + "/v1/reward", json=big, timeout=30)
+        ok = httpx.post(svc.url + "/v1/reward", json={"items": [{"id": "a", "metadata": {"k": 1}}]}, timeout=30)
+    assert resp.status_code == 413 and "over the limit of 4096 bytes (--max-body-bytes)" in resp.json()["message"]
+    assert ok.status_code == 200 and ok.json()["results"][0]["reward"] == 0.1

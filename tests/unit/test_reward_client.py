@@ -130,9 +130,11 @@ def test_missing_and_unexpected_results():
 
     c = client(handler)
     out = run(score_and_close(c, items(3)))
-    assert out[0].reward == 1.0  # the duplicate is not double-counted
+    # An id answered twice is neither answer (which one is right cannot be known), and is not double-counted.
+    assert out[0].status is RewardStatus.ERROR and "more than one result for this id" in out[0].extra["error"]
     assert out[1].status is RewardStatus.ERROR and "no result for this id" in out[1].extra["error"]
-    assert out[2].status is RewardStatus.ERROR and "malformed result" in out[2].extra["error"]
+    assert out[2].status is RewardStatus.ERROR and "malformed result: reward: reward must be a number" in out[2].extra["error"]
+    assert "http://127.0.0.1:9" in out[2].extra["error"]
     assert c.metrics()[rc.UNEXPECTED_RESULTS] == 2
 
 

@@ -71,7 +71,7 @@ def test_bad_return_values_fail_the_item():
     values = {"s": "1.0", "n": float("nan"), "d": {"score": 1}}
     out = run(LocalReward(lambda id: values[id]).score(items(*values)))
     assert all(r.status is RewardStatus.ERROR for r in out)
-    assert "expected a number" in out[0].extra["error"] and "non-finite" in out[1].extra["error"]
+    assert "expected a number" in out[0].extra["error"] and "finite in float32" in out[1].extra["error"]
 
 
 def test_per_item_timeout_async_and_sync():

@@ -18,7 +18,7 @@ from relax_agent.reward_services import (
 def test_ok_result_needs_a_finite_reward():
     with pytest.raises(ValidationError, match="finite number"):
         RewardResult(id="a")
-    with pytest.raises(ValidationError, match="finite number"):
+    with pytest.raises(ValidationError, match="finite in float32"):
         RewardResult(id="a", reward=math.inf)
     assert RewardResult(id="a", reward=0).reward == 0.0
 
