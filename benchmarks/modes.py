@@ -14,6 +14,11 @@ groups; and the samples/s ratio against colocate, measured in the same run.
     python benchmarks/modes.py                        # ~3-5 minutes on 2 CPU cores
     python benchmarks/modes.py --repeats 2            # each mode twice, order rotated
     python benchmarks/modes.py --steps 20 --staleness 2 --latency-median-s 0.5
+    python benchmarks/modes.py --baseline-rev 6baa57a # + colocate of an earlier commit, same run
+
+``--baseline-rev REV`` also trains colocate with the code of git revision ``REV`` (extracted with
+``git archive`` into a temporary package tree and run in a subprocess, rotated with the other
+modes) and prints today's colocate samples/s against it.
 """
 
 from __future__ import annotations
@@ -106,6 +111,35 @@ def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, st
     }
 
 
+def run_baseline(args: argparse.Namespace, model_path: str, out: Path, tree: Path) -> dict[str, Any]:
+    """Colocate with the code of ``args.baseline_rev``: its ``benchmarks/modes.py:run_mode`` in a
+    subprocess over a package tree laid out as the wheel maps it (envs/ -> relax_agent/envs ...)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    src, pkg = tree / "src", tree / "pkg"
+    if not src.exists():
+        src.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", args.baseline_rev], cwd=repo, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+        import shutil
+
+        shutil.copytree(src / "relax_agent", pkg / "relax_agent")
+        for sub in ("envs", "sandboxes", "reward_services"):
+            shutil.copytree(src / sub, pkg / "relax_agent" / sub)
+    code = ("import json, sys, argparse; sys.path[:0] = [sys.argv[1], 'benchmarks', '.']; import modes; "
+            "a = argparse.Namespace(**json.loads(sys.argv[2])); "
+            "r = modes.run_mode(a, sys.argv[3], __import__('pathlib').Path(sys.argv[4]), 'colocate', 0); "
+            "r['mode'] = 'baseline'; print('RESULT', json.dumps(r))")
+    params = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
+    done = subprocess.run([sys.executable, "-c", code, str(pkg), json.dumps(params), model_path, str(out)], cwd=src,
+                          capture_output=True, text=True, check=True)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    result["mode"] = f"colocate@{args.baseline_rev}"
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
@@ -121,9 +155,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, in rotating order (means reported)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--baseline-rev", default=None, help="also run colocate with the code of this git revision")
     args = p.parse_args()
 
     modes = [("colocate", 0), ("async", 0), ("async", args.staleness)]
+    if args.baseline_rev:
+        modes.append(("baseline", 0))
     runs: list[list[dict[str, Any]]] = [[] for _ in modes]
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
@@ -133,7 +170,11 @@ def main() -> None:
         for rep in range(args.repeats):  # rotate the order so a drifting machine load hits every mode
             for k in range(len(modes)):
                 i = (k + rep) % len(modes)
-                runs[i].append(run_mode(args, args.model, Path(tmp) / f"r{rep}-m{i}", *modes[i]))
+                out = Path(tmp) / f"r{rep}-m{i}"
+                if modes[i][0] == "baseline":
+                    runs[i].append(run_baseline(args, args.model, out, Path(tmp) / "baseline"))
+                else:
+                    runs[i].append(run_mode(args, args.model, out, *modes[i]))
     results = [{**r[0], **{key: statistics.fmean(x[key] for x in r) for key in r[0] if key not in ("mode", "steps")},
                 "samples_per_s_runs": [x["samples_per_s"] for x in r]} for r in runs]
     base = results[0]["samples_per_s"]
@@ -148,6 +189,9 @@ def main() -> None:
               f"{r['data_wait_s']:>7.2f} {r['reward_first_half']:>9.3f} / {r['reward_last_half']:<8.3f} "
               f"{r['staleness_mean']:>9.2f} {r['dropped_groups']:>7.0f}   runs: "
               + " ".join(f"{x:.2f}" for x in r["samples_per_s_runs"]))
+    if args.baseline_rev:
+        print(f"colocate vs colocate at {args.baseline_rev}: {base / results[-1]['samples_per_s']:.2f}x samples/s "
+              f"(step s {results[0]['step_s']:.2f} vs {results[-1]['step_s']:.2f})")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
                                          "results": results}, indent=2))

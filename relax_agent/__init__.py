@@ -18,7 +18,7 @@ from relax_agent.errors import (
 )
 from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ParsedAction, ToolCallParser, build_parser, register_parser
-from relax_agent.records import Trajectory, Turn
+from relax_agent.records import RewardStatus, StopReason, Trajectory, Turn
 
 __version__ = "0.1.0"
 
@@ -35,8 +35,10 @@ __all__ = [
     "RelaxConfig",
     "RelaxError",
     "RewardServiceError",
+    "RewardStatus",
     "SamplingParams",
     "SandboxError",
+    "StopReason",
     "ToolCallParser",
     "Trajectory",
     "Turn",

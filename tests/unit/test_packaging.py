@@ -23,7 +23,8 @@ def test_public_api_is_pinned():
     assert sorted(relax_agent.__all__) == [
         "CheckpointError", "ConfigError", "DataError", "EngineError", "EnvError", "Generation",
         "InferenceEngine", "ModelLoadError", "ParsedAction", "RelaxConfig", "RelaxError",
-        "RewardServiceError", "SamplingParams", "SandboxError", "ToolCallParser", "Trajectory", "Turn",
+        "RewardServiceError", "RewardStatus", "SamplingParams", "SandboxError", "StopReason", "ToolCallParser",
+        "Trajectory", "Turn",
         "__version__", "build_parser", "load_config", "register_parser",
     ]
     for name in relax_agent.__all__:
