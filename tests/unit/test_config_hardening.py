@@ -130,3 +130,24 @@ def test_a_dumped_config_loads_back_unchanged(tmp_path):
     path = tmp_path / "saved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("what", ["directory", "empty file", "quoted number", "broken override"])
+def test_the_train_command_exits_2_naming_the_problem_before_anything_loads(tmp_path, what):
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("trainer:\n  steps: 1\n")
+    args, expected = {
+        "directory": ([str(tmp_path)], "is a directory"),
+        "empty file": ([str(empty)], "is empty"),
+        "quoted number": ([str(ok), "mode=async", "max_staleness='2'"], "max_staleness"),
+        "broken override": ([str(ok), "trainer.betas=[0.9,"], "trainer.betas is not valid YAML"),
+    }[what]
+    result = CliRunner().invoke(app, ["train", *args])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
