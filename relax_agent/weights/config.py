@@ -13,11 +13,13 @@ YAML::
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
 
 from relax_agent.configbase import Section
+from relax_agent.errors import ConfigError
 
 
 class WeightSyncConfig(Section):
@@ -36,6 +38,10 @@ class WeightSyncConfig(Section):
     service_port: int | None = Field(default=None, ge=0, le=65535)
     """Also serve the coordinator over HTTP on ``host:service_port`` (0: a free port) so that
     rollout replicas in other processes can subscribe; None keeps it in-process only."""
+    service_token_env: str | None = None
+    """Environment variable that holds the coordinator service's bearer token, shared by the
+    publisher and its replicas (as ``serve-reward --token-env``); every request needs it. None:
+    the publisher makes a random token per run (``WeightSync.service_token``) to hand to replicas."""
     checksum: Literal["xxh3", "crc32", "none"] = "xxh3"
     """Per-bucket checksum the publisher computes and every tcp subscriber verifies
     (xxh3 ~9 GB/s, crc32 ~1.9 GB/s per core here)."""
@@ -52,7 +58,9 @@ class WeightSyncConfig(Section):
     overflowed update), so engines keep their last good version; costs one reduction pass over the
     weights (~0.2 s for 512 MiB fp32 on 2 CPU cores)."""
     publish_timeout_s: float = Field(default=600.0, gt=0.0)
-    """How long ``publish`` waits for every attached engine to apply the version."""
+    """How long ``publish`` waits for every attached engine to apply the version; one that has not
+    by then is reported as lagging (``SyncStats.lagging``), not waited for again until it catches
+    up, and keeps following on its own."""
     connect_timeout_s: float = Field(default=10.0, gt=0.0)
     """tcp: connecting to the weight server, and the idle limit of one socket read or write."""
     poll_timeout_s: float = Field(default=30.0, gt=0.0)
@@ -65,6 +73,20 @@ class WeightSyncConfig(Section):
     """nccl: the publisher (rank 0) plus one rank per subscriber process."""
     nccl_init_port: int = Field(default=29517, ge=1, le=65535)
     """nccl: TCP port of the process-group rendezvous on ``host``."""
+
+    def read_service_token(self) -> str | None:
+        """The bearer token from ``service_token_env`` (None when that is unset).
+
+        Raises:
+            ConfigError: the environment variable it names is unset or empty.
+        """
+        if self.service_token_env is None:
+            return None
+        token = os.environ.get(self.service_token_env, "")
+        if not token:
+            raise ConfigError(f"weights.service_token_env={self.service_token_env!r}: that environment variable "
+                              "(the coordinator service's bearer token) is unset or empty")
+        return token
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,7 +1,10 @@
 """The weight-sync coordinator: who publishes, who subscribes, which version is complete.
 
 The publisher ``commit``\\ s a :class:`VersionMeta` once the version's bytes can be fetched;
-from then on it is the latest complete version. Subscribers long-poll
+from then on it is the latest complete version. Every coordinator has an ``epoch`` (a random run
+id) stamped on its commits: version numbers restart with a restarted publisher, and the epoch
+tells a new run's version 1 from the old run's. Subscriber ids carry the epoch too, so a
+subscriber of a previous coordinator is unknown to a new one and registers again. Subscribers long-poll
 ``wait_for_version(after=...)``, fetch the bytes through their transport, and ``report``
 whether they applied it; the publisher ``wait_applied`` for the subscribers registered
 when it committed. The same methods are served over HTTP by
@@ -11,8 +14,11 @@ when it committed. The same methods are served over HTTP by
 from __future__ import annotations
 
 import itertools
+import math
+import secrets
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -44,40 +50,72 @@ class CoordinatorApi(Protocol):
 
     def unregister_subscriber(self, subscriber: str) -> None: ...
 
+    def is_registered(self, subscriber: str) -> bool: ...
+
     def commit(self, meta: VersionMeta) -> None: ...
 
     def latest(self) -> VersionMeta | None: ...
 
-    def wait_for_version(self, after: int | None, timeout_s: float,
-                         subscriber: str | None = None) -> VersionMeta | None: ...
+    def wait_for_version(self, after: int | None, timeout_s: float, subscriber: str | None = None,
+                         epoch: str | None = None) -> VersionMeta | None: ...
 
     def report(self, report: ApplyReport) -> None: ...
 
 
-class Coordinator:
-    """In-process coordinator (thread-safe). Keeps only the latest complete version."""
+def check_poll_timeout(timeout_s: Any) -> float:
+    """``timeout_s`` of a long poll as a float: a number >= 0 (inf waits until a version comes).
 
-    def __init__(self) -> None:
+    Raises:
+        WeightSyncError: NaN, negative, or not a number (names the value).
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or math.isnan(timeout_s) or timeout_s < 0:
+        raise WeightSyncError(f"wait_for_version(timeout_s={timeout_s!r}): expected a number of seconds >= 0")
+    return float(timeout_s)
+
+
+class Coordinator:
+    """In-process coordinator (thread-safe). Keeps only the latest complete version.
+
+    Args:
+        epoch: this coordinator's run id (default: a fresh random one), stamped on every commit.
+    """
+
+    def __init__(self, epoch: str | None = None) -> None:
+        self.epoch = epoch or uuid.uuid4().hex[:12]
         self._cond = threading.Condition()
         self._latest: VersionMeta | None = None
         self._previous: VersionMeta | None = None
         self._commits = itertools.count(1)
         self._publisher: str | None = None
+        self._publisher_token: str | None = None
         self._subscribers: dict[str, str] = {}
         self._reports: dict[str, ApplyReport] = {}
         self._ids = itertools.count()
+        self._closed = False
 
-    def register_publisher(self, address: str | None) -> None:
-        """Record the publisher (one per coordinator) and where it serves bytes."""
+    def register_publisher(self, address: str | None) -> str:
+        """Record the publisher (one per coordinator) and where it serves bytes.
+
+        Returns:
+            its fencing token: from now on ``commit`` refuses a ``publisher`` token other than
+            this one (a second registration fences the first publisher out).
+        """
         with self._cond:
             self._publisher = address or "in-process"
+            self._publisher_token = secrets.token_hex(16)
+            return self._publisher_token
 
     def register_subscriber(self, name: str) -> str:
-        """Add a subscriber; returns its id (``name.n``)."""
+        """Add a subscriber; returns its id (``name.epoch.n``, unique across coordinators)."""
         with self._cond:
-            sub_id = f"{name}.{next(self._ids)}"
+            sub_id = f"{name}.{self.epoch}.{next(self._ids)}"
             self._subscribers[sub_id] = name
             return sub_id
+
+    def is_registered(self, subscriber: str) -> bool:
+        """Whether ``subscriber`` is registered here (False for an id of a previous coordinator)."""
+        with self._cond:
+            return subscriber in self._subscribers
 
     def unregister_subscriber(self, subscriber: str) -> None:
         with self._cond:
@@ -89,20 +127,30 @@ class Coordinator:
         with self._cond:
             return list(self._subscribers)
 
-    def commit(self, meta: VersionMeta) -> VersionMeta:
+    def commit(self, meta: VersionMeta, publisher: str | None = None) -> VersionMeta:
         """Make ``meta`` the latest complete version and wake every long-poll.
 
+        Args:
+            publisher: the fencing token from :meth:`register_publisher`; required (and checked)
+                once a publisher registered, except for in-process callers passing None.
+
         Returns:
-            ``meta`` stamped with this commit's serial (what subscribers receive).
+            ``meta`` stamped with this commit's serial and this coordinator's epoch (what
+            subscribers receive).
 
         Raises:
-            WeightSyncError: ``meta.version`` is not newer than the latest.
+            WeightSyncError: ``meta.version`` is not newer than the latest, or ``publisher`` is
+                not the registered publisher's token (a fenced-out or foreign publisher).
         """
         with self._cond:
+            if publisher is not None and publisher != self._publisher_token:
+                raise WeightSyncError(f"version {meta.version}: refused, the committing publisher is not the one "
+                                      "registered with this coordinator (fenced out by a newer publisher, or foreign)")
             if self._latest is not None and meta.version <= self._latest.version:
                 raise WeightSyncError(f"version {meta.version} is not newer than the latest "
                                       f"complete version {self._latest.version}")
-            self._previous, self._latest = self._latest, replace(meta, commit=next(self._commits))
+            stamped = replace(meta, commit=next(self._commits), epoch=self.epoch)
+            self._previous, self._latest = self._latest, stamped
             # reports about a retracted version of this number (or above) are not about this commit
             self._reports = {s: r for s, r in self._reports.items() if r.version < meta.version}
             self._cond.notify_all()
@@ -129,22 +177,47 @@ class Coordinator:
         latest = self.latest()
         return None if latest is None else latest.version
 
-    def wait_for_version(self, after: int | None, timeout_s: float,
-                         subscriber: str | None = None) -> VersionMeta | None:
+    def wait_for_version(self, after: int | None, timeout_s: float, subscriber: str | None = None,
+                         epoch: str | None = None) -> VersionMeta | None:
         """Long poll: the latest version once it is newer than ``after`` (None: any).
 
-        Returns None after ``timeout_s``, or as soon as ``subscriber`` (if given) is unregistered.
+        With ``epoch`` (the epoch of the version ``after`` counts in), a latest version of another
+        epoch is newer whatever its number: a restarted publisher's version 1 replaces the old run's
+        version 5. Returns None after ``timeout_s``, as soon as ``subscriber`` (if given) is not
+        registered (check :meth:`is_registered`: a subscriber of a previous coordinator registers
+        again), or once the coordinator is closed.
+
+        Raises:
+            WeightSyncError: ``timeout_s`` is NaN, negative or not a number.
         """
+        timeout_s = check_poll_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._latest is None or (after is not None and self._latest.version <= after):
+            while not self._newer(after, epoch):
                 remaining = deadline - time.monotonic()
                 if subscriber is not None and subscriber not in self._subscribers:
                     return None
-                if remaining <= 0:
+                if remaining <= 0 or self._closed:
                     return None
-                self._cond.wait(remaining)
+                self._cond.wait(None if math.isinf(remaining) else remaining)
             return self._latest
+
+    def _newer(self, after: int | None, epoch: str | None) -> bool:
+        latest = self._latest
+        if latest is None:
+            return False
+        return after is None or (epoch is not None and latest.epoch != epoch) or latest.version > after
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Wake every long poll (they return None) and answer later ones at once."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def report(self, report: ApplyReport) -> None:
         """Record a subscriber's outcome for a version."""
@@ -162,22 +235,40 @@ class Coordinator:
         Raises:
             WeightSyncError: ``timeout_s`` passed first; names the subscribers still missing.
         """
+        reports, missing = self.wait_reports(version, subscribers, timeout_s)
+        if missing:
+            raise WeightSyncError(f"version {version}: subscribers {missing} did not report within "
+                                  f"{timeout_s} s (weights.publish_timeout_s)")
+        return reports
+
+    def wait_reports(self, version: int, subscribers: list[str],
+                     timeout_s: float) -> tuple[dict[str, ApplyReport], list[str]]:
+        """Wait up to ``timeout_s`` for each of ``subscribers`` still registered to report ``version``
+        (or newer); never raises on a timeout.
+
+        Returns:
+            (subscriber id -> its report about ``version`` or newer, ids that had not reported it
+            when the time was up: lagging). Unregistered subscribers are in neither.
+        """
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 live = [s for s in subscribers if s in self._subscribers]
                 missing = [s for s in live if s not in self._reports or self._reports[s].version < version]
-                if not missing:
-                    return {s: self._reports[s] for s in live}
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WeightSyncError(f"version {version}: subscribers {missing} did not report within "
-                                          f"{timeout_s} s (weights.publish_timeout_s)")
+                if not missing or remaining <= 0:
+                    return {s: self._reports[s] for s in live if s not in missing}, missing
                 self._cond.wait(remaining)
+
+    def reported_version(self, subscriber: str) -> int | None:
+        """The version of ``subscriber``'s last report (None: none yet, or not registered)."""
+        with self._cond:
+            report = self._reports.get(subscriber)
+            return None if report is None else report.version
 
     def describe(self) -> dict[str, Any]:
         """Publisher, subscribers, latest version and last reports (for status endpoints)."""
         with self._cond:
-            return {"publisher": self._publisher, "subscribers": list(self._subscribers),
+            return {"publisher": self._publisher, "epoch": self.epoch, "subscribers": list(self._subscribers),
                     "latest_version": None if self._latest is None else self._latest.version,
                     "reports": {s: r.version for s, r in self._reports.items()}}

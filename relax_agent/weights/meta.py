@@ -82,6 +82,8 @@ class VersionMeta:
         address: where the bytes are served ("host:port" for tcp), if anywhere.
         commit: serial the coordinator stamps on each commit (0 before), so a version number
             published again after a refusal is told apart from the refused one.
+        epoch: run id of the coordinator that committed it ("" before): version numbers of
+            different runs (a restarted publisher starts again at 0 or 1) are told apart by it.
     """
 
     version: int
@@ -93,6 +95,7 @@ class VersionMeta:
     transport: str = "inproc"
     address: str | None = None
     commit: int = 0
+    epoch: str = ""
 
     @property
     def num_buckets(self) -> int:
@@ -112,8 +115,31 @@ class VersionMeta:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "VersionMeta":
-        tensors = tuple(TensorMeta(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"])
-        return cls(**{**data, "tensors": tensors, "bucket_checksums": tuple(data["bucket_checksums"])})
+        """The inverse of :meth:`to_json`.
+
+        Raises:
+            WeightSyncError: ``data`` is not a version's metadata (missing or unknown keys, wrong
+                types, a negative version or size); names what is wrong.
+        """
+        try:
+            tensors = tuple(TensorMeta(**{**t, "shape": tuple(int(d) for d in t["shape"])}) for t in data["tensors"])
+            meta = cls(**{**data, "tensors": tensors, "bucket_checksums": tuple(data["bucket_checksums"])})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightSyncError(f"malformed version metadata ({type(exc).__name__}: {exc}); expected the keys "
+                                  f"of VersionMeta.to_json()") from exc
+        ints = {"version": meta.version, "total_bytes": meta.total_bytes, "bucket_bytes": meta.bucket_bytes,
+                "commit": meta.commit}
+        for key, value in ints.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (key == "bucket_bytes" and value == 0):
+                raise WeightSyncError(f"malformed version metadata: {key}={value!r}; expected a "
+                                      f"{'positive' if key == 'bucket_bytes' else 'non-negative'} int")
+        for t in meta.tensors:
+            if not isinstance(t.name, str) or not isinstance(t.offset, int) or not isinstance(t.nbytes, int) \
+                    or t.offset < 0 or t.nbytes < 0 or any(d < 0 for d in t.shape):
+                raise WeightSyncError(f"malformed version metadata: tensor {t.name!r} has offset={t.offset!r}, "
+                                      f"nbytes={t.nbytes!r}, shape={t.shape!r}; expected non-negative ints")
+            to_dtype(t.dtype)
+        return meta
 
 
 def plan_layout(state_dict: Mapping[str, torch.Tensor]) -> tuple[tuple[TensorMeta, ...], int]:

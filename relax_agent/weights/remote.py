@@ -21,7 +21,7 @@ from relax_agent.weights.subscriber import EngineSubscriber, NameMap
 
 def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str = "replica",
                        name_map: NameMap | None = None, rank: int | None = None, address: str | None = None,
-                       wait_first_s: float = 0.0, follow: bool = True) -> EngineSubscriber:
+                       wait_first_s: float = 0.0, follow: bool = True, token: str | None = None) -> EngineSubscriber:
     """Register ``engine`` with the coordinator at ``url``, pull the latest version, then follow.
 
     Args:
@@ -34,12 +34,19 @@ def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str =
         address: tcp only: fetch from this "host:port" instead of the advertised address.
         wait_first_s: wait this long for a first version to exist before returning.
         follow: keep applying new versions in a background thread.
+        token: the service's bearer token (``WeightSync.service_token`` on the trainer side);
+            None reads it from ``cfg.service_token_env``.
 
     Raises:
-        WeightSyncError: the coordinator cannot be reached, the transport is inproc, or the
-            latest version does not fit the engine.
+        WeightSyncError: the coordinator cannot be reached or refuses the token (none given and
+            no ``weights.service_token_env``), the transport is inproc, or the latest version
+            does not fit the engine.
     """
-    coordinator = HttpCoordinator(url, timeout_s=cfg.connect_timeout_s)
+    token = token if token is not None else cfg.read_service_token()
+    if token is None:
+        raise WeightSyncError(f"connect_subscriber({url!r}): the coordinator service needs its bearer token; pass "
+                              "token=WeightSync.service_token or set weights.service_token_env")
+    coordinator = HttpCoordinator(url, timeout_s=cfg.connect_timeout_s, token=token)
     sub = EngineSubscriber(engine, _receiver(cfg, rank, address), coordinator, name,
                            name_map if name_map is not None else (cfg.name_map or None), cfg.poll_timeout_s)
     report = sub.sync_latest(wait_first_s)

@@ -13,7 +13,11 @@ For each new version it
 4. reports the outcome and timings to the coordinator.
 
 ``sync_latest()`` is what a late-joining replica calls before it serves; ``start()`` follows
-new versions in a background thread. A refused commit is remembered and never retried (it is
+new versions in a background thread. Versions count within a publisher epoch (the
+coordinator's run id): within one, the engine's version only moves forward (an older commit
+that arrives late is not applied); a coordinator of another epoch (a restarted publisher) does
+not know this subscriber, which then registers again and takes that run's latest version even
+if its number is lower. A refused commit is remembered and never retried (it is
 logged once); the subscriber waits for the publisher to withdraw it and publish a newer (or a
 corrected) one while the engine keeps serving its last complete version.
 """
@@ -69,10 +73,13 @@ class EngineSubscriber:
         self.engine = engine
         self._receiver = receiver
         self._coordinator = coordinator
+        self._name = name
         self._name_map = name_map
         self._poll_timeout_s = poll_timeout_s
         self.id = coordinator.register_subscriber(name)
         self.applied_version: int | None = None
+        self.applied_epoch: str | None = None
+        """Epoch (publisher run id) of :attr:`applied_version`."""
         self.refused_version: int | None = None
         """Newest version this subscriber refused or failed to apply (that commit is not retried)."""
         self._refused: VersionMeta | None = None
@@ -105,6 +112,11 @@ class EngineSubscriber:
         Returns the report (``error`` set when refused: the engine keeps its old weights).
         """
         with self._apply_lock:
+            if self._behind_applied(meta):
+                log.info("%s: version %s arrived after version %s of the same run; not applied", self.id,
+                         meta.version, self.applied_version)
+                return ApplyReport(self.id, meta.version, f"{self.id}: version {meta.version} is not newer than the "
+                                   f"applied version {self.applied_version}; not applied (versions never go back)")
             try:
                 try:
                     names = self.check(meta)
@@ -114,7 +126,7 @@ class EngineSubscriber:
                 tensors, stats = self._receiver.receive(meta)
                 stats["pause_s"] = self._load(tensors, names, meta.version)
                 report = ApplyReport(self.id, meta.version, None, stats)
-                self.applied_version = meta.version
+                self.applied_version, self.applied_epoch = meta.version, meta.epoch
             except WeightSyncError as exc:
                 log.warning("%s", exc)
                 report = ApplyReport(self.id, meta.version, str(exc))
@@ -126,6 +138,11 @@ class EngineSubscriber:
             self.last_report = report
             self._coordinator.report(report)
             return report
+
+    def _behind_applied(self, meta: VersionMeta) -> bool:
+        """``meta`` belongs to the run of the applied version and is not newer than it."""
+        return (self.applied_version is not None and meta.epoch == self.applied_epoch
+                and meta.version <= self.applied_version)
 
     def _load(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], version: int) -> float:
         """engine.load_weights; returns the engine's pause in seconds (time it could not decode)."""
@@ -145,11 +162,23 @@ class EngineSubscriber:
         the same version number published again (a new commit) is tried. Waits up to
         ``timeout_s`` for a newer version to exist; returns None if none came.
         """
-        meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id)
-        if meta is not None and meta == self._refused:
+        meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id, self.applied_epoch)
+        if meta is None:
+            if not self._stop.is_set() and not self._coordinator.is_registered(self.id):
+                self._register_again()
+            return None
+        if meta == self._refused:
             self._stop.wait(min(timeout_s, _REFUSED_PAUSE_S))
             return None
-        return None if meta is None else self.apply(meta)
+        return self.apply(meta)
+
+    def _register_again(self) -> None:
+        """The coordinator does not know this subscriber (the publisher restarted with a new
+        coordinator): register with it; its latest version is then newer (another epoch)."""
+        old = self.id
+        self.id = self._coordinator.register_subscriber(self._name)
+        log.warning("%s: the weight coordinator no longer knows this subscriber (publisher restarted?); "
+                    "registered again as %s", old, self.id)
 
     def start(self) -> "EngineSubscriber":
         """Follow new versions in a daemon thread until :meth:`close`."""

@@ -13,6 +13,7 @@ Rollout replicas in other processes subscribe through the coordinator's HTTP ser
 
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from relax_agent.weights.base import Receiver, Sender
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.coordinator import ApplyReport, Coordinator
 from relax_agent.weights.subscriber import EngineSubscriber, NameMap
+
+log = logging.getLogger("relax_agent.weights")
 
 SYNC_S = "timing/weight_sync_s"
 SYNC_GB_PER_S = "weights/gb_per_s"
@@ -46,6 +49,9 @@ class SyncStats:
         transfer_s: longest subscriber receive time (bytes on the wire, checksums verified).
         subscribers: how many subscribers applied it.
         resumes: reconnections that resumed a transfer mid-way (tcp).
+        lagging: subscribers that had not applied it when ``publish`` returned (did not report
+            within ``weights.publish_timeout_s``, or still behind from an earlier publish); they
+            keep following and catch up on their own.
     """
 
     version: int
@@ -57,6 +63,7 @@ class SyncStats:
     transfer_s: float
     subscribers: int
     resumes: int = 0
+    lagging: tuple[str, ...] = ()
 
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys for the metrics log."""
@@ -80,7 +87,9 @@ class WeightSync:
         self._local: list[EngineSubscriber] = []
         self._closed = False
         self._applied_floor = -1
-        coordinator.register_publisher(sender.address)
+        self._lagging: dict[str, int] = {}
+        """subscriber id -> the version it had not applied when a publish gave up waiting for it."""
+        self._publisher_token = coordinator.register_publisher(sender.address)
 
     @property
     def latest_version(self) -> int:
@@ -92,6 +101,11 @@ class WeightSync:
     def service_url(self) -> str | None:
         """Base URL of the coordinator's HTTP service, when ``weights.service_port`` is set."""
         return None if self._service is None else self._service.url
+
+    @property
+    def service_token(self) -> str | None:
+        """Bearer token of the coordinator's HTTP service (hand it to the replicas' ``connect_subscriber``)."""
+        return None if self._service is None else self._service.token
 
     @property
     def subscribers(self) -> list[EngineSubscriber]:
@@ -134,10 +148,13 @@ class WeightSync:
             state_dict: name -> tensor (the trainer's fp32 weights; any device).
             version: policy version, greater than :attr:`latest_version`.
 
+        A subscriber that does not report within ``weights.publish_timeout_s`` does not fail the
+        publish: it is listed in ``SyncStats.lagging`` (the version stays published and it catches
+        up on its own), and later publishes do not wait for it until it has caught up.
+
         Raises:
             WeightSyncError: ``version`` is not newer, a subscriber refused it (message lists
-                each refusal; those engines keep serving their previous version), or a
-                subscriber did not report within ``weights.publish_timeout_s``; ``version``
+                each refusal; those engines keep serving their previous version); ``version``
                 is not a non-negative int; this sync is closed; ``weights.check_finite`` is on and
                 a floating-point tensor holds NaN or inf (nothing is sent). A refused version never becomes
                 the latest complete version, and a corrected state dict may be published under the
@@ -153,8 +170,8 @@ class WeightSync:
             if self.cfg.transport == "inproc":
                 for sub in self._local:  # refuse before any engine changes
                     sub.check(meta)
-            waiting = self.coordinator.subscribers()
-            meta = self.coordinator.commit(meta)
+            waiting, behind = self._still_lagging(self.coordinator.subscribers())
+            meta = self.coordinator.commit(meta, publisher=self._publisher_token)
         except WeightSyncError:
             self._sender.retract(version)
             raise
@@ -162,11 +179,30 @@ class WeightSync:
         if self.cfg.transport == "inproc":
             for sub in self._local:
                 sub.apply(meta)
-        reports = self.coordinator.wait_applied(version, waiting, self.cfg.publish_timeout_s)
+        reports, missing = self.coordinator.wait_reports(version, waiting, self.cfg.publish_timeout_s)
         seconds = time.perf_counter() - start
         if any(r.error is not None and r.version == version for r in reports.values()):
             self._withdraw(version, reports)
-        return _stats(meta.version, meta.total_bytes, seconds, stage_s, reports)
+        self._lagging.update({s: version for s in missing})
+        if missing:
+            log.warning("weights: version %d: subscribers %s did not apply it within weights.publish_timeout_s="
+                        "%s s; reported as lagging (they catch up on their own)", version, missing,
+                        self.cfg.publish_timeout_s)
+        return _stats(meta.version, meta.total_bytes, seconds, stage_s, reports, tuple(behind + missing))
+
+    def _still_lagging(self, subscribers: list[str]) -> tuple[list[str], list[str]]:
+        """Split ``subscribers`` into those to wait for and those still behind a version an earlier
+        publish gave up on (waited for again once they reported it)."""
+        waiting, behind = [], []
+        for sub in subscribers:
+            lagged_at = self._lagging.get(sub)
+            reported = self.coordinator.reported_version(sub)
+            if lagged_at is not None and (reported is None or reported < lagged_at):
+                behind.append(sub)
+            else:
+                self._lagging.pop(sub, None)
+                waiting.append(sub)
+        return waiting, behind
 
     def _check_version(self, version: Any) -> int:
         """``version`` as an int. Raises WeightSyncError (naming the value) when it cannot be published:
@@ -199,6 +235,7 @@ class WeightSync:
             sub.close()
         self._local.clear()
         self._sender.close()
+        self.coordinator.close()  # long polls of remote replicas return now, not after poll_timeout_s
         if self._service is not None:
             self._service.close()
             self._service = None
@@ -212,14 +249,15 @@ def _raise_refusals(version: int, reports: dict[str, ApplyReport]) -> None:
                               f"(they keep their previous version):\n{lines}")
 
 
-def _stats(version: int, nbytes: int, seconds: float, stage_s: float, reports: dict[str, ApplyReport]) -> SyncStats:
+def _stats(version: int, nbytes: int, seconds: float, stage_s: float, reports: dict[str, ApplyReport],
+           lagging: tuple[str, ...] = ()) -> SyncStats:
     done = [r.stats for r in reports.values() if r.version == version]
     n = len(done)
     return SyncStats(version=version, bytes=nbytes, seconds=seconds,
                      gb_per_s=nbytes * n / seconds / 1e9 if seconds > 0 else 0.0,
                      pause_s=max((s.get("pause_s", 0.0) for s in done), default=0.0), stage_s=stage_s,
                      transfer_s=max((s.get("receive_s", 0.0) for s in done), default=0.0), subscribers=n,
-                     resumes=int(sum(s.get("resumes", 0.0) for s in done)))
+                     resumes=int(sum(s.get("resumes", 0.0) for s in done)), lagging=lagging)
 
 
 def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> WeightSync:
@@ -229,15 +267,19 @@ def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> Wei
         WeightSyncError: nccl with in-process engines, or the transport could not start.
     """
     coordinator = Coordinator()
-    service = None
-    if cfg.service_port is not None:
-        from relax_agent.weights.service import serve_coordinator
+    token = cfg.read_service_token()
+    sender, make_receiver = _transport(cfg)  # first: a busy weights.port must not leave a service running
+    sync = WeightSync(cfg, coordinator, sender, make_receiver)
+    try:
+        if cfg.service_port is not None:
+            from relax_agent.weights.service import serve_coordinator
 
-        service = serve_coordinator(coordinator, cfg.host, cfg.service_port)
-    sender, make_receiver = _transport(cfg)
-    sync = WeightSync(cfg, coordinator, sender, make_receiver, service)
-    for i, engine in enumerate(engines):
-        sync.attach(engine, name=f"engine{i}")
+            sync._service = serve_coordinator(coordinator, cfg.host, cfg.service_port, token=token)
+        for i, engine in enumerate(engines):
+            sync.attach(engine, name=f"engine{i}")
+    except BaseException:
+        sync.close()
+        raise
     return sync
 
 
@@ -260,10 +302,12 @@ def _transport(cfg: WeightSyncConfig) -> tuple[Sender, Callable[[], Receiver] | 
 def _check_finite(state_dict: Mapping[str, torch.Tensor], version: int) -> None:
     """Raise WeightSyncError naming the floating-point tensors of ``state_dict`` that hold NaN or inf.
 
-    One fp32 reduction per tensor: NaN and inf propagate into the sum (inf - inf is NaN), and a
-    sum of finite weights does not overflow fp32 in practice."""
+    One fp32 reduction per tensor: NaN and inf propagate into the sum (inf - inf is NaN). A sum
+    that is not finite is confirmed element-wise, since finite weights can still overflow an
+    fp32 sum (two of 3e38); that costs a second pass only for such tensors."""
     bad = [name for name, t in state_dict.items()
-           if torch.is_floating_point(t) and not bool(torch.isfinite(t.sum(dtype=torch.float32)))]
+           if torch.is_floating_point(t) and not bool(torch.isfinite(t.sum(dtype=torch.float32)))
+           and not bool(torch.isfinite(t).all())]
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise WeightSyncError(f"publish(version={version}): {len(bad)} tensor(s) hold NaN or inf ({shown}); "

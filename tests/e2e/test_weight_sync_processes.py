@@ -34,7 +34,8 @@ from relax_agent.weights import WeightSyncConfig, connect_subscriber
 args = json.loads(sys.argv[1])
 model, tok = load_policy(ModelConfig(path=args["model"]))
 engine = HFEngine(model, tok, EngineConfig())
-sub = connect_subscriber(args["url"], engine, WeightSyncConfig(**args["cfg"]), name="child", rank=args["rank"])
+sub = connect_subscriber(args["url"], engine, WeightSyncConfig(**args["cfg"]), name="child", rank=args["rank"],
+                         token=args["token"])
 print(json.dumps({"joined_at": engine.policy_version}), flush=True)
 deadline = time.monotonic() + 120
 while engine.policy_version != args["target"] and time.monotonic() < deadline:
@@ -66,8 +67,9 @@ def perturbed_state(tiny_model_dir, seed: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def start_child(tiny_model_dir, url: str, cfg: dict, target: int, rank: int | None = None) -> subprocess.Popen:
-    args = {"model": str(tiny_model_dir), "url": url, "cfg": cfg, "target": target, "rank": rank}
+def start_child(tiny_model_dir, sync, cfg: dict, target: int, rank: int | None = None) -> subprocess.Popen:
+    args = {"model": str(tiny_model_dir), "url": sync.service_url, "token": sync.service_token, "cfg": cfg,
+            "target": target, "rank": rank}
     return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], stdout=subprocess.PIPE, text=True)
 
 
@@ -92,7 +94,7 @@ def test_tcp_replica_in_another_process_joins_late_and_follows(tiny_model_dir):
     child = None
     try:
         sync.publish(perturbed_state(tiny_model_dir, 1), 1)  # before the replica exists
-        child = start_child(tiny_model_dir, sync.service_url, cfg, target=2)
+        child = start_child(tiny_model_dir, sync, cfg, target=2)
         subs = wait_for_subscribers(sync, 1, child)
         sync.coordinator.wait_applied(1, subs, 120.0)  # the late joiner pulled version 1 first
         state = perturbed_state(tiny_model_dir, 2)
@@ -113,7 +115,7 @@ def test_gloo_broadcast_between_two_processes(tiny_model_dir):
     sync = build_weight_sync(WeightSyncConfig(service_port=0, **cfg), [])
     child = None
     try:
-        child = start_child(tiny_model_dir, sync.service_url, cfg, target=3, rank=1)
+        child = start_child(tiny_model_dir, sync, cfg, target=3, rank=1)
         wait_for_subscribers(sync, 1, child)
         for version in (2, 3):
             state = perturbed_state(tiny_model_dir, version)

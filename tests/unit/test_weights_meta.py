@@ -149,7 +149,7 @@ def test_wait_applied_collects_reports_and_names_the_missing():
     a, b = coord.register_subscriber("a"), coord.register_subscriber("b")
     coord.commit(meta(1))
     coord.report(ApplyReport(a, 1, None, {"pause_s": 0.1}))
-    with pytest.raises(WeightSyncError, match=r"\['b.1'\] did not report"):
+    with pytest.raises(WeightSyncError, match=rf"\['b.{coord.epoch}.1'\] did not report"):
         coord.wait_applied(1, [a, b], 0.05)
     coord.report(ApplyReport(b, 1, "refused"))
     reports = coord.wait_applied(1, [a, b], 1.0)
@@ -160,13 +160,15 @@ def test_wait_applied_collects_reports_and_names_the_missing():
 
 def test_http_coordinator_speaks_the_same_protocol():
     coord = Coordinator()
-    service = serve_coordinator(coord, "127.0.0.1", 0)
-    client = HttpCoordinator(service.url)
+    publisher = coord.register_publisher(None)
+    service = serve_coordinator(coord, "127.0.0.1", 0, publisher_token=publisher)
+    client = HttpCoordinator(service.url, token=service.token, publisher_token=publisher)
     try:
         sub = client.register_subscriber("remote")
         assert client.latest() is None and client.wait_for_version(None, 0.05, sub) is None
         threading.Timer(0.1, coord.commit, args=(meta(4),)).start()
-        assert client.wait_for_version(None, 5.0, sub) == dataclasses.replace(meta(4), commit=1)  # stamped
+        stamped = dataclasses.replace(meta(4), commit=1, epoch=coord.epoch)
+        assert client.wait_for_version(None, 5.0, sub) == stamped
         client.report(ApplyReport(sub, 4, None, {"receive_s": 0.5}))
         assert coord.wait_applied(4, [sub], 1.0)[sub].stats == {"receive_s": 0.5}
         with pytest.raises(WeightSyncError, match="409"):
