@@ -11,9 +11,12 @@ async, per-item or batched; its parameter names say which:
 A returned value is a number (the reward), a dict ``{"reward", "metrics"?, "extra"?}``, or a
 :class:`RewardResult`. Sync functions run in a thread pool, never on the event loop. Each
 item gets ``timeout_s`` (a batched call gets ``timeout_s`` for the whole call); an exception
-or overrun becomes ``status: error`` / ``timeout`` for that item only. A sync function that
-overruns keeps running in its thread (Python cannot stop a thread); the item is answered
-``timeout`` at once.
+(``sys.exit`` and ``KeyboardInterrupt`` included) or overrun becomes ``status: error`` /
+``timeout`` for that item only. A sync function that overruns keeps running in its thread
+(Python cannot stop a thread); the item is answered ``timeout`` at once, and
+:meth:`LocalReward.health` reports when such calls hold every slot.
+A returned number must be finite in float32 and not a bool (see
+:func:`~relax_agent.reward_services.protocol.check_number`).
 
 A class (or any target given ``kwargs``) is a factory: it is called with ``kwargs`` and the
 object it returns is the reward function (how the LLM judge takes its endpoint and rubric).
