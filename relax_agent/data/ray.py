@@ -1,7 +1,10 @@
 """Ray data bus: a metadata actor (asyncio, never blocks its loop) and the Ray object store.
 
 Any process of the Ray cluster builds a :class:`RayTransferQueue` with the same
-``ray_actor_name`` and shares one bus; the object pickles, so it can be handed to actors.
+``ray_actor_name`` and shares one bus (the actor lives in ``ray_namespace``, not in the
+driver's own, often anonymous, namespace); the object pickles, so it can be handed to actors.
+Values of object fields must pickle with plain pickle (checked at put): the socket channel
+pickles every reply, and a read that cannot unpickle its rows releases their lease at once.
 
 - The actor holds one :class:`~relax_agent.data.store.Store`: rows, cursors and leases. Its
   methods are coroutines; a blocked ``put`` or ``get`` awaits an ``asyncio.Condition`` (with

@@ -2,7 +2,8 @@
 
 Example (in the rollout process)::
 
-    sub = connect_subscriber("http://127.0.0.1:8600", engine, WeightSyncConfig(transport="tcp"))
+    # url and token: WeightSync.service_url / .service_token on the trainer side (or weights.service_token_env)
+    sub = connect_subscriber("http://127.0.0.1:8600", engine, WeightSyncConfig(transport="tcp"), token=token)
     # the engine now holds the latest published version (if any) and follows new ones
     ...
     sub.close()

@@ -8,7 +8,8 @@ Example::
     sync.close()
 
 Rollout replicas in other processes subscribe through the coordinator's HTTP service
-(``weights.service_port``) with :func:`relax_agent.weights.remote.connect_subscriber`.
+(``weights.service_port``) with :func:`relax_agent.weights.remote.connect_subscriber`, passing
+``sync.service_url`` and the service's bearer token ``sync.service_token``.
 """
 
 from __future__ import annotations
