@@ -149,10 +149,19 @@ def eval_cmd(
     overrides: Optional[list[str]] = OVERRIDES,
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint or run folder; default: the untrained policy."),
     output: Optional[Path] = typer.Option(None, "--output", help="Write the results as JSON here."),
+    bfcl: bool = typer.Option(False, "--bfcl", is_flag=True,
+                              help="Evaluate every registered BFCL category (eval.num_tasks held-out tasks each) "
+                                   "and report the leaderboard's groups."),
 ) -> None:
-    """Report held-out accuracy of a checkpoint (or of the untrained policy)."""
+    """Report held-out accuracy of a checkpoint (or of the untrained policy).
+
+    Every sample (task id, prompt, response, parsed calls, verdict with reason) is written as JSON
+    lines beside the summary: ``<output stem>.samples.jsonl`` (``--bfcl``: a folder
+    ``<output stem>.samples/`` with one file per category), or under ``run.output_dir`` without
+    ``--output``; the most common failure reasons are printed.
+    """
     from relax_agent.checkpoint import resolve
-    from relax_agent.evaluation import evaluate
+    from relax_agent.evaluation import evaluate, evaluate_bfcl, format_bfcl, format_failure_table
     from relax_agent.progress import format_eval
     from relax_agent.roles import build_roles
     from relax_agent.rollout.engines.base import SamplingParams
@@ -160,16 +169,36 @@ def eval_cmd(
     try:
         cfg = _load(config, overrides)
         model_path = resolve(checkpoint) / "model" if checkpoint else None
+        base = output.with_suffix("") if output else Path(cfg.run.output_dir) / "eval"
         roles = build_roles(cfg, model_path=model_path, train=False, on_load=_announce)
         e, r = cfg.eval, cfg.rollout
         params = SamplingParams(r.max_new_tokens, e.temperature, r.top_p)
-        result = evaluate(roles.runner, roles.heldout_tasks[: e.num_tasks], e.seeds, params)
+        if bfcl:
+            def report(category: str, res: dict[str, Any]) -> None:
+                console.print(f"{category}: accuracy {res['eval/accuracy']:.3f} ({res['eval/num_tasks']} tasks)")
+
+            result = evaluate_bfcl(roles.runner, e.num_tasks, e.seeds, params, env_kwargs=cfg.env.kwargs,
+                                   samples_dir=Path(f"{base}.samples"), on_category=report)
+        else:
+            result = evaluate(roles.runner, roles.heldout_tasks[: e.num_tasks], e.seeds, params,
+                              samples_path=Path(f"{base}.samples.jsonl"))
         roles.close()
     except RelaxError as exc:
         _fail(exc)
         return
     result["checkpoint"] = str(model_path.parent) if model_path else None
-    console.print(format_eval(result))
+    if bfcl:
+        console.print(format_bfcl(result), markup=False, highlight=False)
+        for category, res in result["categories"].items():
+            n = res["eval/num_tasks"] * len(res["eval/seeds"])
+            console.print(f"{category}: " + format_failure_table(res["eval/failure_reasons"][:3], n),
+                          markup=False, highlight=False)
+        console.print(f"samples: {base}.samples/")
+    else:
+        console.print(format_eval(result))
+        n = result["eval/num_tasks"] * len(result["eval/seeds"])
+        console.print(format_failure_table(result["eval/failure_reasons"], n), markup=False, highlight=False)
+        console.print(f"samples: {result['eval/samples_path']}")
     if output:
         _write_summary(output, result)
     typer.echo(json.dumps({k: v for k, v in result.items()}, default=str))
