@@ -88,6 +88,9 @@ def _checkpoint(out_dir, cfg, num_tasks):
     state = {"step": 2, "policy_version": 2, "groups_drawn": 4,
              "sampler": {"epoch": 0, "offset": 4, "num_tasks": num_tasks, "seed": 0}}
     (ckpt / "state.json").write_text(json.dumps(state))
+    for name in ("trainer.pt", "rng.pt", "model/weights.bin"):  # placeholders: these tests never load them
+        (ckpt / name).parent.mkdir(exist_ok=True)
+        (ckpt / name).write_bytes(b"x")
     return ckpt
 
 
@@ -130,7 +133,7 @@ def test_cli_resume_warns_about_changed_keys_before_the_model_loads(tmp_path):
     assert lines[1:3] == ["  run.seed: 0 → 7  (breaks exact resume)", "  trainer.lr: 0.001 → 0.0001"]
     warning = out.output.index("run.seed: 0 → 7  (breaks exact resume)")
     assert warning < out.output.index("loading policy ")
-    assert out.exit_code == 1  # the checkpoint here has no model: loading fails, after the warning
+    assert out.exit_code == 1  # the checkpoint here has no real model: loading fails, after the warning
 
 
 def test_cli_resume_refuses_another_train_split_before_the_model_loads(tmp_path):
