@@ -164,7 +164,13 @@ class ChatRenderer:
         self.system_role = self._renders([{"role": "system", "content": "s"}, _REF_USER])
         self._gen_prefix = self._probe_generation_prompt()
         self.tool_role = "tool"
-        self._end_after_user = self._probe_boundary([{"role": "user", "content": "x"}])
+        try:
+            self._end_after_user = self._probe_boundary([{"role": "user", "content": "x"}])
+        except ConfigError:
+            raise
+        except Exception as exc:  # the template raised on a multi-turn conversation
+            raise ConfigError(f"model.path: the chat template cannot render a user message after an assistant turn "
+                              f"({type(exc).__name__}: {exc}); multi-turn episodes need it") from exc
         self._probe_tool_role()
 
     def _eos_ids(self) -> list[int]:
