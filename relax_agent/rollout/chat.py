@@ -164,14 +164,14 @@ class ChatRenderer:
         self.system_role = self._renders([{"role": "system", "content": "s"}, _REF_USER])
         self._gen_prefix = self._probe_generation_prompt()
         self.tool_role = "tool"
+        self._end_after_user = self._probe_boundary([{"role": "user", "content": "x"}],
+                                                    "a user message")
+        tool = [{"role": "tool", "content": "x"}]
         try:
-            self._end_after_user = self._probe_boundary([{"role": "user", "content": "x"}])
-        except ConfigError:
-            raise
-        except Exception as exc:  # the template raised on a multi-turn conversation
-            raise ConfigError(f"model.path: the chat template cannot render a user message after an assistant turn "
-                              f"({type(exc).__name__}: {exc}); multi-turn episodes need it") from exc
-        self._probe_tool_role()
+            self._after_assistant(tool)
+        except Exception:  # the template refuses a tool message
+            self.tool_role = "user"
+        self._probe_boundary(tool, "a tool result, neither as a 'tool' message nor as a user message,")
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -196,31 +196,15 @@ class ChatRenderer:
             )
         return prefix
 
-    def _probe_boundary(self, new: list[dict[str, Any]]) -> str:
+    def _probe_boundary(self, new: list[dict[str, Any]], what: str) -> str:
         """The text of the token that closes an assistant turn followed by ``new``."""
-        alone, tail = self._after_assistant(new)
+        try:
+            alone, tail = self._after_assistant(new)
+        except Exception as exc:
+            raise ConfigError(f"model.path: the chat template cannot render {what} after an assistant turn "
+                              f"({type(exc).__name__}: {exc}); multi-turn episodes need it") from exc
         start, stop = self._closing_token(alone, tail, [m["role"] for m in new])
         return tail[start:stop]
-
-    def _probe_tool_role(self) -> None:
-        tool = [{"role": "tool", "content": "x"}]
-        try:
-            self._probe_boundary(tool)
-            return
-        except ConfigError:
-            raise
-        except Exception as exc:  # the template raised on a tool message
-            refused = exc
-        self.tool_role = "user"
-        try:
-            self._probe_boundary(tool)
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise ConfigError(
-                f"model.path: the chat template renders tool results neither as 'tool' messages ({refused}) nor as "
-                f"user messages after an assistant turn ({exc}); relax-agent needs one of the two"
-            ) from exc
 
     def _template(self, what: str, msgs: list[dict[str, Any]], gen: bool = False) -> str:
         try:
@@ -377,7 +361,12 @@ class ChatRenderer:
 
     @staticmethod
     def _as_user(m: dict[str, Any]) -> dict[str, Any]:
-        return {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        """A tool result as a user message, wrapped in ``<tool_response>`` (parts stay parts)."""
+        content = m["content"]
+        if isinstance(content, str):
+            return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        return {"role": "user", "content": [{"type": "text", "text": "<tool_response>\n"}, *content,
+                                            {"type": "text", "text": "\n</tool_response>"}]}
 
     # -- plain-text tokenization ------------------------------------------------------------
     def _placeheld(self, msgs: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
