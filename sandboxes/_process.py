@@ -34,18 +34,19 @@ async def _feed(proc: asyncio.subprocess.Process, data: bytes | None) -> None:
 
 
 async def run_process(argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str], cwd: str,
-                      max_output_bytes: int, max_drain_bytes: int, kill_grace_s: float) -> RawResult:
+                      max_output_bytes: int, max_drain_bytes: int, kill_grace_s: float,
+                      pass_fds: tuple[int, ...] = ()) -> RawResult:
     """Run ``argv`` in a new session; kill its whole process group on timeout, overflow or cancellation.
 
     The command ends when its main process has exited and its output pipes have closed (a
     background child holding them counts as part of it); leftover members of its process
     group are then killed. ``max_drain_bytes`` of output past the caps is read before the
-    command is killed and reported ``truncated``.
+    command is killed and reported ``truncated``. ``pass_fds`` stay open in the child.
     """
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds,
     )
     out, err, overflow = OutputCap(max_output_bytes), OutputCap(max_output_bytes), asyncio.Event()
     assert proc.stdout is not None and proc.stderr is not None

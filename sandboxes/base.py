@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
+import uuid
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
@@ -282,7 +284,58 @@ def signal_exit_code(returncode: int) -> int:
 
 
 def _as_bytes(data: bytes | str | None) -> bytes | None:
-    return data.encode() if isinstance(data, str) else data
+    if data is None or isinstance(data, bytes):
+        return data
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    raise SandboxError(f"stdin={data!r:.80}: expected bytes, str or None, got {type(data).__name__}")
+
+
+def _argv(cmd: Command) -> list[str]:
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise SandboxError("empty command")
+        return ["/bin/sh", "-c", cmd]
+    if isinstance(cmd, (bytes, bytearray)) or not isinstance(cmd, Sequence):
+        raise SandboxError(f"cmd={cmd!r:.80}: expected a shell string or a list of str arguments")
+    argv = []
+    for arg in cmd:
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            arg = str(arg)
+        elif isinstance(arg, os.PathLike):
+            arg = os.fspath(arg)
+        if not isinstance(arg, str):
+            raise SandboxError(f"argument {arg!r:.80} of cmd: expected str (or int, float, path), got {type(arg).__name__}")
+        if "\0" in arg:
+            raise SandboxError(f"argument {arg!r:.80} of cmd contains a NUL byte")
+        argv.append(arg)
+    if not argv:
+        raise SandboxError("empty command (argv list has no program)")
+    return argv
+
+
+def launch_tag() -> str:
+    """A fresh token a launcher prints (alone, to stderr, exit :data:`LAUNCH_ERROR_EXIT`) when the
+    command could not be started because ``cwd`` is not a directory (see :data:`CD_OR_FAIL`)."""
+    return f"relax-sandbox-launch-error-{uuid.uuid4().hex}"
+
+
+LAUNCH_ERROR_EXIT = 126
+CD_OR_FAIL = f'cd -- "$1" 2>/dev/null || {{ printf \'%s\\n\' "$2" >&2; exit {LAUNCH_ERROR_EXIT}; }}'
+"""Shell prologue of the in-sandbox launchers: ``$1`` is the cwd, ``$2`` the :func:`launch_tag`."""
+
+
+def check_launch(raw: RawResult, tag: str, cwd: str, sandbox_id: str) -> RawResult:
+    """``raw`` unchanged, unless it is the launcher's report that ``cwd`` is not a directory.
+
+    Raises:
+        SandboxError: ``cwd`` does not exist (or is not a directory) in the sandbox.
+    """
+    if raw.exit_code == LAUNCH_ERROR_EXIT and raw.stderr == f"{tag}\n".encode():
+        raise SandboxError(f"cwd={cwd!r} does not exist or is not a directory in sandbox {sandbox_id}")
+    return raw
 
 
 def _check_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -292,6 +345,14 @@ def _check_env(env: Mapping[str, str]) -> dict[str, str]:
             raise SandboxError(f"bad environment variable {key!r}={value!r}: names need no '=' or NUL, values must be str")
         out[key] = value
     return out
+
+
+_READ_REGULAR = (
+    'if [ -d "$1" ]; then echo "$1: is a directory, not a regular file" >&2; exit 1; fi; '
+    'if [ -e "$1" ] && [ ! -f "$1" ]; then echo "$1: not a regular file (device, FIFO or socket)" >&2; exit 1; fi; '
+    'exec cat -- "$1"'
+)
+"""``read_file``'s command: refuses anything but a regular file (a FIFO would block, a device never end)."""
 
 
 class BaseSandbox:
@@ -309,6 +370,8 @@ class BaseSandbox:
         self.broken: str | None = None
         self.created_at = time.time()
         self._close_task: asyncio.Future[None] | None = None
+        self._running: set[asyncio.Task[Any]] = set()
+        self._stopped_by_close: set[asyncio.Task[Any]] = set()
 
     # -- primitives implemented by backends ------------------------------------------------
     async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
@@ -317,6 +380,31 @@ class BaseSandbox:
 
     async def _close(self) -> None:
         raise NotImplementedError
+
+    async def _closable(self, argv: list[str], run: Coroutine[Any, Any, RawResult]) -> RawResult:
+        """Await ``run`` (a cancellable ``_run`` body) so that :meth:`_stop_running` can end it:
+        an exec stopped because the sandbox closed raises SandboxError instead of a result."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            return await run
+        except asyncio.CancelledError:
+            if task in self._stopped_by_close:
+                task.uncancel()
+                raise SandboxError(f"sandbox {self.id} was closed while {argv[0]!r} ran; "
+                                   "the command was killed") from None
+            raise
+        finally:
+            self._running.discard(task)
+            self._stopped_by_close.discard(task)
+
+    def _stop_running(self) -> None:
+        """Cancel every exec in flight (for ``_close``); each kills its command and raises SandboxError."""
+        for task in list(self._running):
+            if not task.cancelling():  # one its caller cancelled stays a plain cancellation
+                self._stopped_by_close.add(task)
+            task.cancel()
 
     # -- the contract ----------------------------------------------------------------------
     def base_env(self) -> dict[str, str]:
@@ -336,6 +424,9 @@ class BaseSandbox:
             raise SandboxError(f"sandbox {self.id} is broken: {self.broken}")
 
     def _timeout(self, timeout_s: float | None) -> float:
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+            raise SandboxError(f"timeout_s={timeout_s!r}: expected a number of seconds or None, "
+                               f"got {type(timeout_s).__name__}")
         t = self.config.timeout_s if timeout_s is None else float(timeout_s)
         if not 0 < t <= self.config.max_timeout_s:
             raise SandboxError(f"timeout_s={timeout_s} must be in (0, {self.config.max_timeout_s}] (sandbox.max_timeout_s)")
@@ -345,24 +436,18 @@ class BaseSandbox:
         return min(max(self.config.timeout_s, 30.0), self.config.max_timeout_s)
 
     def _resolve(self, path: str) -> str:
-        if not path or "\0" in path:
-            raise SandboxError(f"bad sandbox path {path!r}")
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise SandboxError(f"bad sandbox path {path!r}: expected a non-empty str without NUL bytes")
         return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
 
     async def _raw(self, cmd: Command, timeout_s: float | None, stdin: bytes | str | None,
                    env: Mapping[str, str] | None, cwd: str | None, max_output_bytes: int) -> RawResult:
         self._check_usable()
-        if isinstance(cmd, str):
-            if not cmd.strip():
-                raise SandboxError("empty command")
-            argv = ["/bin/sh", "-c", cmd]
-        else:
-            argv = [str(a) for a in cmd]
-            if not argv:
-                raise SandboxError("empty command (argv list has no program)")
+        argv = _argv(cmd)
         full_env = {**self.base_env(), **_check_env(self.config.env), **_check_env(env or {})}
         return await self._run(argv, timeout_s=self._timeout(timeout_s), stdin=_as_bytes(stdin), env=full_env,
-                               cwd=self._resolve(cwd) if cwd else self.workdir, max_output_bytes=max_output_bytes)
+                               cwd=self._resolve(cwd) if cwd is not None else self.workdir,
+                               max_output_bytes=max_output_bytes)
 
     async def exec(self, cmd: Command, timeout_s: float | None = None, stdin: bytes | str | None = None,
                    env: Mapping[str, str] | None = None, cwd: str | None = None) -> ExecResult:
@@ -375,7 +460,11 @@ class BaseSandbox:
             cwd: working directory (relative paths resolve under ``workdir``).
 
         Raises:
-            SandboxError: the sandbox is closed or broken, or an argument is invalid.
+            SandboxError: the sandbox is closed or broken (also when that happens while the command
+                runs), or an argument is invalid: an empty command, an argument that is not str
+                (int, float and paths are converted) or holds a NUL byte, ``timeout_s`` that is not
+                a number in (0, ``max_timeout_s``], ``stdin`` that is not bytes/str/None, a ``cwd``
+                that is not a directory in the sandbox, an ``env`` name or value with '=' / NUL.
         """
         raw = await self._raw(cmd, timeout_s, stdin, env, cwd, self.config.max_output_bytes)
         return raw.decode()
@@ -405,12 +494,17 @@ class BaseSandbox:
         """The bytes of ``path`` (relative to ``workdir``).
 
         Raises:
-            SandboxError: the file does not exist, is unreadable, or exceeds ``config.max_file_bytes``.
+            SandboxError: the file does not exist, is not a regular file (a directory, device, FIFO
+                or socket), is unreadable, or exceeds ``config.max_file_bytes``.
         """
-        res = await self._raw(["cat", "--", self._resolve(path)], self._io_timeout_s(), None, None, None,
+        timeout_s = self._io_timeout_s()
+        res = await self._raw(["/bin/sh", "-c", _READ_REGULAR, "sh", self._resolve(path)], timeout_s, None, None, None,
                               self.config.max_file_bytes)
+        if res.timed_out:
+            raise SandboxError(f"read_file({path!r}) timed out after {timeout_s} s")
         if res.exit_code != 0:
-            raise SandboxError(f"read_file({path!r}) failed (exit {res.exit_code}): {res.stderr.decode(errors='replace').strip()}")
+            why = res.stderr.decode(errors="replace").strip() or f"no error message (exit {res.exit_code})"
+            raise SandboxError(f"read_file({path!r}) failed: {why}")
         if res.truncated:
             raise SandboxError(f"read_file({path!r}): file exceeds sandbox.max_file_bytes={self.config.max_file_bytes}")
         return res.stdout

@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import re
+import select
 import socket
 import struct
 import threading
@@ -32,15 +34,68 @@ from typing import Any, Callable, TypeVar
 
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import reaper
-from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, OutputCap, RawResult, SandboxConfig
+from relax_agent.sandboxes.base import (
+    CD_OR_FAIL,
+    EXEC_MARKER_ENV,
+    BaseSandbox,
+    OutputCap,
+    RawResult,
+    SandboxConfig,
+    check_launch,
+    launch_tag,
+)
 
 T = TypeVar("T")
 KEEPER_USER = "65533:65533"
 """uid:gid of the container's main process (``sleep TTL``); must differ from ``config.user``."""
 _OOM_PROBE = "cat /sys/fs/cgroup/memory.events 2>/dev/null || cat /sys/fs/cgroup/memory/memory.oom_control"
-_KILL_MARKED = (
-    'for d in /proc/[0-9]*; do grep -qsxzF "$1" "$d/environ" && kill -9 "${d#/proc/}" 2>/dev/null; done; true'
-)
+_SCAN = r"""
+prev= n=0
+while [ "$n" -lt 20 ]; do
+  pids=
+  for f in $(grep -lsxzF "$m" /proc/[0-9]*/environ; [ -n "$o" ] && find /proc/[0-9]*/fd -maxdepth 1 \
+             \( -lname "*:?$o?" -o -lname "*:?$e?" \) 2>/dev/null); do
+    q=${f#/proc/}; q=${q%%/*}
+    [ "$q" = "$$" ] || [ ! -d "/proc/$q" ] || skip "$q" || case " $pids " in *" $q "*) ;; *) pids="$pids $q" ;; esac
+  done
+  [ "$pids" = "$prev" ] && break
+  kill -STOP $pids 2>/dev/null
+  prev=$pids n=$((n + 1))
+done
+[ -n "$prev" ] && kill -KILL $prev 2>/dev/null
+"""
+"""Kill every process whose environment holds ``$m`` (``NAME=marker``) or that holds one of the
+pipes ``$o`` / ``$e`` (inode numbers; none when ``$o`` is empty), except ``$$`` and those for which
+``skip PID`` succeeds. Processes are stopped first and the scan is repeated until it finds no new
+ones, so a fork bomb cannot outrun it; then all of them are killed at once."""
+
+_KILL_MARKED = ('m="$1" t="$2" o= e=\nskip() { grep -qsxzF -e "$t" "/proc/$1/cmdline"; }' + _SCAN + "true\n")
+"""Host-side helper exec (``$1`` ``NAME=marker``, ``$2`` launch tag): kill the exec's processes but
+not its launcher, which then kills whatever else holds the exec's output and exits."""
+
+_LAUNCHER = CD_OR_FAIL + r"""
+t=$3; shift 3
+exec 3<&0
+timeout -s KILL "$t" "$@" <&3 3<&- &
+p=$!
+exec 3<&- </dev/null 4>&2 2>/dev/null
+wait "$p"; rc=$?
+kill -KILL -"$p"
+o=$(readlink /proc/$$/fd/1); o=${o##*[}; o=${o%]}
+e=$(readlink /proc/$$/fd/4); e=${e##*[}; e=${e%]}
+skip() { false; }
+""" + f'm="{EXEC_MARKER_ENV}=${EXEC_MARKER_ENV}"' + _SCAN + 'exit "$rc"\n'
+"""Runs every exec: ``$1`` cwd, ``$2`` launch tag, ``$3`` timeout, then argv. The command runs under
+``timeout -s KILL`` (in its own process group); when it ends, that group, every process carrying
+the exec's marker and every process still holding the exec's stdout/stderr are killed, so nothing
+it started (a detached fork bomb, a daemon that left the group) outlives it. The launcher's own
+stderr goes to /dev/null once the command started (the shell would report "Killed" jobs there)."""
+
+
+def _timeout_arg(timeout_s: float) -> str:
+    """``timeout_s`` for coreutils ``timeout``, rounded up to whole ms (``0.000`` would mean no limit)."""
+    return f"{max(math.ceil(timeout_s * 1000), 1) / 1000:.3f}"
+
 
 _shared_lock = threading.Lock()
 _shared: dict[str | None, tuple[Any, ThreadPoolExecutor]] = {}
@@ -252,11 +307,16 @@ class DockerSandbox(BaseSandbox):
             sock.close()
         return bytes(frames.caps[1].kept)
 
-    def _kill_marked(self, marker: str) -> None:
+    def _kill_marked(self, marker: str, tag: str, done: list[float] | None = None) -> None:
+        """Kill the exec's processes (its launcher, named by ``tag``, then cleans up and exits);
+        append the end time to ``done``."""
         try:
-            self._quick(["/bin/sh", "-c", _KILL_MARKED, "sh", f"{EXEC_MARKER_ENV}={marker}"], timeout_s=5.0)
+            self._quick(["/bin/sh", "-c", _KILL_MARKED, "sh", f"{EXEC_MARKER_ENV}={marker}", tag], timeout_s=5.0)
         except SandboxError:
             pass
+        finally:
+            if done is not None:
+                done.append(time.monotonic())
 
     def _oom_kills(self) -> int:
         out = self._quick(["/bin/sh", "-c", _OOM_PROBE]).decode(errors="replace")
@@ -272,8 +332,21 @@ class DockerSandbox(BaseSandbox):
             fresh, self._oom_seen = n > self._oom_seen, max(n, self._oom_seen)
         return fresh
 
+    def _check_alive(self) -> None:
+        """Mark the sandbox broken when its container is no longer running (removed, expired, killed)."""
+        try:
+            state = self.client.api.inspect_container(self.container_id).get("State", {})
+        except _transport_errors() as exc:
+            if getattr(exc, "status_code", None) == 404:
+                self.broken = f"container is gone ({exc})"
+            return
+        if not state.get("Running") or state.get("Status") in ("removing", "exited", "dead"):
+            self.broken = f"container is {state.get('Status', 'not running')}"
+
     def _exit_code(self, exec_id: str) -> int | None:
-        for _ in range(50):
+        """The exec's exit code once docker reports it ended (None: unknown, e.g. the container is gone)."""
+        deadline, pause = time.monotonic() + 15.0, 0.01
+        while time.monotonic() < deadline:
             try:
                 info = self.client.api.exec_inspect(exec_id)
             except _transport_errors() as exc:
@@ -281,51 +354,70 @@ class DockerSandbox(BaseSandbox):
                 return None
             if not info.get("Running"):
                 return info.get("ExitCode")
-            time.sleep(0.02)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
         return None
-
-    def _feed_stdin(self, sock: socket.socket, data: bytes) -> None:
-        try:
-            view = memoryview(data)
-            for i in range(0, len(view), 65536):
-                sock.sendall(view[i:i + 65536])
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the command exited without reading all of its stdin
 
     def _exec_blocking(self, argv: list[str], timeout_s: float, stdin: bytes | None, env: dict[str, str],
                        cwd: str, max_output_bytes: int, cancel: threading.Event, wrap: bool = True) -> RawResult:
         cfg = self.config
-        marker = uuid.uuid4().hex
+        marker, tag = uuid.uuid4().hex, launch_tag()
         env = {**env, EXEC_MARKER_ENV: marker}
-        full = ["timeout", "-s", "KILL", f"{timeout_s:.3f}", *argv] if wrap else argv
+        if wrap:
+            full, workdir = ["/bin/sh", "-c", _LAUNCHER, "relax-exec", cwd, tag, _timeout_arg(timeout_s), *argv], "/"
+        else:
+            full, workdir = argv, cwd
         start = time.monotonic()
-        exec_id, sock = self._api_exec(full, stdin=stdin is not None, env=env, cwd=cwd)
-        if stdin is not None:
-            threading.Thread(target=self._feed_stdin, args=(sock, stdin), daemon=True).start()
+        exec_id, sock = self._api_exec(full, stdin=stdin is not None, env=env, cwd=workdir)
         caps = {1: OutputCap(max_output_bytes), 2: OutputCap(max_output_bytes)}
         frames = _Frames(caps)
+        pending = memoryview(stdin) if stdin is not None else None
         host_kill_at = start + timeout_s + cfg.kill_grace_s
-        hard_kill_at: float | None = None
-        timed_out = overflow = False
-        sock.settimeout(0.1)
+        kill_started: float | None = None
+        kill_done: list[float] = []
+        timed_out = overflow = removed_here = False
+        feed_error: OSError | None = None
+        sock.setblocking(False)
+        poller = select.poll()
         try:
             while True:
                 now = time.monotonic()
-                killing = (now > host_kill_at) or cancel.is_set() or frames.total > max_output_bytes * 2 + cfg.max_drain_bytes
-                if killing and hard_kill_at is None:
+                killing = (now > host_kill_at or cancel.is_set() or feed_error is not None
+                           or frames.total > max_output_bytes * 2 + cfg.max_drain_bytes)
+                if killing and kill_started is None:
                     timed_out = now > host_kill_at
-                    overflow = not timed_out and not cancel.is_set()
-                    threading.Thread(target=self._kill_marked, args=(marker,), daemon=True).start()
-                    hard_kill_at = time.monotonic() + cfg.kill_grace_s
-                elif hard_kill_at is not None and now > hard_kill_at:
-                    self.broken = f"command did not end {cfg.kill_grace_s} s after being killed; container removed"
+                    overflow = not timed_out and not cancel.is_set() and feed_error is None
+                    kill_started = now
+                    threading.Thread(target=self._kill_marked, args=(marker, tag, kill_done), daemon=True).start()
+                elif kill_started is not None and now > (kill_done[0] if kill_done else kill_started + 60) + cfg.kill_grace_s:
+                    # the marker kill has run (or hung for a minute) and the stream is still open: a
+                    # process without the marker holds it, and only removing the container ends it
+                    self.broken = (f"command did not end {cfg.kill_grace_s} s after being killed "
+                                   "(a process without the exec's marker held its output); container removed")
+                    removed_here = True
                     with contextlib.suppress(*_transport_errors()):
                         reaper.remove_container(self.client, self.container_id)
                     break
+                if pending is not None and not pending:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_WR)
+                    pending = None
+                poller.register(sock, select.POLLIN | (select.POLLOUT if pending is not None else 0))
+                events = poller.poll(100)
+                if pending is not None and any(ev & select.POLLOUT for _, ev in events):
+                    try:
+                        pending = pending[sock.send(pending[:1 << 18]):]
+                    except BlockingIOError:
+                        pass
+                    except (BrokenPipeError, ConnectionResetError):
+                        pending = None  # the command exited or closed stdin without reading all of it
+                    except OSError as exc:
+                        feed_error, pending = exc, None
+                if not any(ev & (select.POLLIN | select.POLLHUP | select.POLLERR) for _, ev in events):
+                    continue
                 try:
                     data = sock.recv(1 << 18)
-                except (socket.timeout, BlockingIOError):
+                except (BlockingIOError, InterruptedError):
                     continue
                 except OSError:
                     break
@@ -335,11 +427,34 @@ class DockerSandbox(BaseSandbox):
         finally:
             sock.close()
         duration = time.monotonic() - start
-        code = None if self.broken else self._exit_code(exec_id)
+        code = None if removed_here else self._exit_code(exec_id)
+        oom = False
+        if not removed_here and code != 0 and not self.closed and not self.broken:
+            oom = self._check_oom()  # runs an exec: marks the sandbox broken if the container stopped
+            if code in (None, 137) and not oom and not self.broken:
+                # an unexplained SIGKILL: the container may be on its way out (its state changes a
+                # moment after its processes die), so look for up to a second
+                for _ in range(1 if kill_started is not None else 5):
+                    self._check_alive()
+                    if self.broken:
+                        break
+                    time.sleep(0.2)
+        if not removed_here and (self.closed or self.broken) and code in (None, 137):
+            why = "was closed" if self.closed else f"broke ({self.broken})"
+            raise SandboxError(f"sandbox {self.id} {why} while {argv[0]!r} ran; the command did not finish")
+        if feed_error is not None:
+            raise SandboxError(f"sending stdin to {argv[0]!r} in sandbox {self.id} failed: {feed_error}")
+        if code is None and not removed_here:
+            raise SandboxError(f"docker did not report the exit status of {argv[0]!r} in sandbox {self.id} within 15 s")
         code = 137 if code is None else code
+        raw = RawResult(code, bytes(caps[1].kept), bytes(caps[2].kept))
+        if code == 126 and raw.stdout.startswith(b"OCI runtime exec failed"):
+            raise SandboxError(f"docker could not start {argv[0]!r} in sandbox {self.id} (at sandbox.pids_limit="
+                               f"{cfg.pids_limit} processes?): {raw.stdout.decode(errors='replace').strip()}")
+        if wrap:
+            check_launch(raw, tag, cwd, self.id)
         timed_out = timed_out or (code in (124, 137) and duration >= timeout_s)
-        oom = code != 0 and not self.broken and self._check_oom()
-        return RawResult(code, bytes(caps[1].kept), bytes(caps[2].kept), timed_out=timed_out and not oom,
+        return RawResult(code, raw.stdout, raw.stderr, timed_out=timed_out and not oom,
                          oom_killed=oom, truncated=overflow or caps[1].truncated or caps[2].truncated,
                          duration_s=duration)
 

@@ -146,6 +146,9 @@ class FakeSandbox(BaseSandbox):
                 return 1
             else:
                 io.write(f"{env[args[0]]}\n".encode())
+        elif name == "rm":
+            for path in (a for a in args if not a.startswith("-")):
+                self.files.pop(self._path(path, cwd), None)
         elif name in ("true", "false"):
             return int(name == "false")
         elif name == "exit":
@@ -253,8 +256,20 @@ class FakeSandbox(BaseSandbox):
             await asyncio.gather(*mine, return_exceptions=True)
         return code
 
+    def _is_dir(self, path: str) -> bool:
+        path = path.rstrip("/") or "/"
+        return (path in ("/", "/tmp", "/dev", self.workdir.rstrip("/") or "/")
+                or any(f.startswith(path + "/") for f in self.files))
+
     async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
                    cwd: str, max_output_bytes: int) -> RawResult:
+        if not self._is_dir(posixpath.normpath(cwd)):
+            raise SandboxError(f"cwd={cwd!r} does not exist or is not a directory in sandbox {self.id}")
+        return await self._closable(argv, self._run_main(argv, timeout_s=timeout_s, stdin=stdin, env=env, cwd=cwd,
+                                                         max_output_bytes=max_output_bytes))
+
+    async def _run_main(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
+                        cwd: str, max_output_bytes: int) -> RawResult:
         self.exec_count += 1
         io = _Io(OutputCap(max_output_bytes), OutputCap(max_output_bytes), stdin or b"", self.config.max_drain_bytes)
         start = time.monotonic()
@@ -286,8 +301,13 @@ class FakeSandbox(BaseSandbox):
 
     async def read_file(self, path: str) -> bytes:
         self._check_usable()
+        target = self._path(self._resolve(path), self.workdir)
+        if self._is_dir(target):
+            raise SandboxError(f"read_file({path!r}) failed: {target}: is a directory, not a regular file")
+        if target.startswith("/dev/"):
+            raise SandboxError(f"read_file({path!r}) failed: {target}: not a regular file (device, FIFO or socket)")
         try:
-            data = self._read(self._path(path, self.workdir))
+            data = self._read(target)
         except OSError as exc:
             raise SandboxError(f"read_file({path!r}) failed: {exc}") from exc
         if len(data) > self.config.max_file_bytes:
@@ -308,6 +328,7 @@ class FakeSandbox(BaseSandbox):
     async def _close(self) -> None:
         for task in list(self._background):
             task.cancel()
+        self._stop_running()
         self.files.clear()
 
 

@@ -12,6 +12,7 @@ pids or total-memory isolation: model-written code can read and write anything t
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -23,11 +24,16 @@ from relax_agent.sandboxes._process import run_process, wipe_dir
 from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, RawResult, SandboxConfig
 
 
+HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+"""Where host-side helpers (prlimit, setpriv) are looked up: never a caller's PATH."""
+
+
 def prlimit_prefix(config: SandboxConfig, *, nproc: bool) -> list[str]:
     """``prlimit`` arguments applying the config's per-process limits (empty if prlimit is missing)."""
-    if shutil.which("prlimit") is None:
+    prlimit = shutil.which("prlimit", path=HOST_PATH)
+    if prlimit is None:
         return []
-    args = ["prlimit", f"--as={config.memory_mb * 2**20}", f"--nofile={config.nofile}",
+    args = [prlimit, f"--as={config.memory_mb * 2**20}", f"--nofile={config.nofile}",
             f"--fsize={config.workdir_mb * 2**20}"]
     if nproc:
         args.append(f"--nproc={config.pids_limit}")
@@ -67,10 +73,13 @@ class SubprocessSandbox(BaseSandbox):
     async def _run(self, argv: list[str], *, timeout_s: float, stdin: bytes | None, env: dict[str, str],
                    cwd: str, max_output_bytes: int) -> RawResult:
         env = {**env, EXEC_MARKER_ENV: uuid.uuid4().hex}
+        if not os.path.isdir(cwd):
+            raise SandboxError(f"cwd={cwd!r} does not exist or is not a directory in sandbox {self.id}")
         try:
-            return await run_process([*prlimit_prefix(self.config, nproc=False), *argv], timeout_s=timeout_s,
-                                     stdin=stdin, env=env, cwd=cwd, max_output_bytes=max_output_bytes,
-                                     max_drain_bytes=self.config.max_drain_bytes, kill_grace_s=self.config.kill_grace_s)
+            return await self._closable(argv, run_process(
+                [*prlimit_prefix(self.config, nproc=False), *argv], timeout_s=timeout_s, stdin=stdin, env=env,
+                cwd=cwd, max_output_bytes=max_output_bytes, max_drain_bytes=self.config.max_drain_bytes,
+                kill_grace_s=self.config.kill_grace_s))
         except (FileNotFoundError, NotADirectoryError) as exc:
             return RawResult(127, b"", f"{exc}\n".encode())
 
@@ -80,5 +89,6 @@ class SubprocessSandbox(BaseSandbox):
         wipe_dir(self.workdir)
 
     async def _close(self) -> None:
+        self._stop_running()
         reaper.unregister_cleanup(f"local:{self.id}")
         self._remove_dir()

@@ -9,7 +9,8 @@ With pytest, subclass :class:`SandboxContract` in a ``test_*.py`` file::
 Without pytest: ``failures = asyncio.run(run_contract(make_sandbox))`` returns
 ``{check_name: error}`` for every check that failed.
 
-Each check gets a fresh sandbox and closes it. Checks that need an isolated file system
+Each check gets a fresh sandbox and closes it. ``check_large_stdin_and_file`` stores 50 MB:
+give the sandbox ``workdir_mb`` (and on Docker ``memory_mb``) of 64 or more. Checks that need an isolated file system
 (writes outside the work dir must fail) are skipped when ``isolated = False`` (the unsafe
 ``subprocess`` backend). Every check finishes in a few seconds on a real backend.
 """
@@ -220,15 +221,108 @@ async def check_health_and_close(sb: Sandbox) -> None:
     raise AssertionError("exec on a closed sandbox did not raise SandboxError")
 
 
+BAD_ARGUMENTS: list[tuple[str, dict]] = [
+    ("empty shell string", {"cmd": ""}),
+    ("empty argv", {"cmd": []}),
+    ("zero timeout", {"cmd": "echo", "timeout_s": 0}),
+    ("negative timeout", {"cmd": "echo", "timeout_s": -1}),
+    ("bool timeout", {"cmd": "echo", "timeout_s": True}),
+    ("str timeout", {"cmd": "echo", "timeout_s": "5"}),
+    ("NaN timeout", {"cmd": "echo", "timeout_s": float("nan")}),
+    ("NUL in argv", {"cmd": ["echo", "a\0b"]}),
+    ("None in argv", {"cmd": ["echo", None]}),
+    ("bytes in argv", {"cmd": ["echo", b"x"]}),
+    ("int stdin", {"cmd": ["cat"], "stdin": 5}),
+    ("list stdin", {"cmd": ["cat"], "stdin": [b"x"]}),
+    ("missing cwd", {"cmd": ["pwd"], "cwd": "no/such/dir"}),
+    ("cwd is a file", {"cmd": ["pwd"], "cwd": "cwd-file.txt"}),
+    ("NUL in cwd", {"cmd": ["pwd"], "cwd": "a\0b"}),
+    ("NUL in env", {"cmd": ["true"], "env": {"A": "x\0y"}}),
+]
+"""Arguments every backend must refuse with :class:`SandboxError` before running anything."""
+
+
 @_check()
 async def check_bad_arguments(sb: Sandbox) -> None:
-    """Empty commands and non-positive timeouts raise SandboxError naming the value."""
-    for bad in ({"cmd": ""}, {"cmd": []}, {"cmd": "echo", "timeout_s": 0}, {"cmd": "echo", "timeout_s": -1}):
+    """Bad commands, timeouts, stdin, cwd and env raise SandboxError on every backend (never a result)."""
+    await sb.write_file("cwd-file.txt", "x")
+    for what, bad in BAD_ARGUMENTS:
         try:
-            await sb.exec(**bad)
-        except SandboxError:
+            r = await sb.exec(**bad)
+        except SandboxError as exc:
+            _expect(str(exc) != "", f"{what}: the error names the problem")
             continue
-        raise AssertionError(f"exec({bad}) did not raise SandboxError")
+        raise AssertionError(f"{what}: exec({bad}) returned {r} instead of raising SandboxError")
+    r = await sb.exec(["pwd"], cwd=".")
+    _expect(r.ok, "the sandbox still works after refusing bad arguments", r)
+
+
+@_check()
+async def check_large_stdin_and_file(sb: Sandbox) -> None:
+    """50 MB of stdin and a 50 MB ``write_file`` arrive whole (no cut-off, no hang to the timeout)."""
+    blob = b"0123456789abcdef" * (50 * 2**16)
+    r = await sb.exec("sleep 1; cat > in.bin && echo stored", stdin=blob, timeout_s=60)  # a late reader
+    _expect(r.ok and r.stdout == "stored\n", "50 MB stdin stored by cat", r)
+    r = await sb.exec(["head", "-c", "1000", "in.bin"])
+    _expect(r.ok and r.stdout == blob[:1000].decode(), "the stored stdin starts right", r)
+    await sb.exec(["rm", "-f", "in.bin"])
+    await sb.write_file("file.bin", blob)
+    r = await sb.exec(["head", "-c", "1000", "file.bin"])
+    _expect(r.ok and r.stdout == blob[:1000].decode(), "the written file starts right", r)
+    r = await sb.exec(["true"], stdin=blob, timeout_s=30)
+    _expect(r.ok and not r.timed_out, "a command that never reads its 50 MB stdin still ends normally", r)
+
+
+@_check()
+async def check_read_special_files_raise(sb: Sandbox) -> None:
+    """``read_file`` of a device, a directory or a FIFO raises SandboxError saying so (never hangs)."""
+    for path, why in (("/dev/zero", "not a regular file"), (sb.workdir, "directory")):
+        try:
+            await sb.read_file(path)
+        except SandboxError as exc:
+            _expect(why in str(exc), f"read_file({path!r}) error says {why!r}; got {exc}")
+            continue
+        raise AssertionError(f"read_file({path!r}) did not raise SandboxError")
+    made = await sb.exec(["mkfifo", "fifo"])
+    if made.exit_code != 0:
+        return  # no mkfifo here (the fake): nothing more to check
+    t0 = time.monotonic()
+    try:
+        await sb.read_file("fifo")
+    except SandboxError as exc:
+        _expect("not a regular file" in str(exc), f"FIFO error says so; got {exc}")
+    else:
+        raise AssertionError("read_file of a FIFO did not raise SandboxError")
+    _expect(time.monotonic() - t0 < 8, "read_file of a FIFO fails at once, not at the io timeout")
+
+
+@_check()
+async def check_cancel_some_of_many(sb: Sandbox) -> None:
+    """Cancelling some of many concurrent execs kills only those; the others finish normally."""
+    tasks = [asyncio.ensure_future(sb.exec(f"sleep 2; echo done {i}", timeout_s=60)) for i in range(12)]
+    await asyncio.sleep(0.5)
+    for task in tasks[::2]:
+        task.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for i, r in enumerate(results):
+        if i % 2 == 0:
+            _expect(isinstance(r, asyncio.CancelledError), f"exec {i} was cancelled; got {r!r}")
+        else:
+            _expect(isinstance(r, ExecResult) and r.ok and r.stdout == f"done {i}\n", f"innocent exec {i} finished", r)
+
+
+@_check()
+async def check_exec_during_close_raises(sb: Sandbox) -> None:
+    """An exec in flight when the sandbox is closed raises SandboxError (never an ordinary result)."""
+    task = asyncio.ensure_future(sb.exec("sleep 5; echo late", timeout_s=60))
+    await asyncio.sleep(0.5)
+    await sb.close()
+    try:
+        r = await asyncio.wait_for(task, 15)
+    except SandboxError as exc:
+        _expect("closed" in str(exc), f"the error says the sandbox was closed; got {exc}")
+        return
+    raise AssertionError(f"exec in flight during close() returned {r} instead of raising SandboxError")
 
 
 @_check(isolated=True)

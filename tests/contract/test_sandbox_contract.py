@@ -7,7 +7,8 @@ import pytest
 from relax_agent.sandboxes import FakeBackend, SandboxConfig
 from relax_agent.sandboxes.testing import SandboxContract, require_backend
 
-SMALL = dict(max_output_bytes=4096, memory_mb=256, pids_limit=64, workdir_mb=32, tmp_mb=16, kill_grace_s=1.0)
+# workdir_mb leaves room for the 50 MB stdin / write_file check (Docker charges the tmpfs to memory_mb)
+SMALL = dict(max_output_bytes=4096, memory_mb=256, pids_limit=64, workdir_mb=80, tmp_mb=16, kill_grace_s=1.0)
 
 
 class TestFakeContract(SandboxContract):

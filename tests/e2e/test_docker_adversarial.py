@@ -19,7 +19,7 @@ import time
 import pytest
 
 from relax_agent.errors import SandboxError
-from relax_agent.sandboxes import PoolConfig, SandboxConfig, SandboxPool
+from relax_agent.sandboxes import ExecResult, PoolConfig, SandboxConfig, SandboxPool
 from relax_agent.sandboxes.reaper import LABEL_OWNER, LABEL_SANDBOX, owner_token, reap, remove_container
 from relax_agent.sandboxes.testing import require_backend
 
@@ -199,27 +199,24 @@ def test_sigterm_ignoring_process_is_killed():
     assert r.timed_out and r.exit_code == 137 and r.duration_s < 3.0, r
 
 
-def test_escaped_daemon_is_killed_by_marker_then_container():
+def test_escaped_daemon_is_killed_with_its_exec():
     escaped = ("python3 -c 'import os, signal, time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                "time.sleep(60)' & sleep 60")
     hidden = "env -i python3 -c 'import os, time; os.setsid(); time.sleep(60)' & sleep 60"
+    listing = "for p in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $p; echo; done"
 
     async def body(sb):
-        r1 = await sb.exec(escaped, timeout_s=1.0)  # new session: escapes `timeout`; marker kill gets it
+        r1 = await sb.exec(escaped, timeout_s=1.0)  # new session: escapes `timeout`; the marker gets it
         alive = await sb.exec("echo alive")
-        r2 = await sb.exec(hidden, timeout_s=1.0)  # no marker either: the container is removed
-        try:
-            await sb.exec("echo after")
-            broken_raises = False
-        except SandboxError:
-            broken_raises = True
-        return r1, alive, r2, broken_raises, sb.broken
+        r2 = await sb.exec(hidden, timeout_s=1.0)  # no marker either, but it holds the exec's output
+        procs = await sb.exec(listing)
+        return r1, alive, r2, procs, sb.broken
 
-    r1, alive, r2, broken_raises, broken = run(_with_sandbox(body))
+    r1, alive, r2, procs, broken = run(_with_sandbox(body))
     assert r1.timed_out and r1.duration_s < 1.0 + 2 * LIMITS["kill_grace_s"] + 1.5, r1
     assert alive.stdout == "alive\n"
     assert r2.timed_out and r2.duration_s < 1.0 + 3 * LIMITS["kill_grace_s"] + 2.5, r2
-    assert broken_raises and broken and "removed" in broken
+    assert broken is None and "python3" not in procs.stdout and "sleep 60" not in procs.stdout, procs
 
 
 TRAINER = textwrap.dedent("""
@@ -335,3 +332,97 @@ def test_python_exec_env_runs_model_code_in_docker():
     env.close()
     assert obs[0]["content"] == "72" and hog[0]["content"] == "[killed: timed out after 3 s]"
     assert reward == 1.0 and terminated
+
+
+def test_fifty_megabytes_of_stdin_and_write_file_arrive_whole():
+    import hashlib
+
+    blob = os.urandom(50 * 2**20)
+    digest = hashlib.sha256(blob).hexdigest()
+
+    async def body(sb):
+        # a reader that starts late: the host must keep feeding, not give up on a full pipe
+        piped = await sb.exec("sleep 1; sha256sum", stdin=blob, timeout_s=60)
+        await sb.write_file("big.bin", blob)
+        written = await sb.exec(["sha256sum", "big.bin"], timeout_s=30)
+        early = await sb.exec(["head", "-c", "10"], stdin=blob, timeout_s=30)
+        return piped, written, early
+
+    piped, written, early = run(_with_sandbox(body, workdir_mb=96, memory_mb=256))
+    assert piped.ok and piped.stdout.split()[0] == digest, piped
+    assert written.ok and written.stdout.split()[0] == digest, written
+    assert early.ok and early.stdout != "" and not early.timed_out, early
+
+
+def test_cancelling_or_timing_out_some_of_many_execs_leaves_the_others_alone():
+    async def body(sb):
+        tasks = [asyncio.ensure_future(sb.exec(f"sleep 3; echo done {i}", timeout_s=0.5 if i % 4 == 1 else 60))
+                 for i in range(32)]  # 3 processes each: pids_limit=256 leaves room
+        await asyncio.sleep(0.8)
+        for task in tasks[::4]:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, sb.broken, await sb.exec("echo alive")
+
+    results, broken, alive = run(_with_sandbox(body, pids_limit=256))
+    assert broken is None and alive.stdout == "alive\n"
+    for i, r in enumerate(results):
+        if i % 4 == 0:
+            assert isinstance(r, asyncio.CancelledError), (i, r)
+        elif i % 4 == 1:
+            assert isinstance(r, ExecResult) and r.timed_out and r.exit_code == 137, (i, r)
+        else:
+            assert isinstance(r, ExecResult) and r.ok and r.stdout == f"done {i}\n", (i, r)
+
+
+def test_exec_in_flight_when_the_container_is_removed_raises_naming_why():
+    async def body(sb):
+        task = asyncio.ensure_future(sb.exec("sleep 20", timeout_s=60))
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(remove_container, sb.client, sb.container_id)  # e.g. the daemon or an operator
+        with pytest.raises(SandboxError, match=sb.id) as info:
+            await asyncio.wait_for(task, 30)
+        return str(info.value)
+
+    message = run(_with_sandbox(body))
+    assert "gone" in message or "removed" in message or "stopped" in message, message
+
+
+DETACHED_BOMB = textwrap.dedent("""
+    import os, time
+    for escape in (False, False, True):
+        if os.fork() == 0:
+            os.close(1); os.close(2)
+            if escape:
+                os.setsid()  # leaves the exec's process group; still carries its marker
+            time.sleep(0.2)  # let the parent fork all three first
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    time.sleep(0.05)
+    time.sleep(0.5)  # the bomb is running when the parent exits 0
+    print("parent done")
+""")
+
+
+def test_detached_fork_bomb_ends_with_its_exec():
+    async def body(sb):
+        bomb = await sb.run_python(DETACHED_BOMB, timeout_s=10)
+        await asyncio.sleep(1.0)
+        procs = await sb.exec("for p in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $p; echo; done")
+        alive = await sb.exec("echo alive")
+        return bomb, procs, alive
+
+    bomb, procs, alive = run(_with_sandbox(body))
+    assert bomb.stdout == "parent done\n" and bomb.exit_code == 0, bomb
+    assert procs.ok and "python3" not in procs.stdout, procs
+    assert alive.ok and alive.stdout == "alive\n", alive
+
+
+def test_tiny_timeout_is_enforced_inside_the_container():
+    async def body(sb):
+        return await sb.exec(["sleep", "30"], timeout_s=1e-4)
+
+    r = run(_with_sandbox(body, kill_grace_s=20.0))  # the host-side fallback only acts after 20 s
+    assert r.timed_out and r.exit_code == 137 and r.duration_s < 10, r

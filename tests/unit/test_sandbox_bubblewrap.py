@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import textwrap
 
 import pytest
@@ -94,3 +95,100 @@ def test_process_limit_is_per_sandbox_not_per_host_uid():
         for p in others:
             p.kill()
             p.wait()
+
+
+DETACHED_BOMB = """
+    import os, time
+    for escape in (False, True):
+        if os.fork() == 0:
+            os.close(1); os.close(2)
+            if escape:
+                os.setsid()
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    time.sleep(0.05)
+    print("parent done")
+"""
+
+
+def test_detached_fork_bomb_ends_with_its_exec():
+    require_backend("bubblewrap")
+
+    async def body():
+        async with await SandboxConfig(backend="bubblewrap", pids_limit=32).build().create() as sb:
+            bomb = await sb.run_python(textwrap.dedent(DETACHED_BOMB), timeout_s=10)
+            await asyncio.sleep(1.0)
+            alive = await sb.exec("echo alive")
+            return bomb, alive, sb.host_dir
+
+    bomb, alive, host_dir = asyncio.run(body())
+    assert bomb.stdout == "parent done\n" and alive.stdout == "alive\n", (bomb, alive)
+    leftovers = subprocess.run(["pgrep", "-f", "os.fork"], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], f"fork-bomb processes outlived their exec on the host: {leftovers}"
+
+
+def test_caller_env_never_reaches_host_side_helpers(tmp_path):
+    require_backend("bubblewrap")
+    evil, ld_out = tmp_path / "evil-bin", tmp_path / "ld-debug"
+    evil.mkdir()
+    ld_out.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(ld_out, 0o777)  # writable for bwrap after setpriv drops to nobody
+    ran = tmp_path / "host-helper-ran"
+    for name in ("setpriv", "bwrap", "prlimit", "timeout"):
+        script = evil / name
+        script.write_text(f"#!/bin/sh\ntouch {ran}\nexec /usr/bin/{name} \"$@\"\n")
+        script.chmod(0o755)
+    env = {"PATH": f"{evil}:/usr/bin:/bin", "LD_DEBUG": "files", "LD_DEBUG_OUTPUT": str(ld_out / "ld")}
+
+    async def body():
+        async with await SandboxConfig(backend="bubblewrap").build().create() as sb:
+            return await sb.exec(["printenv", "PATH", "LD_DEBUG"], env=env)
+
+    r = asyncio.run(body())
+    assert not ran.exists(), "a caller's PATH chose a host-side helper binary"
+    assert sorted(os.listdir(ld_out)) == [], "a caller's LD_* variables reached host-side processes"
+    assert r.ok and "needed by /usr/bin/bwrap" not in r.stdout + r.stderr, r
+    assert f"{env['PATH']}\nfiles\n" in r.stdout, "the jail still gets the caller's env"
+
+
+KEEPER = """
+import asyncio, sys, time
+from relax_agent.sandboxes import SandboxConfig
+
+async def main():
+    sb = await SandboxConfig(backend="bubblewrap").build().create()
+    await sb.write_file("x.txt", "x")
+    print(sb.host_dir, flush=True)
+    time.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_work_dirs_left_by_a_sigkilled_process_are_reaped():
+    import signal
+    import sys
+
+    require_backend("bubblewrap")
+    dead = subprocess.Popen([sys.executable, "-c", KEEPER], stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", KEEPER], stdout=subprocess.PIPE, text=True)
+    try:
+        dead_dir, alive_dir = dead.stdout.readline().strip(), alive.stdout.readline().strip()
+        assert os.path.isdir(dead_dir) and os.path.isdir(alive_dir)
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        assert os.path.isdir(dead_dir), "nothing in the killed process could remove its work dir"
+        SandboxConfig(backend="bubblewrap").build()  # a new backend reaps work dirs of dead owners
+        assert not os.path.exists(dead_dir), "the work dir of a SIGKILLed owner was not reaped"
+        assert os.path.isdir(alive_dir), "a live owner's work dir was removed"
+    finally:
+        for proc in (dead, alive):
+            proc.kill()
+            proc.wait(10)
+        import shutil
+
+        shutil.rmtree(dead_dir if "dead_dir" in locals() else "/nonexistent", ignore_errors=True)
+        shutil.rmtree(alive_dir if "alive_dir" in locals() else "/nonexistent", ignore_errors=True)
