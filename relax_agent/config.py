@@ -68,8 +68,51 @@ class EnvConfig(Section):
     past it the episode becomes a failed record naming this key."""
 
 
+class AgentConfig(Section):
+    """Bring your own agent (``rollout.driver: agent``): the program that plays each episode.
+
+    Per episode the command runs as its own process group with ``OPENAI_BASE_URL`` (the
+    rollout's OpenAI-compatible endpoint on 127.0.0.1), ``OPENAI_API_KEY`` (a key for this
+    episode only), ``RELAX_TASK_FILE`` (JSON: ``id``, ``sample_id``, ``messages``, ``tools``,
+    ``metadata``) and ``RELAX_OUTPUT_FILE`` (where it may write JSON ``{"reward", "answer",
+    "metrics"}``) in its environment.
+    """
+
+    command: list[str] = Field(default_factory=list)
+    """The agent's argv (no shell); ``{python}`` in an item is replaced by the interpreter running
+    relax-agent, e.g. ``["{python}", "examples/agents/openai_sdk_agent.py"]``."""
+    cwd: str | None = None
+    """Working directory of the agent; None: the directory relax-agent runs in."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the agent (added to relax-agent's own)."""
+    timeout_s: float = Field(default=600.0, gt=0.0)
+    """Most seconds one agent process may run; past it its process group is killed, generations
+    still running for its episode are aborted, and the episode is a failed record (status "timeout")."""
+    kill_grace_s: float = Field(default=2.0, ge=0.0)
+    """Seconds between SIGTERM and SIGKILL when the agent's process group is stopped."""
+    reward: Literal["env", "agent"] = "env"
+    """"env": the env scores the agent's final answer (``env.step`` on the last assistant message, or
+    on ``answer`` from the output file), then ``reward`` (a reward service) may re-score as for
+    env-driven runs; "agent": the number the agent wrote as ``reward`` in its output file."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the endpoint on 127.0.0.1; 0 picks a free one."""
+    model_name: str = "policy"
+    """The model id ``/v1/models`` lists; requests may name any model (the policy answers them all)."""
+    honor_request_sampling: bool = False
+    """False: a request's ``temperature``/``top_p`` must equal ``rollout.temperature``/``rollout.top_p``
+    (the trainer scores log-probs at ``rollout.temperature``), else HTTP 400 naming the field;
+    True: requests sample at their own values (evaluation, or when you correct for it)."""
+
+
 class RolloutConfig(Section):
     """How episodes are sampled: groups, lengths and sampling parameters."""
+
+    driver: Literal["env", "agent"] = "env"
+    """Who plays an episode: "env" (relax-agent's loop between the env and the policy) or "agent"
+    (your program, started per episode, calling the policy through an OpenAI-compatible endpoint;
+    see ``rollout.agent``)."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """The agent program of ``driver: agent``."""
 
     tasks_per_step: int = Field(default=8, ge=1)
     """Distinct tasks (GRPO groups) per training step."""
@@ -93,6 +136,13 @@ class RolloutConfig(Section):
     """Overrides the default system prompt that introduces the tools."""
     tool_example: bool = True
     """Show one worked tool call as a demonstration exchange before the request (helps small models)."""
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> "RolloutConfig":
+        if self.driver == "agent" and not self.agent.command:
+            raise ValueError("rollout.driver=agent needs rollout.agent.command (the agent's argv, e.g. "
+                             "[\"{python}\", \"examples/agents/openai_sdk_agent.py\"])")
+        return self
 
 
 class EvalConfig(Section):

@@ -73,6 +73,8 @@ class _Request:
     stop_ids: frozenset[int]
     seed: int
     deliver: Callable[[Generation | BaseException], None]
+    on_token: Callable[[int, float, int], None] | None = None
+    """Called from the worker with (token id, log-prob, policy version) as each token is sampled."""
     cancelled: bool = False
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -146,10 +148,14 @@ class HFEngine:
             return None
         return (len(self._routes.routers), self._routes.routers[0].top_k), self._routes.dtype.name
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float, int], None] | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids`` ([n] token ids); batched with concurrent calls.
 
         Cancelling the awaiting task drops the row from its batch at the next decode step.
+        ``on_token(token_id, logprob, policy_version)`` (token streaming) is called from the
+        engine's worker thread as each token is sampled, before the result is delivered; it must
+        be quick and thread-safe (e.g. ``loop.call_soon_threadsafe``).
 
         Raises:
             ConfigError: invalid sampling parameters.
@@ -165,7 +171,7 @@ class HFEngine:
             except RuntimeError:  # the caller's loop is gone; nobody is waiting
                 pass
 
-        req = self._submit(prompt_ids, params, deliver)
+        req = self._submit(prompt_ids, params, deliver, on_token)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -252,14 +258,16 @@ class HFEngine:
     # ------------------------------------------------------------------ submission
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams,
-                deliver: Callable[[Generation | BaseException], None]) -> _Request:
+                deliver: Callable[[Generation | BaseException], None],
+                on_token: Callable[[int, float, int], None] | None = None) -> _Request:
         self._check_request(prompt_ids, params)
         if params.seed is not None:
             seed = params.seed
         else:
             with self._seed_lock:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
-        req = _Request(list(prompt_ids), params, self._default_stop | frozenset(params.stop_token_ids), seed, deliver)
+        req = _Request(list(prompt_ids), params, self._default_stop | frozenset(params.stop_token_ids), seed, deliver,
+                       on_token)
         with self._submit_lock:
             if self._closed:
                 raise EngineError("the engine is closed")
@@ -374,6 +382,8 @@ class HFEngine:
         for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs)):
             req.token_ids.append(tok)
             req.logprobs.append(lp)
+            if req.on_token is not None:
+                req.on_token(tok, lp, version)
             if routes is not None:
                 req.routes.append(routes[i])
             self.stats.new_tokens += 1
