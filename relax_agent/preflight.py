@@ -94,6 +94,21 @@ def preflight(cfg: RelaxConfig) -> str:
     return device
 
 
+def check_env_prompt(env: Any, task: dict[str, Any], seed: int, accepts_media: bool = False) -> None:
+    """Reset ``env`` on ``task`` and refuse its opening messages when they carry media parts the
+    policy cannot take (ConfigError naming the message and part type; a text-only policy would
+    otherwise see the images dropped). An env whose reset fails here is left to fail as an
+    episode, with its cause, when the run plays it."""
+    from relax_agent.rollout.chat import check_media
+
+    try:
+        obs, _ = env.reset(seed=seed, options={"task": task})
+    except Exception:  # the episode records the env's own failure with its cause
+        return
+    if isinstance(obs, (list, tuple)):
+        check_media([m for m in obs if isinstance(m, dict)], accepts_media, where="env.reset observation")
+
+
 def check_output_dir(path: str) -> None:
     """Raise ConfigError naming ``run.output_dir`` when the run could not write there: it is a
     file, cannot be created, or a test file cannot be written (read-only, /proc, disk full)."""

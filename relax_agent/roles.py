@@ -69,11 +69,17 @@ class Roles:
 
 
 def load_tasks(cfg: RelaxConfig) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) task lists of the configured env."""
+    """(train, held-out) task lists of the configured env; the first train task's opening
+    messages are checked against the policy (see :func:`relax_agent.preflight.check_env_prompt`)."""
+    from relax_agent.preflight import check_env_prompt
+
     env = make_env_factory(cfg)()
     try:
         inner = env.unwrapped
-        return inner.tasks("train"), inner.tasks("heldout")
+        train, heldout = inner.tasks("train"), inner.tasks("heldout")
+        if train:
+            check_env_prompt(env, train[0], cfg.run.seed)
+        return train, heldout
     finally:
         env.close()
 
@@ -156,4 +162,5 @@ def rollout_limits(cfg: RelaxConfig) -> Any:
     """The per-episode :class:`~relax_agent.rollout.runner.RolloutLimits` of ``cfg`` (env and rollout keys)."""
     from relax_agent.rollout.runner import RolloutLimits
 
-    return RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens, cfg.env.step_timeout_s)
+    return RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens, cfg.env.step_timeout_s,
+                         cfg.rollout.episode_timeout_s)

@@ -25,5 +25,5 @@ def build_controller(cfg: RelaxConfig, roles: Any, reporter: Any = None) -> Cont
     except BaseException:
         bus.close()
         raise
-    runtime.closers.append(bus.close)
+    runtime.closers.insert(0, bus.close)  # before the roles close: they shut down a Ray this run started
     return Controller(cfg, runtime, bus, reporter)

@@ -219,6 +219,8 @@ class _Run:
         self.advantages = AdvantageConsumer(ctrl.bus, PARTITION, ctrl.G, cfg.trainer.adv_std_normalize)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self.last_row: dict[str, Any] = {}
+        self.failure: BaseException | None = None
+        """The first error of a producer (a group the bus refused); ends the run."""
         self.fields = [*R.TRAIN_FIELDS, R.TRAINABLE, R.TRAJECTORY]
         if getattr(ctrl.runtime.rollout, "routes", None) is not None:
             self.fields += list(R.ROUTE_FIELDS)
@@ -263,11 +265,10 @@ class _Run:
         return GroupJob(seq, group_id, task, seed, self.ctrl.G)
 
     def _raise_failed(self, fut: asyncio.Future) -> None:
-        """A group the bus refused ends the run (episodes never raise: they fail as records)."""
+        """A group the bus refused ends the run (episodes never raise: they fail as records);
+        the trainer side raises it at its next read."""
         if not fut.cancelled() and fut.exception() is not None:
-            self._failure = fut.exception()
-
-    _failure: BaseException | None = None
+            self.failure = fut.exception()
 
     async def _advantages(self) -> None:
         while True:
@@ -293,8 +294,8 @@ class _Run:
         wait_s = 0.0
         self.dropped_this_step = 0
         while len(groups) < self.ctrl.B:
-            if self._failure is not None:
-                raise self._failure
+            if self.failure is not None:
+                raise self.failure
             t0 = time.perf_counter()
             try:
                 batch = await asyncio.to_thread(self.ctrl.bus.get, PARTITION, self.fields, TRAINER, self.ctrl.G,

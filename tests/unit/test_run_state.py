@@ -111,3 +111,17 @@ def test_an_output_dir_that_cannot_be_written_fails_in_preflight(tmp_path, where
         path.write_text("x")
     with pytest.raises(ConfigError, match=f"run.output_dir=.*{problem}"):
         check_output_dir(str(path))
+
+
+def test_an_env_whose_prompts_carry_images_is_refused_at_start_up_for_a_text_only_policy():
+    from relax_agent.errors import ConfigError
+    from relax_agent.preflight import check_env_prompt
+
+    class ImageEnv:
+        def reset(self, seed=None, options=None):
+            return [{"role": "user", "content": [{"type": "text", "text": "count"},
+                                                 {"type": "image_url", "image_url": {"url": "data:,"}}]}], {}
+
+    with pytest.raises(ConfigError, match=r"env.reset observation\[0\] has a 'image_url' content part"):
+        check_env_prompt(ImageEnv(), {"id": "t"}, seed=0)
+    check_env_prompt(ImageEnv(), {"id": "t"}, seed=0, accepts_media=True)
