@@ -7,7 +7,12 @@ uts, cgroup), nested user namespaces disabled, a read-only root, the host's ``/u
 command), and the sandbox's host directory bound read-write at ``workdir``. The command is
 pid 2 of its own pid namespace, so every process it started dies when it ends or is killed.
 When the trainer runs as root, ``bwrap`` itself is started as ``config.user`` (``setpriv``),
-so the sandbox has no more rights on the host than ``nobody``.
+so the sandbox has no more rights on the host than ``nobody``. The host-side processes
+(``setpriv``, ``bwrap``) are found on a fixed PATH and run with the fixed :data:`HOST_ENV`; the
+exec's environment is handed to bwrap as ``--clearenv`` plus ``--setenv`` options read from a
+memfd (``--args``), so a caller's ``PATH`` or ``LD_*`` only ever reaches the jail. Work dirs are
+named after their owner process; :func:`reap_work_dirs` (run when a backend is built, unless
+``reap_on_start`` is false) removes those of owners that died without cleaning up (SIGKILL).
 
 Limits are rlimits set with ``prlimit`` inside the jail: address space ``memory_mb`` per process,
 ``nofile``, processes ``pids_limit`` (counted in the sandbox's own user namespace on

@@ -6,14 +6,22 @@ which cannot signal the keeper. Defaults: ``network_mode="none"``, memory == mem
 CPU quota, pids limit, ``nofile`` ulimit, read-only root with tmpfs ``workdir`` and ``/tmp``,
 ``cap_drop=ALL``, ``no-new-privileges``, labels for the reaper (:mod:`.reaper`).
 
-Timeouts are enforced three times: ``timeout -s KILL`` inside the container (kills the
-command's process group), then, ``kill_grace_s`` later, the host kills every process carrying
-the exec's marker variable; if the output stream is still open another ``kill_grace_s`` later,
-the container is removed and the sandbox marked broken. Output is read from the exec's raw
-socket as it streams (``demux`` buffering is avoided), ``max_output_bytes`` per stream is kept
-and a command producing more than ``max_drain_bytes`` is killed. ``oom_killed`` comes from the
-container's memory cgroup (``oom_kill`` counter; on cgroup v1 Docker's ``State.OOMKilled``
-only covers the main process, measured with Docker 20.10).
+Every exec runs under a small launcher shell (:data:`_LAUNCHER`; one more process per exec
+counts against ``pids_limit``): it checks ``cwd``, runs the command under ``timeout -s KILL`` in
+its own process group and, when the command ends for any reason, kills that group, every
+process carrying the exec's marker variable and every process still holding the exec's output,
+so nothing an exec started outlives it (a detached fork bomb, a daemon that left the group).
+Timeouts are enforced inside first; ``kill_grace_s`` later the host kills the exec's marked
+processes (as on cancellation); if the output stream is still open ``kill_grace_s`` after that
+kill has *finished*, the container is removed and the sandbox marked broken. Only that exec
+gets a result then; other execs in flight, and execs in flight when the sandbox is closed or
+its container disappears, raise SandboxError naming why. Stdin is fed from the same thread
+that reads output (poll on the exec's socket), so stdin of any size streams while output
+drains. Output is read from the exec's raw socket as it streams (``demux`` buffering is
+avoided), ``max_output_bytes`` per stream is kept and a command producing more than
+``max_drain_bytes`` is killed. ``oom_killed`` comes from the container's memory cgroup
+(``oom_kill`` counter; on cgroup v1 Docker's ``State.OOMKilled`` only covers the main process,
+measured with Docker 20.10).
 """
 
 from __future__ import annotations
@@ -50,13 +58,24 @@ KEEPER_USER = "65533:65533"
 """uid:gid of the container's main process (``sleep TTL``); must differ from ``config.user``."""
 _OOM_PROBE = "cat /sys/fs/cgroup/memory.events 2>/dev/null || cat /sys/fs/cgroup/memory/memory.oom_control"
 _SCAN = r"""
+has() {
+  l=
+  while IFS= read -r l || [ -n "$l" ]; do case $l in *"$2"*) return 0 ;; esac; l=; done 2>/dev/null <"$1"
+  return 1
+}
+holds() {
+  [ -n "$o" ] || return 1
+  for k in 0 1 2 3 4 5 6 7 8 9; do
+    [ "$1/fd/$k" -ef "$o" ] || [ "$1/fd/$k" -ef "$e" ] && return 0
+  done 2>/dev/null
+  return 1
+}
 prev= n=0
 while [ "$n" -lt 20 ]; do
   pids=
-  for f in $(grep -lsxzF "$m" /proc/[0-9]*/environ; [ -n "$o" ] && find /proc/[0-9]*/fd -maxdepth 1 \
-             \( -lname "*:?$o?" -o -lname "*:?$e?" \) 2>/dev/null); do
-    q=${f#/proc/}; q=${q%%/*}
-    [ "$q" = "$$" ] || [ ! -d "/proc/$q" ] || skip "$q" || case " $pids " in *" $q "*) ;; *) pids="$pids $q" ;; esac
+  for d in /proc/[0-9]*; do
+    q=${d#/proc/}
+    if [ "$q" != "$$" ] && ! skip "$d" && { has "$d/environ" "$m" || holds "$d"; }; then pids="$pids $q"; fi
   done
   [ "$pids" = "$prev" ] && break
   kill -STOP $pids 2>/dev/null
@@ -64,12 +83,14 @@ while [ "$n" -lt 20 ]; do
 done
 [ -n "$prev" ] && kill -KILL $prev 2>/dev/null
 """
-"""Kill every process whose environment holds ``$m`` (``NAME=marker``) or that holds one of the
-pipes ``$o`` / ``$e`` (inode numbers; none when ``$o`` is empty), except ``$$`` and those for which
-``skip PID`` succeeds. Processes are stopped first and the scan is repeated until it finds no new
-ones, so a fork bomb cannot outrun it; then all of them are killed at once."""
+"""Kill every process whose environment holds ``$m`` (``NAME=marker``) or that has one of the files
+``$o`` / ``$e`` (the exec's output pipes; none when ``$o`` is empty) open as fd 0-9, except ``$$``
+and those for which ``skip /proc/PID`` succeeds. Shell builtins only (``read`` skips the NULs
+of ``environ``), so it still works when a fork bomb holds every pid of ``pids_limit``.
+Processes are stopped first and the scan is repeated until it finds no new ones, so a fork bomb
+cannot outrun it; then all of them are killed at once."""
 
-_KILL_MARKED = ('m="$1" t="$2" o= e=\nskip() { grep -qsxzF -e "$t" "/proc/$1/cmdline"; }' + _SCAN + "true\n")
+_KILL_MARKED = ('m="$1" t="$2" o= e=\nskip() { has "$1/cmdline" "$t"; }' + _SCAN + "true\n")
 """Host-side helper exec (``$1`` ``NAME=marker``, ``$2`` launch tag): kill the exec's processes but
 not its launcher, which then kills whatever else holds the exec's output and exits."""
 
@@ -81,8 +102,7 @@ p=$!
 exec 3<&- </dev/null 4>&2 2>/dev/null
 wait "$p"; rc=$?
 kill -KILL -"$p"
-o=$(readlink /proc/$$/fd/1); o=${o##*[}; o=${o%]}
-e=$(readlink /proc/$$/fd/4); e=${e##*[}; e=${e%]}
+o=/proc/$$/fd/1 e=/proc/$$/fd/4
 skip() { false; }
 """ + f'm="{EXEC_MARKER_ENV}=${EXEC_MARKER_ENV}"' + _SCAN + 'exit "$rc"\n'
 """Runs every exec: ``$1`` cwd, ``$2`` launch tag, ``$3`` timeout, then argv. The command runs under
