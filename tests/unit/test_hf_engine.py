@@ -127,7 +127,8 @@ def test_max_new_tokens_is_respected_per_row(policy, engine):
     gens = engine.generate_many([chat_prompt(tok, 4)] * 4, [SamplingParams(max_new_tokens=n) for n in budgets])
     assert [len(g.token_ids) for g in gens] == list(budgets)
     assert [g.finish_reason for g in gens] == ["length"] * 4
-    assert engine.stats.forward_passes == max(budgets)
+    assert engine.stats.decode_steps == max(budgets) - 1  # the first token of each comes from its prefill
+    assert engine.stats.prefills == 4 and engine.stats.forward_passes == 4 + max(budgets) - 1
 
 
 def test_eight_concurrent_requests_share_one_batch_and_one_forward_per_step(policy, engine):
@@ -136,19 +137,24 @@ def test_eight_concurrent_requests_share_one_batch_and_one_forward_per_step(poli
     gens = asyncio.run(gather(engine, prompts, SamplingParams(max_new_tokens=6)))
     assert len(gens) == 8
     assert engine.stats.batches == 1 and engine.stats.max_batch_rows == 8
-    assert engine.stats.forward_passes == 6  # one prefill + 5 decode steps for all 8 rows
+    assert engine.stats.prefills == 8 and engine.stats.decode_steps == 5  # 5 decode steps for all 8 rows
     assert engine.stats.new_tokens == 48
     assert len({g.token_ids for g in gens}) == 8  # each request drew its own seed
 
 
-def test_max_batch_size_splits_batches(policy):
+def test_max_batch_size_bounds_the_rows_of_every_forward_pass(policy):
     model, tok = policy
     eng = HFEngine(model, tok, EngineConfig(max_batch_size=3, batch_wait_s=0.05))
+    rows = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
-        asyncio.run(gather(eng, [chat_prompt(tok, n) for n in range(1, 8)], SamplingParams(max_new_tokens=2)))
+        gens = asyncio.run(gather(eng, [chat_prompt(tok, n) for n in range(1, 8)],
+                                  [SamplingParams(max_new_tokens=2 + n % 3) for n in range(7)]))
     finally:
+        hook.remove()
         eng.close()
-    assert eng.stats.batches == 3 and eng.stats.max_batch_rows == 3 and eng.stats.sequences == 7
+    assert [len(g.token_ids) for g in gens] == [2 + n % 3 for n in range(7)]
+    assert max(rows) == eng.stats.max_batch_rows == 3 and eng.stats.sequences == 7
 
 
 def test_load_weights_changes_outputs_and_bumps_the_version(policy, engine):

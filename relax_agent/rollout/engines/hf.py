@@ -1,12 +1,20 @@
-"""Batched Hugging Face inference engine: many concurrent episodes, one forward pass per step.
+"""Continuous-batching Hugging Face inference engine with prefix reuse.
 
 Episodes call :meth:`HFEngine.generate` concurrently (asyncio tasks). Requests go into a
-queue; one worker thread takes up to ``max_batch_size`` of them (waiting up to
-``batch_wait_s`` for more), left-pads the prompts, and runs its own decode loop over the
-KV cache: one prefill, then one forward pass per new token for the whole batch. Each row
-keeps its own temperature, top-p, token budget, stop ids and random stream; a row that
-finishes is delivered to its caller at once and dropped from the batch (its KV-cache rows
-are released), so finished rows stop consuming compute.
+queue; one worker thread owns the model and keeps a *running batch*. A request joins it
+between two decode steps, as soon as the batch has fewer than ``max_batch_size`` rows
+(continuous batching: it never waits for a batch to finish). Joining means one prefill of
+its own, over only the part of its prompt the prefix cache does not hold, and sampling its
+first token; then every decode step is one forward pass over all rows, each row feeding its
+last sampled token. Each row keeps its own temperature, top-p, token budget, stop ids and
+random stream; a row that finishes is delivered to its caller at once and leaves the batch.
+
+Prefix reuse (``engine.prefix_cache``): the KV of every prefilled prompt and of every
+finished sequence (prompt + completion) stays in an LRU cache bounded in tokens. The next
+turn of a multi-turn episode sends a prompt that extends the previous turn's ids (prompt +
+sampled tokens + observation), so the longest cached prefix of its ids (found by comparing
+token ids, no episode id needed) covers all earlier turns and only the new tokens are
+prefilled. Requests of a group, which share their prompt, prefill it once.
 
 Log-probs: the log-prob of each sampled token is ``log_softmax(logits.float() / T)`` at that
 token, i.e. under the full temperature-scaled distribution *before* top-p truncation. The
@@ -14,8 +22,15 @@ trainer computes the same quantity from a forward pass over prompt + completion,
 agree up to kernel noise (checked to 1e-4 in the tests); with ``top_p < 1`` the sampling
 distribution is the truncated one, and the importance ratio should account for that.
 
-Weights: :meth:`HFEngine.load_weights` takes the same lock as a decode batch, so it swaps
-weights between batches and every token of a generation comes from one policy version.
+Weights: :meth:`HFEngine.load_weights` waits until the running rows have finished (no new
+row joins meanwhile), copies the weights and clears the prefix cache, all under the lock a
+running batch holds. So every token of a generation comes from one policy version, and no
+token is ever computed on KV written by older weights.
+
+Reproducibility: a row samples from its own ``torch.Generator`` seeded with its request's
+seed, so what it samples does not depend on which other rows share its batch. With
+``max_batch_size: 1`` (and the prefix cache off, its default there) each request is prefilled
+in full and decoded alone, so results are bit-identical whatever the load.
 """
 
 from __future__ import annotations
@@ -27,10 +42,13 @@ import queue
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
@@ -48,17 +66,27 @@ class EngineStats:
     """Counters since construction (read them between runs; the worker updates them).
 
     Attributes:
-        batches: decode batches run (each: one prefill plus decode steps).
-        forward_passes: model forward calls (prefill and decode steps).
+        batches: decode runs, each from the first admitted request until no row is left.
+        forward_passes: model forward calls (prefills and decode steps).
+        prefills: requests prefilled (one forward pass each).
+        prefill_tokens: prompt tokens run through the model by prefills.
+        prefix_hit_tokens: prompt tokens whose KV came from the prefix cache instead.
+        decode_steps: batched decode forward passes (one sampled token per row each).
+        admitted_mid_batch: requests that joined a batch while other rows were decoding.
         sequences: requests served.
         new_tokens: tokens sampled.
-        max_batch_rows: largest batch served.
+        max_batch_rows: most rows decoding together.
         weight_loads: :meth:`HFEngine.load_weights` calls applied.
         weight_load_s: seconds spent copying weights in, during which no batch could decode.
     """
 
     batches: int = 0
     forward_passes: int = 0
+    prefills: int = 0
+    prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    decode_steps: int = 0
+    admitted_mid_batch: int = 0
     sequences: int = 0
     new_tokens: int = 0
     max_batch_rows: int = 0
@@ -81,6 +109,8 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     routes: list[Any] = field(default_factory=list)
     """Per sampled token, [layers, top_k] experts of the forward that scored it (MoE with record_routes)."""
+    generator: torch.Generator | None = None
+    """The row's random stream, seeded with ``seed`` when it is prefilled."""
 
 
 class _Closed(Exception):
@@ -92,10 +122,10 @@ class HFEngine:
 
     Args:
         model: a ``*ForCausalLM`` (eval mode) already on ``device``.
-        tokenizer: its tokenizer; ``pad_token_id`` fills left padding, EOS and ``<|im_end|>``
-            are the default stop ids.
-        cfg: ``max_batch_size`` (rows per forward pass) and ``batch_wait_s`` (how long to
-            wait for more requests before a batch starts).
+        tokenizer: its tokenizer; EOS and ``<|im_end|>`` are the default stop ids.
+        cfg: ``max_batch_size`` (rows per forward pass), ``batch_wait_s`` (how long an idle
+            engine waits for more requests before it starts), ``prefix_cache`` and
+            ``prefix_cache_max_tokens`` (KV reuse across turns and requests).
         device: where input tensors are built ("cpu", "cuda:0").
         seed: seeds the engine's generator; each request without ``params.seed`` draws its
             own sampling seed from it in arrival order.
@@ -107,6 +137,9 @@ class HFEngine:
     Sampling is reproducible per request: a row samples from its own ``torch.Generator``
     seeded with ``params.seed`` (or a seed drawn from the engine generator), so what it
     samples does not depend on which other rows share its batch.
+
+    Raises:
+        ConfigError: a model whose cache is not plain attention KV (linear attention layers).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: EngineConfig, device: str = "cpu", seed: int = 0,
@@ -115,7 +148,6 @@ class HFEngine:
         self._tokenizer = tokenizer
         self._cfg = cfg
         self._device = torch.device(device)
-        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._vocab_size = int(model.config.get_text_config().vocab_size)
         self._max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # transformers >= 5.24 names the KV cache `cache` (argument and output); older: `past_key_values`.
@@ -129,6 +161,10 @@ class HFEngine:
         self._closed = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self.stats = EngineStats()
+        _check_cache_layout(model)
+        self._prefix = _PrefixCache(cfg.prefix_cache_max_tokens) if cfg.uses_prefix_cache() else None
+        self._loads_pending = 0
+        self._loads_cv = threading.Condition()
         self._routes = build_route_recorder(model) if record_routes else None
         self._worker = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._worker.start()
@@ -199,7 +235,8 @@ class HFEngine:
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Copy ``state_dict`` into the model between decode batches and set ``policy_version``.
 
-        Blocks until the running batch (if any) has finished. Keys may be a subset of the
+        Blocks until the running rows (if any) have finished; no new request joins them
+        meanwhile. Clears the prefix cache (its KV came from the old weights). Keys may be a subset of the
         model's (partial updates); values are cast to the parameter's dtype and device.
 
         Raises:
@@ -213,13 +250,22 @@ class HFEngine:
             if tuple(value.shape) != tuple(target[name].shape):
                 raise WeightSyncError(f"load_weights: {name} has shape {tuple(value.shape)}, "
                                       f"the model expects {tuple(target[name].shape)}")
-        with self._weights_lock, torch.no_grad():
-            start = time.perf_counter()
-            for name, value in state_dict.items():
-                target[name].copy_(value)
-            self._version = int(version)
-            self.stats.weight_loads += 1
-            self.stats.weight_load_s += time.perf_counter() - start
+        with self._loads_cv:
+            self._loads_pending += 1
+        try:
+            with self._weights_lock, torch.no_grad():
+                start = time.perf_counter()
+                for name, value in state_dict.items():
+                    target[name].copy_(value)
+                if self._prefix is not None:
+                    self._prefix.clear()
+                self._version = int(version)
+                self.stats.weight_loads += 1
+                self.stats.weight_load_s += time.perf_counter() - start
+        finally:
+            with self._loads_cv:
+                self._loads_pending -= 1
+                self._loads_cv.notify_all()
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (weight sync checks it)."""
@@ -296,13 +342,13 @@ class HFEngine:
 
     def _run(self) -> None:
         while True:
-            batch = self._collect()
-            if batch is None:
+            waiting = self._collect()
+            if waiting is None:
                 return
             if self._closed:
-                _fail_unfinished(batch, EngineError("the engine was closed before this request ran"))
+                _fail_unfinished(waiting, EngineError("the engine was closed before this request ran"))
                 continue
-            self._serve(batch)
+            self._serve(waiting)
 
     def _collect(self) -> list[_Request] | None:
         """Block for one request, then gather more for up to ``batch_wait_s``; None once closed."""
@@ -323,57 +369,129 @@ class HFEngine:
             batch.append(item)
         return batch
 
-    def _serve(self, batch: list[_Request]) -> None:
-        live = [r for r in batch if not r.cancelled]
+    def _serve(self, waiting: list[_Request]) -> None:
+        """Decode ``waiting`` and every request admitted after them until no row is left."""
+        live = [r for r in waiting if not r.cancelled]
         if not live:
             return
+        with self._loads_cv:  # a pending weight load goes first
+            self._loads_cv.wait_for(lambda: self._loads_pending == 0)
+        served = list(live)
         try:
             with self._weights_lock:
-                version = self._version
-                self._decode(live, version)
+                self._decode(live, served, self._version)
         except _Closed:
-            _fail_unfinished(live, EngineError("the engine was closed while this request was decoding"))
+            _fail_unfinished(served, EngineError("the engine was closed while this request was decoding"))
         except Exception as exc:
-            error = EngineError(f"decode batch of {len(live)} failed: {type(exc).__name__}: {exc}")
+            error = EngineError(f"decode batch of {len(served)} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            _fail_unfinished(live, error)
+            _fail_unfinished(served, error)
 
     @torch.inference_mode()
-    def _decode(self, reqs: list[_Request], version: int) -> None:
-        """Prefill the left-padded prompts, then sample one token per live row per step.
+    def _decode(self, waiting: list[_Request], served: list[_Request], version: int) -> None:
+        """Admit requests, then one decode step for all rows, until no row is left.
 
-        Shapes: ``input_ids``/``attention_mask`` [rows, max_prompt_len] for the prefill,
-        then [rows, 1] tokens and a [rows, len] mask that grows by one column per step.
+        ``served`` collects every request taken from the queue (to fail them if a step fails).
         """
-        input_ids, attn = self._left_pad([r.prompt_ids for r in reqs])
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions,
-                          use_cache=True, logits_to_keep=1)
-        cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
-        next_pos = positions[:, -1] + 1
-        self._count_batch(len(reqs))
-        rows = list(reqs)
-        sampler = _RowSampler(rows, self._device)
+        batch = _Batch(self._device)
+        self.stats.batches += 1
         while True:
-            tokens, logprobs = sampler.sample(logits)
-            routes = self._routes.last_position(len(rows)) if self._routes is not None else None
-            keep = self._advance(rows, tokens.tolist(), logprobs.tolist(), version, routes)
-            if not keep:
+            batch.merge(self._admit(waiting, batch, served, version))
+            waiting = []
+            self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(batch.rows))
+            if not batch.rows:
                 return
             if self._closed:
                 raise _Closed
-            if len(keep) < len(rows):
-                idx = torch.tensor(keep, device=self._device)
-                cache.reorder_cache(idx)
-                attn, next_pos, tokens = attn[idx], next_pos[idx], tokens[idx]
-                rows = [rows[i] for i in keep]
-                sampler = sampler.select(keep)
-            attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
-            out = self._model(input_ids=tokens[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                              use_cache=True, **{self._cache_kw: cache})
-            self.stats.forward_passes += 1
-            cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
-            next_pos = next_pos + 1
+            self._step(batch, version)
+
+    def _admit(self, waiting: list[_Request], batch: "_Batch", served: list[_Request],
+               version: int) -> list["_Row"]:
+        """Prefill ``waiting``, then queued requests while the batch has room and no weight
+        load is pending; returns the prefilled rows that did not finish at their first token."""
+        rows: list[_Row] = []
+        mid_batch = bool(batch.rows)
+        pending = iter(waiting)
+        while len(batch.rows) + len(rows) < self._cfg.max_batch_size:
+            req = next(pending, None)
+            if req is None:
+                if self._loads_pending or self._closed:
+                    break
+                req = self._take_queued()
+                if req is None:
+                    break
+                served.append(req)
+                self.stats.admitted_mid_batch += mid_batch
+            if self._closed:
+                raise _Closed
+            if not req.cancelled and (row := self._prefill(req, version)) is not None:
+                rows.append(row)
+        return rows
+
+    def _take_queued(self) -> _Request | None:
+        """The next queued request without waiting; None if there is none or the engine closes."""
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        if item is _STOP:
+            self._queue.put(_STOP)
+            return None
+        return item
+
+    def _prefill(self, req: _Request, version: int) -> "_Row | None":
+        """Run the prompt tokens the prefix cache lacks and sample the first token.
+
+        Shapes: ``input_ids`` and ``position_ids`` [1, n - reused], ``attention_mask`` [1, n];
+        the row's cache then holds keys and values [1, kv_heads, n, head_dim] per layer.
+
+        Returns:
+            the row to decode, or None if it finished at its first token.
+        """
+        prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
+        n = len(req.prompt_ids)
+        reused, past = self._prefix.lookup(prompt, limit=n - 1) if self._prefix is not None else (0, None)
+        out = self._model(input_ids=prompt[None, reused:].to(self._device),
+                          attention_mask=torch.ones((1, n), dtype=torch.long, device=self._device),
+                          position_ids=torch.arange(reused, n, device=self._device)[None],
+                          use_cache=True, logits_to_keep=1, **{self._cache_kw: _cache_of(past)})
+        self.stats.forward_passes += 1
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += n - reused
+        self.stats.prefix_hit_tokens += reused
+        kv = _kv_of(getattr(out, self._cache_kw))
+        if self._prefix is not None:
+            self._prefix.insert(prompt, kv)
+        req.generator = torch.Generator().manual_seed(req.seed)
+        temps = torch.tensor([req.params.temperature], device=self._device, dtype=torch.float32)
+        top_ps = torch.tensor([req.params.top_p], device=self._device, dtype=torch.float32)
+        tokens, logprobs = sample_tokens(out.logits[:, -1, :], temps, top_ps, [req.generator])
+        routes = self._routes.last_position(1) if self._routes is not None else None
+        if not self._advance([req], tokens.tolist(), logprobs.tolist(), version, routes):
+            return None
+        return _Row(req, kv, n, int(tokens[0]))
+
+    def _step(self, batch: "_Batch", version: int) -> None:
+        """One forward pass over every row (its last sampled token), then sample each row's next.
+
+        Shapes: ``input_ids`` and ``position_ids`` [rows, 1]; ``attention_mask`` [rows, width + 1],
+        1 on the columns a row really holds (see :class:`_Batch`).
+        """
+        input_ids, attn, positions = batch.step_inputs()
+        out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                          **{self._cache_kw: batch.cache})
+        self.stats.forward_passes += 1
+        self.stats.decode_steps += 1
+        batch.stepped(getattr(out, self._cache_kw))
+        tokens, logprobs = batch.sample(out.logits[:, -1, :])
+        routes = self._routes.last_position(len(batch.rows)) if self._routes is not None else None
+        token_list = tokens.tolist()
+        keep = self._advance(batch.rows, token_list, logprobs.tolist(), version, routes)
+        if self._prefix is not None:
+            for i, req in enumerate(batch.rows):
+                if req.done:  # finished now: keep prompt + completion (but its last token, never fed)
+                    self._prefix.insert(torch.tensor(req.prompt_ids + req.token_ids[:-1]), batch.row_kv(i))
+        batch.select(keep, token_list)
 
     def _advance(self, rows: list[_Request], tokens: list[int], logprobs: list[float], version: int,
                  routes: Any = None) -> list[int]:
@@ -401,38 +519,6 @@ class HFEngine:
         routed = stack_routes(req.routes) if req.routes else None
         req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason, version, routed))
 
-    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows, max_len] token ids (pad on the left) and attention mask (1 on real tokens)."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self._pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attn[i, width - len(p):] = 1
-        return ids.to(self._device), attn.to(self._device)
-
-    def _count_batch(self, rows: int) -> None:
-        self.stats.batches += 1
-        self.stats.forward_passes += 1
-        self.stats.max_batch_rows = max(self.stats.max_batch_rows, rows)
-
-
-class _RowSampler:
-    """The sampling state of a batch's live rows: temperatures, top-p and one generator per row."""
-
-    def __init__(self, rows: list[_Request], device: torch.device,
-                 generators: list[torch.Generator] | None = None) -> None:
-        self.rows = rows
-        self.temps = torch.tensor([r.params.temperature for r in rows], device=device, dtype=torch.float32)
-        self.top_ps = torch.tensor([r.params.top_p for r in rows], device=device, dtype=torch.float32)
-        self.generators = generators if generators is not None else [
-            torch.Generator().manual_seed(r.seed) for r in rows]
-
-    def select(self, keep: list[int]) -> "_RowSampler":
-        return _RowSampler([self.rows[i] for i in keep], self.temps.device, [self.generators[i] for i in keep])
-
-    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(logits, self.temps, self.top_ps, self.generators)
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
@@ -497,3 +583,197 @@ def _fail_unfinished(reqs: list[_Request], error: EngineError) -> None:
         if not req.done:
             req.done = True
             req.deliver(error)
+
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer (keys, values), each [rows, kv_heads, seq, head_dim]."""
+
+
+@dataclass
+class _Row:
+    """A prefilled request joining the batch: its KV ([1, kv_heads, length, head_dim] per layer),
+    cached length (= the position of its next input token) and that next input token."""
+
+    req: _Request
+    kv: KV
+    length: int
+    next_token: int
+
+
+class _Batch:
+    """The rows decoding together and their KV cache.
+
+    Layout: per layer, keys and values [rows, kv_heads, width, head_dim]; row ``i`` holds its
+    ``lengths[i]`` real columns right-aligned (columns ``width - lengths[i]`` .. ``width - 1``),
+    the columns before them are zero padding that the attention mask hides. Its next input token
+    ``next_tokens[i]`` goes at position ``lengths[i]``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows: list[_Request] = []
+        self.lengths: list[int] = []
+        self.next_tokens: list[int] = []
+        self.cache: DynamicCache | None = None
+        self._sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def width(self) -> int:
+        return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
+
+    def merge(self, new: list[_Row]) -> None:
+        """Add prefilled rows: one copy of the batch's KV into a tensor wide enough for every row."""
+        if not new:
+            return
+        if not self.rows and len(new) == 1:
+            self.cache = _cache_of(new[0].kv)
+        else:
+            old = _kv_of(self.cache) if self.rows else None
+            old_width, rows = self.width, len(self.rows)
+            width = max([old_width] + [r.length for r in new])
+            merged = []
+            for layer, (ref, _) in enumerate(new[0].kv):
+                keys = ref.new_zeros((rows + len(new), ref.shape[1], width, ref.shape[3]))
+                values = torch.zeros_like(keys)
+                if old is not None:
+                    keys[:rows, :, width - old_width:] = old[layer][0]
+                    values[:rows, :, width - old_width:] = old[layer][1]
+                for j, row in enumerate(new):
+                    keys[rows + j, :, width - row.length:] = row.kv[layer][0][0]
+                    values[rows + j, :, width - row.length:] = row.kv[layer][1][0]
+                merged.append((keys, values))
+            self.cache = _cache_of(merged)
+        self.rows += [r.req for r in new]
+        self.lengths += [r.length for r in new]
+        self.next_tokens += [r.next_token for r in new]
+        self._sampling = None
+
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``input_ids`` [rows, 1], ``attention_mask`` [rows, width + 1], ``position_ids`` [rows, 1]."""
+        lengths = torch.tensor(self.lengths, device=self.device)
+        columns = torch.arange(self.width + 1, device=self.device)
+        attn = (columns[None, :] >= (self.width - lengths)[:, None]).long()
+        input_ids = torch.tensor(self.next_tokens, dtype=torch.long, device=self.device)[:, None]
+        return input_ids, attn, lengths[:, None]
+
+    def stepped(self, cache: DynamicCache) -> None:
+        """Take the cache a decode step returned (one more column for every row)."""
+        self.cache = cache
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`sample_tokens` for the rows, from ``logits`` [rows, vocab]."""
+        if self._sampling is None:
+            self._sampling = (
+                torch.tensor([r.params.temperature for r in self.rows], device=self.device, dtype=torch.float32),
+                torch.tensor([r.params.top_p for r in self.rows], device=self.device, dtype=torch.float32))
+        return sample_tokens(logits, *self._sampling, [r.generator for r in self.rows])
+
+    def row_kv(self, i: int) -> KV:
+        """Row ``i``'s real columns, copied out: [1, kv_heads, lengths[i], head_dim] per layer."""
+        start = self.width - self.lengths[i]
+        return [(k[i:i + 1, :, start:].clone(), v[i:i + 1, :, start:].clone()) for k, v in _kv_of(self.cache)]
+
+    def select(self, keep: list[int], tokens: list[int]) -> None:
+        """Keep rows ``keep`` (their next input tokens from ``tokens``); drop padding no row needs."""
+        if len(keep) < len(self.rows):
+            self._sampling = None
+            self.rows = [self.rows[i] for i in keep]
+            self.lengths = [self.lengths[i] for i in keep]
+            if not keep:
+                self.cache = None
+            else:
+                idx = torch.tensor(keep, device=self.device)
+                start = self.width - max(self.lengths)
+                self.cache = _cache_of([(k[idx, :, start:], v[idx, :, start:]) for k, v in _kv_of(self.cache)])
+        self.next_tokens = [tokens[i] for i in keep]
+
+
+class _PrefixCache:
+    """KV of recent prompts and finished sequences, found again by longest common token prefix.
+
+    An entry is ``ids`` [m] (CPU long) with keys and values [1, kv_heads, m, head_dim] per layer,
+    computed under the engine's current weights (the engine clears the cache on every weight
+    update). Bounded to ``max_tokens`` in total, least recently used first out; an entry whose
+    ids are a prefix of a newer entry's is dropped (the newer one serves every lookup it would).
+
+    Args:
+        max_tokens: most tokens held over all entries.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._entries: OrderedDict[int, tuple[torch.Tensor, KV]] = OrderedDict()
+        self._next_key = 0
+
+    def lookup(self, ids: torch.Tensor, limit: int) -> tuple[int, KV | None]:
+        """``(r, kv)``: the longest cached prefix of ``ids`` [n], cut to at most ``limit`` tokens,
+        and its keys/values [1, kv_heads, r, head_dim] per layer (views); ``(0, None)`` on a miss."""
+        best, best_key = 0, None
+        for key, (cached, _) in self._entries.items():
+            common = _common_prefix(cached, ids)
+            if common > 0 and common >= best:  # ties: the most recent entry
+                best, best_key = common, key
+        reused = min(best, limit)
+        if best_key is None or reused <= 0:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        kv = self._entries[best_key][1]
+        return reused, [(k[:, :, :reused], v[:, :, :reused]) for k, v in kv]
+
+    def insert(self, ids: torch.Tensor, kv: KV) -> None:
+        """Hold ``kv`` (per layer [1, kv_heads, len(ids), head_dim]) for ``ids``, evicting LRU entries."""
+        if len(ids) > self.max_tokens:
+            return
+        for key in [k for k, (cached, _) in self._entries.items()
+                    if len(cached) <= len(ids) and _common_prefix(cached, ids) == len(cached)]:
+            self._drop(key)
+        self._entries[self._next_key] = (ids, kv)
+        self._next_key += 1
+        self.tokens += len(ids)
+        while self.tokens > self.max_tokens:
+            self._drop(next(iter(self._entries)))
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tokens = 0
+
+    def _drop(self, key: int) -> None:
+        ids, _ = self._entries.pop(key)
+        self.tokens -= len(ids)
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the common prefix of the 1-D id tensors ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    mismatch = (a[:n] != b[:n]).nonzero()
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+def _kv_of(cache: DynamicCache) -> KV:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache_of(kv: KV | None) -> DynamicCache:
+    """A ``DynamicCache`` holding ``kv`` (no copy), or an empty one for None."""
+    cache = DynamicCache()
+    for keys, values in kv or ():
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        cache.layers.append(layer)
+    return cache
+
+
+def _check_cache_layout(model: Any) -> None:
+    """Refuse models whose cache is not plain attention KV (linear attention, shared KV layers).
+
+    The engine keeps a full ``DynamicLayer`` per layer (sliding-window layers included: the
+    attention mask applies the window), which it splits and merges by rows.
+    """
+    odd = sorted({type(layer).__name__ for layer in DynamicCache(config=model.config).layers
+                  if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
+    if odd:
+        raise ConfigError(f"engine.kind=hf keeps one attention KV cache per layer; this model "
+                          f"({model.config.model_type}) needs cache layers {odd}")
