@@ -72,3 +72,9 @@ class ConsoleReporter:
             self.progress.console.print(format_step(step, data))
         elif event == "eval":
             self.progress.console.print(format_eval(data))
+        elif event == "sft_start":
+            self.progress.reset(self.episodes, total=data["total"], description="  sft warm-up", visible=True)
+        elif event == "sft":
+            self.progress.advance(self.episodes)
+            if data["step"] == data["total"] or data["step"] % 10 == 0:
+                self.progress.console.print(f"sft {data['step']}/{data['total']}: loss {data['sft/loss']:.3f}")

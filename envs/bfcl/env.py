@@ -80,6 +80,26 @@ class BFCLEnv(TextEnv):
         messages = copy.deepcopy(task["question"])
         return messages, {"tools": copy.deepcopy(task["tools"]), "task_id": task["id"]}
 
+    def demonstration(self, task: dict[str, Any]) -> dict[str, Any] | None:
+        """A correct assistant reply to ``task`` (for a supervised warm-up): the calls of its
+        possible answer, each parameter at its first allowed value (a parameter whose first
+        allowed value is ``""``, BFCL's "may be omitted", is left out); a plain refusal for
+        irrelevance tasks; None where the answer is not a fixed set of calls (live_relevance) or
+        where those values do not pass BFCL's check (about 1% of the Python tasks, a quarter of
+        Java's), so every demonstration is one :meth:`step` judges correct."""
+        if task["expect"] == "no_call":
+            return {"role": "assistant", "content": "None of the available functions can help with this request."}
+        if not task["possible_answer"]:
+            return None
+        encode = (lambda v: v) if task.get("language", "python") == "python" else _as_source
+        calls = []
+        for i, entry in enumerate(task["possible_answer"]):
+            (name, params), = entry.items()
+            args = {k: encode(_resolve(values[0])) for k, values in params.items() if values and values[0] != ""}
+            calls.append({"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}})
+        message = {"role": "assistant", "content": "", "tool_calls": calls}
+        return message if check_calls(calls_from_message(message), task, bfcl_compat=self.bfcl_compat).correct else None
+
     def step(self, action: dict[str, Any]):
         """Judge one assistant message; the episode always ends here.
 
@@ -112,6 +132,20 @@ class BFCLEnv(TextEnv):
             "reason": result.reason,
         }
         return [], reward(result, self.partial_credit), True, False, info
+
+
+def _resolve(value: Any) -> Any:
+    """One concrete value of a possible answer's value: nested dicts hold lists of allowed values."""
+    if isinstance(value, dict):
+        return {k: _resolve(v[0]) for k, v in value.items() if isinstance(v, list) and v and v[0] != ""}
+    if isinstance(value, list):
+        return [_resolve(v) for v in value]
+    return value
+
+
+def _as_source(value: Any) -> str:
+    """A Java/JavaScript argument as BFCL expects it: a string holding the value's source text."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def tool_call_entries(message: dict[str, Any]) -> list[tuple[str | None, Any, Any]]:

@@ -106,6 +106,8 @@ class Controller:
         self.weights_dirty = False
         """True while an update has changed the trainer's weights but its step is not complete
         (a checkpoint then would not match any step)."""
+        self.sft_done = cfg.trainer.sft_warmup_steps == 0
+        """The supervised warm-up ran (or none is configured)."""
 
     def close(self) -> None:
         """Close the runtime's services and the bus."""
@@ -120,11 +122,13 @@ class Controller:
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.version = state["step"], state["policy_version"]
         self.groups_drawn = state.get("groups_drawn", self.step * self.B)
+        self.sft_done = state.get("sft_done", True)
         self.runtime.trainer.restore(trainer_state, self.version)
 
     def save(self) -> Path:
         """Checkpoint the last complete step."""
-        state = {"policy_version": self.version, "sampler": self.sampler.state_dict(), "groups_drawn": self.groups_drawn}
+        state = {"policy_version": self.version, "sampler": self.sampler.state_dict(), "groups_drawn": self.groups_drawn,
+                 "sft_done": self.sft_done}
         trainer = self.runtime.trainer
         return self.ckpts.save(self.step, trainer.save_model, trainer.state_dict(), state, dump_config(self.cfg))
 
@@ -140,6 +144,8 @@ class Controller:
             try:
                 if self.cfg.eval.at_start and self.step == 0:
                     summary["eval_start"] = self.run_eval()
+                if not self.sft_done:
+                    summary["sft"] = self.sft_warmup()
                 if self.step < self.cfg.trainer.steps:
                     summary.update(self._pipeline())
                 if self.cfg.eval.at_end:
@@ -175,6 +181,45 @@ class Controller:
         finally:
             run.close()
         return {"last": run.last_row} if run.last_row else {}
+
+    def sft_warmup(self) -> dict[str, float]:
+        """The supervised warm-up (``trainer.sft_warmup_steps`` updates on the env's demonstrations
+        of the train split, ``trainer.sft_batch_size`` each, in a seeded order that cycles epoch by
+        epoch); its weights are published as the next policy version. Progress goes to
+        ``sft.jsonl``; returns the first and last loss. Ctrl-C stops it between updates (nothing
+        is checkpointed: the warm-up starts again on resume)."""
+        import json
+
+        import numpy as np
+
+        t = self.cfg.trainer
+        demos = self.runtime.rollout.demonstrations(self.runtime.train_tasks, self.cfg.run.seed)
+        n = len(demos["task_id"])
+        rng = np.random.default_rng(self.cfg.run.seed)
+        order: list[int] = []
+        while len(order) < t.sft_warmup_steps * t.sft_batch_size:
+            order += rng.permutation(n).tolist()
+        self._report("sft_start", {"total": t.sft_warmup_steps})
+        losses = []
+        self.out.mkdir(parents=True, exist_ok=True)
+        with (self.out / "sft.jsonl").open("w") as log:
+            for k in range(t.sft_warmup_steps):
+                idx = order[k * t.sft_batch_size:(k + 1) * t.sft_batch_size]
+                rows = {name: [demos[name][i] for i in idx] for name in (R.TOKEN_IDS, R.LOSS_MASK, R.ROLLOUT_LOGPROBS)}
+                self.weights_dirty = True
+                metrics = self.runtime.trainer.sft(rows, t.sft_lr)
+                losses.append(metrics["sft/loss"])
+                log.write(json.dumps({"sft/step": k + 1, **metrics}) + "\n")
+                self._report("sft", {"step": k + 1, "total": t.sft_warmup_steps, **metrics})
+                self.stop.check()
+        self.version += 1
+        self.runtime.trainer.end_sft(self.version)
+        self.weights_dirty = False
+        self.sft_done = True
+        out = {"sft/steps": float(t.sft_warmup_steps), "sft/demonstrations": float(n),
+               "sft/loss_first": losses[0], "sft/loss_last": losses[-1], "policy_version": self.version}
+        self.logger.log(self.step, out)
+        return out
 
     # -- evaluation and plots ---------------------------------------------------------------
     def run_eval(self, run: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:

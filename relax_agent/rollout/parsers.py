@@ -54,6 +54,33 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedAction: ...
 
 
+def _plain_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """``[{"name", "arguments"}]`` of an assistant message's OpenAI ``tool_calls``."""
+    out = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        args = fn.get("arguments", {})
+        out.append({"name": fn["name"], "arguments": json.loads(args) if isinstance(args, str) else args})
+    return out
+
+
+def format_message(parser: Any, message: dict[str, Any]) -> str:
+    """The text a policy using ``parser`` writes for assistant ``message`` (its ``content`` when it
+    has no tool calls): what a demonstration of that message trains the policy to sample, and what
+    ``parser.parse`` reads back as the same calls.
+
+    Raises:
+        ConfigError: the parser has no written form (no ``format`` method).
+    """
+    calls = _plain_calls(message)
+    if not calls:
+        return message.get("content") or ""
+    if not hasattr(parser, "format"):
+        raise ConfigError(f"tool parser {type(parser).__name__} cannot write calls (no format method); "
+                          "use hermes, json or json_fenced for demonstrations")
+    return parser.format(calls)
+
+
 def _call(index: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -78,6 +105,10 @@ class HermesParser:
 
     def __init__(self, strict: bool = False):
         self.strict = strict
+
+    def format(self, calls: list[dict[str, Any]]) -> str:
+        """``calls`` (``{"name", "arguments"}``) as ``<tool_call>`` blocks, one per line group."""
+        return "\n".join(f"{self.OPEN}\n{json.dumps(c, ensure_ascii=False)}\n{self.CLOSE}" for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
         calls: list[dict[str, Any]] = []
@@ -172,6 +203,10 @@ class JsonParser:
     def __init__(self, strict: bool = False):
         self.strict = strict
 
+    def format(self, calls: list[dict[str, Any]]) -> str:
+        """``calls`` (``{"name", "arguments"}``) as one bare JSON object, or a list of several."""
+        return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+
     def parse(self, text: str) -> ParsedAction:
         if self.strict:
             return self._parse_strict(text)
@@ -236,6 +271,11 @@ class FencedJsonParser:
 
     def __init__(self, strict: bool = False):
         self.strict = strict
+
+    def format(self, calls: list[dict[str, Any]]) -> str:
+        """``calls`` (``{"name", "arguments"}``) as one fenced ``json`` block (an object, or a list of several)."""
+        body = calls[0] if len(calls) == 1 else calls
+        return f"```json\n{json.dumps(body, ensure_ascii=False)}\n```"
 
     def parse(self, text: str) -> ParsedAction:
         calls: list[dict[str, Any]] = []

@@ -83,6 +83,16 @@ class RolloutService(Protocol):
         """Play ``specs`` and return their trajectories (evaluation; nothing is trained)."""
         ...
 
+    def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
+        """Rendered reference replies of ``tasks`` for the supervised warm-up: fields
+        ``token_ids``, ``loss_mask``, ``rollout_logprobs`` (B ragged rows [T_i]) and ``task_id``
+        (see :func:`relax_agent.rollout.demonstrations.demonstration_fields`).
+
+        Raises:
+            ConfigError: the env offers no demonstrations.
+        """
+        ...
+
     def close(self) -> None: ...
 
 
@@ -97,6 +107,15 @@ class TrainerService(Protocol):
         Raises:
             WeightSyncError: the update produced weights the sync refused (non-finite, bad layout).
         """
+        ...
+
+    def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
+        """One supervised update on demonstration rows (``token_ids``, ``loss_mask``,
+        ``rollout_logprobs``) at learning rate ``lr``; returns ``sft/*`` metrics."""
+        ...
+
+    def end_sft(self, version: int) -> dict[str, float]:
+        """End the warm-up and publish its weights as ``version`` (weight-sync metrics)."""
         ...
 
     def restore(self, trainer_state: dict[str, Any], version: int) -> None:

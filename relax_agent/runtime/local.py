@@ -54,6 +54,12 @@ class LocalRolloutService:
     def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
         return self.runner.specs(tasks, group_size, prefix=prefix, seed=seed)
 
+    def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
+        from relax_agent.rollout.demonstrations import demonstration_fields
+
+        driver = self.runner.driver
+        return demonstration_fields(driver.make_env, driver.renderer, driver.parser, tasks, seed)
+
     async def run(self, specs: Sequence[Any], params: SamplingParams,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         return await self.runner.run(specs, params, on_done)
@@ -93,6 +99,16 @@ class LocalTrainerService:
         t0 = time.perf_counter()
         stats = self.sync.publish(self.trainer.policy_state_dict(), version)
         return {"timing/weight_sync_s": time.perf_counter() - t0, **stats.as_metrics()}
+
+    def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
+        from relax_agent.train.collate import collate_fields
+
+        batch = collate_fields(fields, self.pad_token_id, advantages=[1.0] * len(fields["token_ids"]))
+        return self.trainer.sft_step(batch, lr)
+
+    def end_sft(self, version: int) -> dict[str, float]:
+        self.trainer.end_sft()
+        return self._publish(version)
 
     def restore(self, trainer_state: dict[str, Any], version: int) -> None:
         self.trainer.load_state_dict(trainer_state)

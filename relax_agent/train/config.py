@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax_agent.configbase import Dtype, Section
 
@@ -12,12 +12,58 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 """An Adam moment decay rate, in [0, 1)."""
 
 
+class MegatronConfig(Section):
+    """Parallel layout of ``trainer.backend: megatron`` (ranks = ``tensor_parallel`` processes on this machine).
+
+    Experts are spread over the tensor-parallel ranks (Megatron's expert-tensor-parallel size
+    is ``tensor_parallel / expert_parallel``), so every rank sees the whole batch.
+    """
+
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Ranks that split every weight matrix (and the vocabulary); must divide the attention heads,
+    key/value heads and MLP width."""
+    expert_parallel: int = Field(default=1, ge=1)
+    """MoE only: ranks that split the experts; must divide ``tensor_parallel`` and the expert count."""
+    pipeline_parallel: int = Field(default=1, ge=1)
+    """Pipeline stages; only 1 (no pipeline schedule is implemented on this backend yet)."""
+    sequence_parallel: bool = False
+    """Split norms, dropout and router inputs along the sequence over the tensor-parallel ranks
+    (Megatron requires it to train an MoE with ``tensor_parallel > 1``)."""
+
+    @field_validator("pipeline_parallel")
+    @classmethod
+    def _one_stage(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"trainer.megatron.pipeline_parallel={value}: only 1 is supported (no pipeline "
+                             "schedule on the megatron backend yet); use tensor_parallel / expert_parallel")
+        return value
+
+    @model_validator(mode="after")
+    def _layout(self) -> "MegatronConfig":
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("trainer.megatron.sequence_parallel needs tensor_parallel > 1")
+        if self.tensor_parallel % self.expert_parallel:
+            raise ValueError(f"trainer.megatron.expert_parallel={self.expert_parallel} must divide "
+                             f"tensor_parallel={self.tensor_parallel} (experts live on the tensor-parallel ranks)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes the backend starts."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+
 class TrainerConfig(Section):
     """GRPO / PPO-clip optimisation."""
 
-    backend: Literal["torch", "fake"] = "torch"
-    """"torch": :class:`~relax_agent.train.backends.torch_backend.TorchTrainer`; "fake": a trainer without a
-    model that records what it was given (:class:`~relax_agent.train.backends.fake.FakeTrainer`), for tests."""
+    backend: Literal["torch", "megatron", "fake"] = "torch"
+    """"torch": :class:`~relax_agent.train.backends.torch_backend.TorchTrainer`; "megatron": a Megatron-core
+    ``GPTModel`` with tensor / expert parallelism in rank processes
+    (:class:`~relax_agent.train.backends.megatron_backend.MegatronTrainer`, ``pip install 'relax-agent[megatron]'``);
+    "fake": a trainer without a model that records what it was given
+    (:class:`~relax_agent.train.backends.fake.FakeTrainer`), for tests."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallel layout of ``backend: megatron`` (ignored by the other backends)."""
     steps: int = Field(default=20, ge=0)
     lr: float = Field(default=1e-5, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -46,6 +92,14 @@ class TrainerConfig(Section):
     log-probs. "tis": truncated importance sampling (Yao et al. 2025): the PPO ratio is taken
     against the trainer's own pre-update log-probs and each token's loss is weighted by
     ``min(pi_old / pi_rollout, tis_cap)`` (see ``relax_agent.train.algorithms.tis_weights``)."""
+    sft_warmup_steps: int = Field(default=0, ge=0)
+    """Supervised updates on the env's demonstrations (the train split's reference answers)
+    before the first RL step: a cold start for a policy that never samples the task's format.
+    0: none. Needs an env with ``demonstration(task)`` (the BFCL single-turn envs)."""
+    sft_batch_size: int = Field(default=16, ge=1)
+    """Demonstrations per warm-up update (tasks cycle in a seeded order, epoch after epoch)."""
+    sft_lr: float = Field(default=1e-4, gt=0.0)
+    """Learning rate of the warm-up (its own AdamW; the RL optimizer starts fresh after it)."""
     tis_cap: float = Field(default=2.0, ge=1.0)
     """Upper bound C of the truncated importance weight (``off_policy: tis``)."""
 
@@ -60,8 +114,8 @@ class TrainerConfig(Section):
         """The trainer this section selects (``backend``), over runtime objects.
 
         Args:
-            model: the policy to train (``backend: torch``; the fake backend needs none). With
-                ``kl_coef > 0`` a frozen copy becomes the reference policy.
+            model: the policy to train (``backend: torch``; ``megatron`` converts it into its ranks;
+                the fake backend needs none). With ``kl_coef > 0`` a frozen copy becomes the reference policy.
             device: where it trains.
             temperature: the rollout's sampling temperature (log-probs use the same one).
             routing_replay: force MoE routers to the rollout's routes (R3).
@@ -73,6 +127,10 @@ class TrainerConfig(Section):
             from relax_agent.train.backends.fake import FakeTrainer
 
             return FakeTrainer()
+        if self.backend == "megatron":
+            from relax_agent.train.backends.megatron_backend import MegatronTrainer
+
+            return MegatronTrainer(model, self, device=device, temperature=temperature, routing_replay=routing_replay)
         import copy
 
         from relax_agent.train.backends.torch_backend import TorchTrainer

@@ -24,6 +24,15 @@ class Trainer(Protocol):
         (``train/loss``, ``train/grad_norm``, mismatch metrics...)."""
         ...
 
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """One supervised update (negative log-likelihood of the ``loss_mask`` tokens) at
+        learning rate ``lr``: the cold-start warm-up before RL (``trainer.sft_warmup_steps``)."""
+        ...
+
+    def end_sft(self) -> None:
+        """The warm-up is over: release what only it needed (its optimizer)."""
+        ...
+
     def policy_state_dict(self) -> Mapping[str, Any]:
         """The policy weights for the weight sync, under the engine's (Hugging Face) names.
         May be live tensors: they change at the next :meth:`train_step`."""

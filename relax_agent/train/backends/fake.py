@@ -31,6 +31,7 @@ class FakeTrainer:
     def __init__(self, train_s: float = 0.0) -> None:
         self.train_s = train_s
         self.batches: list[TrainBatch] = []
+        self.sft_batches: list[TrainBatch] = []
         self.step = 0
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -40,6 +41,15 @@ class FakeTrainer:
         self.batches.append(batch)
         self.step += 1
         return {"train/loss": float(batch.advantages.mean()), "train/sequences": float(batch.size)}
+
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """Record ``batch`` in :attr:`sft_batches`; counts as an update (its weights change)."""
+        self.sft_batches.append(batch)
+        self.step += 1
+        return {"sft/loss": float(batch.num_policy_tokens), "sft/tokens": float(batch.num_policy_tokens)}
+
+    def end_sft(self) -> None:
+        """Nothing to drop."""
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """``{"w": [4] float32}`` filled with the number of updates taken."""

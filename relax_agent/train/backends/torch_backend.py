@@ -397,6 +397,46 @@ class TorchTrainer:
             warnings.warn(f"loss-scaler state ignored or missing: trainer.dtype is now {self.cfg.dtype}", stacklevel=2)
         self.step = int(state["step"])
 
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """One supervised update on demonstrations: mean negative log-likelihood (temperature 1)
+        of the tokens under ``loss_mask`` [B, T], micro-batched like :meth:`train_step`.
+
+        Uses its own AdamW (learning rate ``lr``, the trainer's betas and weight decay, gradient
+        clipping at ``grad_clip``), so the RL optimizer's state and lr schedule start fresh after
+        a warm-up. Returns ``sft/loss`` (token-mean NLL before the update), ``sft/grad_norm``,
+        ``sft/tokens``.
+
+        Raises:
+            DataError: the batch has no loss tokens.
+        """
+        n_tokens = batch.num_policy_tokens
+        if n_tokens == 0:
+            raise DataError("the SFT batch has no loss tokens (loss_mask is all 0)")
+        if getattr(self, "_sft_optimizer", None) is None:
+            self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, betas=self.cfg.betas,
+                                                    weight_decay=self.cfg.weight_decay)
+        for group in self._sft_optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self._sft_optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in batch.split(self.cfg.micro_batch_size):
+            micro = micro.to(self.device)
+            with self._autocast():
+                logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0)
+            nll = -(logp * micro.loss_mask).sum() / n_tokens
+            nll.backward()
+            total += float(nll.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        if math.isfinite(grad_norm):
+            self._sft_optimizer.step()
+        self._sft_optimizer.zero_grad(set_to_none=True)
+        return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/tokens": float(n_tokens)}
+
+    def end_sft(self) -> None:
+        """Drop the warm-up optimizer's state (the RL optimizer is separate)."""
+        self._sft_optimizer = None
+
     def save_model(self, path: Path) -> None:
         """Save the policy with ``save_pretrained`` (safetensors) into folder ``path``."""
         self.model.save_pretrained(path, safe_serialization=True)

@@ -1,0 +1,60 @@
+"""The supervised warm-up on a tiny real model: demonstrations rendered token-in/token-out, the
+warm-up's weights published as a policy version before the first RL step, resume after it."""
+
+import json
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+import relax_agent.envs  # noqa: F401
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_demonstrations_are_the_prompt_an_episode_renders_plus_the_parsed_reference_reply(tiny_model_dir):
+    from relax_agent.models import load_tokenizer
+    from relax_agent.config import ModelConfig
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.demonstrations import demonstration_fields
+    from relax_agent.rollout.parsers import build_parser
+
+    tok = load_tokenizer(ModelConfig(path=str(tiny_model_dir)))
+    renderer, parser = ChatRenderer(tok), build_parser("hermes_strict")
+    env = gymnasium.make("relax/BFCL-simple-v0")
+    tasks = env.unwrapped.tasks("train")[:5]
+    demos = demonstration_fields(lambda: gymnasium.make("relax/BFCL-simple-v0"), renderer, parser, tasks, seed=0)
+    assert demos["task_id"] == [t["id"] for t in tasks]
+    for task, ids, mask in zip(tasks, demos["token_ids"], demos["loss_mask"]):
+        obs, info = env.reset(seed=0, options={"task": task})
+        prompt = list(renderer.render_prompt(obs, info["tools"]).token_ids)
+        assert list(ids[:len(prompt)]) == prompt and not mask[:len(prompt)].any() and mask[len(prompt):].all()
+        reply = list(ids[len(prompt):])
+        assert reply[-1] == tok.convert_tokens_to_ids("<|im_end|>")  # the turn's stop token is learned too
+        action = parser.parse(tok.decode(reply, skip_special_tokens=True)).message()
+        env.reset(seed=0, options={"task": task})
+        assert env.step(action)[4]["correct"] == 1.0  # the demonstrated reply is judged correct
+
+
+def test_a_warm_up_runs_before_rl_and_its_weights_are_the_first_rl_steps_policy(tiny_model_dir, tmp_path):
+    from relax_agent.config import load_config
+    from relax_agent.control import build_controller
+    from relax_agent.roles import build_roles
+
+    cfg = load_config(REPO / "examples/tiny.yaml", [
+        f"model.path={tiny_model_dir}", "eval.at_start=false", "eval.at_end=false", "logging.tensorboard=false",
+        "logging.plot=false", "trainer.steps=1", "trainer.sft_warmup_steps=3", "trainer.sft_batch_size=4",
+        "trainer.sft_lr=1e-3", "checkpoint.every_steps=1", f"run.output_dir={tmp_path}"])
+    ctrl = build_controller(cfg, build_roles(cfg))
+    try:
+        summary = ctrl.train()
+    finally:
+        ctrl.close()
+    sft = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert [r["sft/step"] for r in sft] == [1, 2, 3] and all(r["sft/tokens"] > 0 for r in sft)
+    assert summary["sft"]["policy_version"] == 1 and summary["sft"]["sft/demonstrations"] > 300
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert {r["sample_version"] for r in rows} == {1}  # the first RL rollout ran on the warm-up's weights
+    state = json.loads((tmp_path / "checkpoints" / "step_000001" / "state.json").read_text())
+    assert state["sft_done"] is True  # a resume does not warm up again
