@@ -88,11 +88,13 @@ def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, st
         "checkpoint": {"every_steps": 0},
         "logging": {"tensorboard": False, "progress": False, "plot": False},
     }, "benchmarks/modes.py")
+    cpu0 = time.process_time()  # model loading included, as for --baseline-rev
     ctrl = build_controller(cfg, build_roles(cfg))
     try:
         ctrl.train()
     finally:
         ctrl.close()
+    cpu_s = time.process_time() - cpu0
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
     wall_s = sum(r["timing/step_s"] for r in rows)
     samples = len(rows) * args.tasks_per_step * args.group_size
@@ -108,6 +110,7 @@ def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, st
         "staleness_mean": statistics.fmean(r.get("async/staleness_mean", 0.0) for r in rows),
         "dropped_groups": sum(r.get("async/dropped_groups", 0.0) for r in rows),
         "wall_s": wall_s,
+        "cpu_s_per_step": cpu_s / max(len(rows), 1),
     }
 
 
@@ -129,7 +132,9 @@ def run_baseline(args: argparse.Namespace, model_path: str, out: Path, tree: Pat
             shutil.copytree(src / sub, pkg / "relax_agent" / sub)
     code = ("import json, sys, argparse; sys.path[:0] = [sys.argv[1], 'benchmarks', '.']; import modes; "
             "a = argparse.Namespace(**json.loads(sys.argv[2])); "
+            "import time; c0 = time.process_time(); "
             "r = modes.run_mode(a, sys.argv[3], __import__('pathlib').Path(sys.argv[4]), 'colocate', 0); "
+            "r['cpu_s_per_step'] = (time.process_time() - c0) / max(r['steps'], 1); "
             "r['mode'] = 'baseline'; print('RESULT', json.dumps(r))")
     params = {k: v for k, v in vars(args).items() if k not in ("json", "model")}
     done = subprocess.run([sys.executable, "-c", code, str(pkg), json.dumps(params), model_path, str(out)], cwd=src,
@@ -190,8 +195,11 @@ def main() -> None:
               f"{r['staleness_mean']:>9.2f} {r['dropped_groups']:>7.0f}   runs: "
               + " ".join(f"{x:.2f}" for x in r["samples_per_s_runs"]))
     if args.baseline_rev:
-        print(f"colocate vs colocate at {args.baseline_rev}: {base / results[-1]['samples_per_s']:.2f}x samples/s "
-              f"(step s {results[0]['step_s']:.2f} vs {results[-1]['step_s']:.2f})")
+        now, then = results[0], results[-1]
+        print(f"colocate vs colocate at {args.baseline_rev}: {base / then['samples_per_s']:.2f}x samples/s "
+              f"(step s {now['step_s']:.2f} vs {then['step_s']:.2f}); process CPU per step "
+              f"{now['cpu_s_per_step']:.2f} s vs {then['cpu_s_per_step']:.2f} s "
+              f"(then / now {then['cpu_s_per_step'] / now['cpu_s_per_step']:.2f}; above 1: the new code uses less CPU)")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
                                          "results": results}, indent=2))
