@@ -79,8 +79,8 @@ class MegatronTrainer:
     """Implements :class:`~relax_agent.train.backends.base.Trainer` by driving Megatron rank processes.
 
     Args:
-        model: the Hugging Face policy (its config and current weights are written to a
-            temporary folder that each rank loads its shard from).
+        model: the Hugging Face policy (its config and current weights, under their in-memory
+            names, are written to a temporary folder that each rank loads its shard from).
         cfg: the trainer section; ``cfg.megatron`` gives the layout.
         device: "cpu" (gloo, CPU patches) or "cuda" (NCCL; rank i on GPU i).
         temperature: the rollout's sampling temperature.
@@ -120,7 +120,11 @@ class MegatronTrainer:
         self.world_size = mcfg.world_size
         self.step = 0
         self._dir = tempfile.mkdtemp(prefix="relax-megatron-")
-        model.save_pretrained(self._dir, safe_serialization=True)
+        from relax_agent.train.megatron.rank import write_hf_folder
+
+        write_hf_folder(Path(self._dir), model.config.to_dict(), model.state_dict(), self.spec.tied)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(self._dir)
         self._start(mcfg, kind, temperature, routing_replay and self.spec.is_moe)
 
     def _start(self, mcfg: Any, kind: str, temperature: float, routing_replay: bool) -> None:
