@@ -92,6 +92,14 @@ class TrainerConfig(Section):
     log-probs. "tis": truncated importance sampling (Yao et al. 2025): the PPO ratio is taken
     against the trainer's own pre-update log-probs and each token's loss is weighted by
     ``min(pi_old / pi_rollout, tis_cap)`` (see ``relax_agent.train.algorithms.tis_weights``)."""
+    sft_warmup_steps: int = Field(default=0, ge=0)
+    """Supervised updates on the env's demonstrations (the train split's reference answers)
+    before the first RL step: a cold start for a policy that never samples the task's format.
+    0: none. Needs an env with ``demonstration(task)`` (the BFCL single-turn envs)."""
+    sft_batch_size: int = Field(default=16, ge=1)
+    """Demonstrations per warm-up update (tasks cycle in a seeded order, epoch after epoch)."""
+    sft_lr: float = Field(default=1e-4, gt=0.0)
+    """Learning rate of the warm-up (its own AdamW; the RL optimizer starts fresh after it)."""
     tis_cap: float = Field(default=2.0, ge=1.0)
     """Upper bound C of the truncated importance weight (``off_policy: tis``)."""
 
