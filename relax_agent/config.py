@@ -173,6 +173,50 @@ class LoggingConfig(Section):
     progress: bool = True
 
 
+class RuntimeConfig(Section):
+    """Where the roles run: this process (``local``) or Ray actors (``ray``).
+
+    YAML ``runtime: ray`` is short for ``runtime: {kind: ray}``. With ``kind: ray`` every rollout
+    replica (engine + envs + orchestrator) and the trainer are Ray actors; the data bus, the weight
+    coordinator and the heartbeat table are named actors in ``data.ray_namespace``; Ray is started
+    (``data.ray_num_cpus``) or joined (``data.ray_address``) like the Ray data bus. See
+    :mod:`relax_agent.runtime.ray`.
+    """
+
+    kind: Literal["local", "ray"] = "local"
+    """"local": every role in this process (the embedded default). "ray": Ray actors (mode async,
+    weights.transport tcp)."""
+    rollout_replicas: int = Field(default=1, ge=1)
+    """ray: rollout replicas at start (change it while training with ``relax-agent scale``)."""
+    rollout_num_cpus: float = Field(default=0.25, gt=0.0)
+    """ray: CPUs Ray reserves per rollout replica (fractional: four replicas fit one core)."""
+    trainer_num_cpus: float = Field(default=0.5, gt=0.0)
+    """ray: CPUs Ray reserves for the trainer actor."""
+    heartbeat_interval_s: float = Field(default=1.0, gt=0.0)
+    """ray: seconds between heartbeats a service sends from its own work loop."""
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0.0)
+    """ray: a rollout replica whose last heartbeat is older than this is hung: killed and replaced."""
+    request_timeout_s: float | None = Field(default=None, gt=0.0)
+    """ray: watchdog of one group on a replica; past it the replica is replaced and the group played
+    again elsewhere. None: ``rollout.episode_timeout_s + 60``."""
+    replica_start_timeout_s: float = Field(default=600.0, gt=0.0)
+    """ray: seconds a new replica (or trainer) may take to load its model and pull the weights."""
+    max_trainer_restarts: int = Field(default=3, ge=0)
+    """ray: times a dead trainer actor is restarted from the last checkpoint before the run fails."""
+    drain_timeout_s: float = Field(default=600.0, gt=0.0)
+    """ray: scale-in waits this long for a replica's groups to finish before it hands them back
+    (kills the replica; the groups are played again elsewhere)."""
+    control_port: int | None = Field(default=0, ge=0, le=65535)
+    """ray: port of the controller's HTTP control endpoint on 127.0.0.1 (0: a free one; its URL and
+    token go to ``run.output_dir/runtime.json`` for ``relax-agent scale``); None: no endpoint."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_kind(cls, value: Any) -> Any:
+        # `runtime: ray` / `runtime=ray` names the kind alone.
+        return {"kind": value} if isinstance(value, str) else value
+
+
 class RelaxConfig(Section):
     """The whole run."""
 
@@ -199,6 +243,8 @@ class RelaxConfig(Section):
     """Mixture-of-experts policies: routing replay (R3) on or off (see ``relax_agent.moe.config``)."""
     weights: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     """How new policy versions reach the rollout engines: inproc, tcp or nccl (see ``relax_agent.weights.config``)."""
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    """Where the roles run: in this process or as Ray actors (see :class:`RuntimeConfig`)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -1,0 +1,343 @@
+"""Rollout replicas as Ray actors, and the rollout service that spreads groups over them.
+
+A :class:`RolloutReplica` is one Ray actor process holding an engine, its envs and a
+:class:`~relax_agent.rollout.runner.RolloutRunner` (built by :func:`relax_agent.roles.build_roles`
+from the run's config, so it is exactly the local rollout), a weight subscriber that pulls the
+latest version before the replica serves and then follows new ones, and the data bus, into which
+it puts each group it plays. It beats from an asyncio task on the event loop that runs its
+episodes (:mod:`.ray_health`).
+
+:class:`RayRolloutService` implements :class:`~relax_agent.runtime.base.RolloutService` for the
+loop: ``play_group`` sends the group to the ready replica with the fewest groups in flight and
+awaits it under a watchdog (``runtime.request_timeout_s``). When the replica dies, hangs past the
+watchdog or is removed, the group is played again on another replica under the same ids and seeds;
+the bus refuses a second put of one sample id, so a group whose first attempt already reached the
+bus is never stored twice. Replicas are started, health-checked and replaced by the one
+:class:`~relax_agent.runtime.ray_supervisor.Supervisor` through the :class:`ReplicaPool`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import ray
+
+from relax_agent.errors import DataError, EngineError
+from relax_agent.records import Trajectory
+from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Task
+
+STARTING, READY, DRAINING, FAILED, REMOVED = "starting", "ready", "draining", "failed", "removed"
+
+_DUPLICATE = "duplicate sample id"
+"""The bus's message for a put of an existing (or retired) sample id (:mod:`relax_agent.data.store`)."""
+
+
+class RolloutReplica:
+    """Ray actor (asyncio): one rollout replica. Built with :meth:`start`, then serves ``play_group``.
+
+    Args:
+        cfg: the run config (the replica builds its engine, envs and reward client from it).
+        name: the replica's name (heartbeats, weight subscriber, metrics).
+        bus: the run's :class:`~relax_agent.data.ray.RayTransferQueue`.
+        coordinator: an :class:`~relax_agent.runtime.ray_weights.ActorCoordinator`.
+        health: the :class:`~relax_agent.runtime.ray_health.HealthActor` handle.
+    """
+
+    def __init__(self, cfg: Any, name: str, bus: Any, coordinator: Any, health: Any) -> None:
+        self.cfg, self.name, self.bus, self.coordinator, self.health = cfg, name, bus, coordinator, health
+        self.in_flight = 0
+        self.groups_done = 0
+        self.episodes_done = 0
+        self._roles: Any = None
+        self._service: Any = None
+        self._sub: Any = None
+        self._beats: asyncio.Task | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """Load the engine and envs, pull the latest weights, start beating; returns ``pid``,
+        ``node_id``, ``subscriber`` and ``policy_version``.
+
+        Raises:
+            WeightSyncError: the latest version does not fit the engine.
+        """
+        from relax_agent.roles import build_roles
+        from relax_agent.runtime.local import LocalRolloutService
+
+        self._roles = await asyncio.to_thread(build_roles, self.cfg, None, False)
+        engine = self._roles.engine
+        self._service = LocalRolloutService(self._roles.runner, self.bus, PARTITION,
+                                            getattr(engine, "route_layout", None))
+        self._sub = await asyncio.to_thread(self._subscribe, engine)
+        self._beats = asyncio.get_running_loop().create_task(self._beat_forever())
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "subscriber": self._sub.id, "policy_version": engine.policy_version}
+
+    def _subscribe(self, engine: Any) -> Any:
+        from relax_agent.errors import WeightSyncError
+        from relax_agent.weights.subscriber import EngineSubscriber
+        from relax_agent.weights.tcp import TcpReceiver
+
+        w = self.cfg.weights
+        sub = EngineSubscriber(engine, TcpReceiver(w), self.coordinator, self.name, w.name_map or None,
+                               w.poll_timeout_s)
+        report = sub.sync_latest(0.0)
+        if report is not None and report.error is not None:
+            sub.close()
+            raise WeightSyncError(report.error)
+        return sub.start()
+
+    def _status(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "in_flight": self.in_flight, "groups_done": self.groups_done,
+                "episodes_done": self.episodes_done, "policy_version": self._roles.engine.policy_version}
+
+    async def _beat_forever(self) -> None:
+        """Beat from this event loop (the one that runs the episodes): a blocked loop stops beating."""
+        interval = self.cfg.runtime.heartbeat_interval_s
+        while True:
+            self.health.beat.remote(self.name, self._status())
+            await asyncio.sleep(interval)
+
+    async def play_group(self, job: GroupJob, params: SamplingParams, attempt: int = 0) -> GroupDone:
+        """Play ``job`` and put its rows into the bus (see :meth:`LocalRolloutService.play_group`).
+
+        ``attempt > 0``: an earlier attempt ran on a replica that failed; if that one's put already
+        stored the group, the bus refuses this put as a duplicate and the group counts as done.
+        """
+        self.in_flight += 1
+        try:
+            try:
+                done = await self._service.play_group(job, params)
+            except DataError as exc:
+                if attempt == 0 or _DUPLICATE not in str(exc):
+                    raise
+                done = GroupDone(job, [f"{job.group_id}/{i}" for i in range(job.group_size)], -1, 0.0)
+            self.groups_done += 1
+            self.episodes_done += job.group_size
+            return done
+        finally:
+            self.in_flight -= 1
+
+    async def run(self, specs: Sequence[Any], params: SamplingParams) -> list[Trajectory]:
+        """Play ``specs`` without the bus (evaluation)."""
+        self.in_flight += 1
+        try:
+            trajs = await self._service.run(specs, params)
+            self.episodes_done += len(trajs)
+            return trajs
+        finally:
+            self.in_flight -= 1
+
+    async def stop(self) -> None:
+        """Stop following weights and beating, close the engine and the reward client."""
+        if self._beats is not None:
+            self._beats.cancel()
+        if self._sub is not None:
+            await asyncio.to_thread(self._sub.close)
+        if self._roles is not None:
+            await asyncio.to_thread(self._roles.close)
+
+
+@dataclass
+class Replica:
+    """The supervisor's record of one replica actor.
+
+    Attributes:
+        slot: replica index (a replacement takes the slot of the replica it replaces).
+        name: actor name, ``<prefix>.rollout-<slot>.<generation>``.
+        state: starting, ready, draining, failed or removed.
+        in_flight: groups (or evaluation chunks) sent to it and not yet returned.
+        first_group: ``(sample version of its first group, latest published version when that
+            group was sent)``: a replica that pulled the latest weights before serving has them equal.
+    """
+
+    slot: int
+    name: str
+    handle: Any
+    started_at: float
+    ready_ref: Any
+    state: str = STARTING
+    pid: int | None = None
+    node_id: str | None = None
+    subscriber: str | None = None
+    ready_at: float | None = None
+    in_flight: int = 0
+    groups_done: int = 0
+    first_group: tuple[int, int | None] | None = None
+    drain_since: float | None = None
+    reason: str | None = None
+
+
+class ReplicaPool:
+    """The replicas of a run, shared by the supervisor thread and the loop's event loop (one lock).
+
+    ``pick``/``release`` are the service's; ``add``, ``mark`` and the states are the supervisor's;
+    ``fail`` is called by either (a call that failed, a heartbeat that stopped).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.replicas: list[Replica] = []
+        self.fatal: BaseException | None = None
+        """Set by the supervisor when replicas cannot be started at all; the service raises it."""
+        self.events: list[tuple[float, str, str, str]] = []
+        """(time, event, replica name, detail): started, ready, failed, removed."""
+
+    def log(self, event: str, rep: Replica, detail: str = "") -> None:
+        with self.lock:
+            self.events.append((time.time(), event, rep.name, detail))
+
+    def live(self) -> list[Replica]:
+        """Replicas starting or ready (those that count towards the target)."""
+        with self.lock:
+            return [r for r in self.replicas if r.state in (STARTING, READY)]
+
+    def in_state(self, *states: str) -> list[Replica]:
+        with self.lock:
+            return [r for r in self.replicas if r.state in states]
+
+    def pick(self) -> Replica | None:
+        """The ready replica with the fewest calls in flight (counted as one more), or None."""
+        with self.lock:
+            ready = [r for r in self.replicas if r.state == READY]
+            if not ready:
+                return None
+            rep = min(ready, key=lambda r: (r.in_flight, r.slot))
+            rep.in_flight += 1
+            return rep
+
+    def release(self, rep: Replica, done: bool) -> None:
+        with self.lock:
+            rep.in_flight -= 1
+            rep.groups_done += int(done)
+
+    def fail(self, rep: Replica, reason: str) -> None:
+        """Mark ``rep`` failed (once); the supervisor replaces it."""
+        with self.lock:
+            if rep.state in (STARTING, READY, DRAINING):
+                rep.state, rep.reason = FAILED, reason
+                self.events.append((time.time(), "failed", rep.name, reason))
+
+
+class RayRolloutService:
+    """Implements :class:`~relax_agent.runtime.base.RolloutService` over a :class:`ReplicaPool`.
+
+    Args:
+        pool: the replicas (kept by the supervisor).
+        runner: a runner of the driver's roles; only its ``specs`` are used (pure: ids, seeds, limits).
+        coordinator: the weight coordinator (the latest version, recorded for a replica's first group).
+        watchdog_s: longest wait for one group on one replica before the replica is replaced.
+        routes: the engine's route layout for routing replay, or None.
+        supervisor: the run's :class:`~relax_agent.runtime.ray_supervisor.Supervisor` (scaling,
+            per-role metrics), or None.
+    """
+
+    def __init__(self, pool: ReplicaPool, runner: Any, coordinator: Any, watchdog_s: float,
+                 routes: Any = None, supervisor: Any = None) -> None:
+        self.pool = pool
+        self.runner = runner
+        self.coordinator = coordinator
+        self.watchdog_s = watchdog_s
+        self.routes = routes
+        self.supervisor = supervisor
+        self.retried_groups = 0
+        """Groups (or evaluation chunks) played again after their replica failed."""
+
+    @property
+    def policy_version(self) -> int:
+        """The latest version published to the replicas (0 before the first)."""
+        latest = self.coordinator.latest_version
+        return 0 if latest is None else latest
+
+    async def _acquire(self) -> Replica:
+        while True:
+            if self.pool.fatal is not None:
+                raise self.pool.fatal
+            rep = self.pool.pick()
+            if rep is not None:
+                return rep
+            await asyncio.sleep(0.05)
+
+    async def _on_replica(self, call: Callable[[Replica, int], Any], what: str) -> Any:
+        """Run ``call(replica, attempt)`` on a ready replica, again on another one while replicas fail."""
+        attempt = 0
+        while True:
+            rep = await self._acquire()
+            ok = False
+            ref = call(rep, attempt)
+            try:
+                result = await asyncio.wait_for(_as_future(ref), self.watchdog_s)
+                ok = True
+                return result
+            except asyncio.TimeoutError:
+                ray.cancel(ref)
+                self.pool.fail(rep, f"{what} took more than runtime.request_timeout_s={self.watchdog_s:g} s")
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self.pool.fail(rep, f"died during {what}: {type(exc).__name__}")
+            except asyncio.CancelledError:
+                ray.cancel(ref)
+                raise
+            finally:
+                self.pool.release(rep, ok)
+            attempt += 1
+            self.retried_groups += 1
+
+    async def play_group(self, job: GroupJob, params: SamplingParams) -> GroupDone:
+        first: dict[str, Any] = {}
+
+        def call(rep: Replica, attempt: int) -> Any:
+            if rep.first_group is None and rep.groups_done == 0 and "rep" not in first:
+                first.update(rep=rep, latest=self.coordinator.latest_version)
+            return rep.handle.play_group.remote(job, params, attempt)
+
+        done = await self._on_replica(call, f"group {job.group_id}")
+        rep = first.get("rep")
+        if rep is not None and rep.first_group is None and done.version >= 0:
+            rep.first_group = (done.version, first["latest"])
+        return done
+
+    def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
+        return self.runner.specs(tasks, group_size, prefix=prefix, seed=seed)
+
+    def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
+        """Rendered in the driver with its runner's env factory, renderer and parser (no engine needed)."""
+        from relax_agent.rollout.demonstrations import demonstration_fields
+
+        driver = self.runner.driver
+        return demonstration_fields(driver.make_env, driver.renderer, driver.parser, tasks, seed)
+
+    async def run(self, specs: Sequence[Any], params: SamplingParams,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Play ``specs`` spread over the replicas, one group per call; results in spec order."""
+        groups: dict[str, list[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault(spec.group_id, []).append(i)
+        out: list[Trajectory | None] = [None] * len(specs)
+
+        async def one(indices: list[int]) -> None:
+            chunk = [specs[i] for i in indices]
+            trajs = await self._on_replica(lambda rep, _: rep.handle.run.remote(chunk, params), "evaluation")
+            for i, traj in zip(indices, trajs):
+                out[i] = traj
+                if on_done is not None:
+                    on_done(traj)
+
+        await asyncio.gather(*(one(idx) for idx in groups.values()))
+        return [t for t in out if t is not None]
+
+    def metrics(self) -> dict[str, float]:
+        """Per-role runtime metrics (replicas, restarts, in flight, heartbeat ages, queue depth)."""
+        return self.supervisor.metrics() if self.supervisor is not None else {}
+
+    def close(self) -> None:
+        """Nothing here: the supervisor stops the replicas (a closer of the runtime)."""
+
+
+def _as_future(ref: Any) -> asyncio.Future:
+    """An asyncio future of an ObjectRef, on the running loop."""
+    return asyncio.wrap_future(ref.future())

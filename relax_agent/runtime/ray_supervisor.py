@@ -1,0 +1,401 @@
+"""The one supervisor of a Ray run: starts, health-checks, replaces and scales rollout replicas, and
+decides (and counts) trainer restarts. Plus the controller's HTTP control endpoint.
+
+Restart policy per role:
+
+=================  ==========================================  ============================================
+role               failure (how it is detected)                what happens
+=================  ==========================================  ============================================
+rollout replica    dies (a call raises ``RayActorError``);     killed, replaced in its slot (a new actor
+                   hangs (no heartbeat for                     that loads the engine and pulls the latest
+                   ``runtime.heartbeat_timeout_s``, or one     weights before it serves); its groups in
+                   group past ``runtime.request_timeout_s``);  flight are played again on another replica
+                   fails to start                              (same ids and seeds; the bus stores a group
+                                                               once); unlimited, but 3 failed starts in a
+                                                               row with no replica ready end the run
+trainer            its actor dies (a call raises               restarted from the last checkpoint, the
+                   ``RayActorError``)                          updates since replayed from the trainer
+                                                               service's redo log, the weights published
+                                                               again, the failed call retried; at most
+                                                               ``runtime.max_trainer_restarts`` times
+reward replica     dies or hangs (Ray Serve's health check)    Serve replaces it; the reward client retries
+                                                               the items (``RetryPolicy``), which stay
+                                                               ``status: error`` (masked, never 0) only if
+                                                               every retry fails
+data bus, weight   their actor dies                            not restarted: the run fails (they hold the
+coordinator                                                    run's state; resume from the checkpoint)
+=================  ==========================================  ============================================
+
+The supervisor is a daemon thread of the driver. Ray itself restarts nothing (every actor has
+``max_restarts=0``), so there is exactly one supervisor per role: this one for rollout and trainer,
+Serve's for reward replicas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from relax_agent.errors import ConfigError, DataError, EngineError
+from relax_agent.runtime.base import PARTITION
+from relax_agent.runtime.ray_rollout import (
+    DRAINING,
+    FAILED,
+    READY,
+    REMOVED,
+    STARTING,
+    Replica,
+    ReplicaPool,
+    RolloutReplica,
+)
+
+log = logging.getLogger("relax_agent.runtime")
+
+REPLICAS = "runtime/rollout_replicas"
+TARGET = "runtime/rollout_target"
+ROLLOUT_RESTARTS = "runtime/rollout_restarts"
+IN_FLIGHT = "runtime/rollout_in_flight"
+ROLLOUT_HEARTBEAT_AGE = "runtime/rollout_heartbeat_age_s"
+"""Oldest heartbeat among ready replicas, seconds."""
+TRAINER_RESTARTS = "runtime/trainer_restarts"
+TRAINER_HEARTBEAT_AGE = "runtime/trainer_heartbeat_age_s"
+QUEUE_ROWS = "runtime/queue_rows"
+"""Rows on the data bus's rollout partition (queue depth)."""
+
+_MAX_FAILED_STARTS = 3
+RUNTIME_FILE = "runtime.json"
+"""In ``run.output_dir``: the control endpoint's URL and bearer token (mode 0600), while the run lives."""
+
+
+class Supervisor:
+    """Keeps ``target`` rollout replicas ready (see the module docstring for the policy).
+
+    Args:
+        cfg: the run config (``runtime`` section).
+        pool: the replicas, shared with the rollout service.
+        bus, coordinator, health: handed to each replica (the coordinator is an
+            :class:`~relax_agent.runtime.ray_weights.ActorCoordinator`).
+        prefix: actor names start with it; namespace: the Ray namespace of every actor.
+    """
+
+    def __init__(self, cfg: Any, pool: ReplicaPool, bus: Any, coordinator: Any, health: Any, prefix: str,
+                 namespace: str) -> None:
+        self.cfg, self.pool, self.bus, self.coordinator, self.health = cfg, pool, bus, coordinator, health
+        self.prefix, self.namespace = prefix, namespace
+        self.rt = cfg.runtime
+        self.target = self.rt.rollout_replicas
+        self.restarts = {"rollout": 0, "trainer": 0}
+        self.trainer_name = f"{prefix}.trainer"
+        self._generation = itertools.count()
+        self._failed_starts = 0
+        self._table: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cls = ray.remote(RolloutReplica)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the initial replicas and the supervision thread."""
+        for _ in range(self.target):
+            self._start_replica()
+        self._thread = threading.Thread(target=self._run, name="relax-supervisor", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, count: int, timeout_s: float) -> None:
+        """Block until ``count`` replicas are ready.
+
+        Raises:
+            EngineError: not within ``timeout_s`` (or replicas cannot start); names the last failure.
+        """
+        deadline = time.monotonic() + timeout_s
+        while len(self.pool.in_state(READY)) < count:
+            if self.pool.fatal is not None:
+                raise self.pool.fatal
+            if time.monotonic() > deadline:
+                raise EngineError(f"{len(self.pool.in_state(READY))} of {count} rollout replicas ready after "
+                                  f"{timeout_s:g} s (runtime.replica_start_timeout_s); last failure: "
+                                  f"{self._last_failure()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stop supervising and remove every replica (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        for rep in self.pool.in_state(STARTING, READY, DRAINING, FAILED):
+            self._kill(rep, graceful=rep.state in (READY, DRAINING))
+            rep.state = REMOVED
+
+    def scale(self, replicas: int) -> dict[str, Any]:
+        """Set the number of rollout replicas; the supervisor starts or drains them. Returns :meth:`status`.
+
+        Raises:
+            ConfigError: ``replicas`` is not an int >= 1.
+        """
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"scale --rollout {replicas!r}: expected an integer >= 1 (rollout replicas)")
+        with self.pool.lock:
+            self.target = replicas
+        log.info("runtime: rollout replicas -> %d", replicas)
+        return self.status()
+
+    # -- trainer ----------------------------------------------------------------------------------
+    def allow_trainer_restart(self, reason: str) -> bool:
+        """Count a trainer failure; True while restarts stay within ``runtime.max_trainer_restarts``."""
+        with self.pool.lock:
+            self.restarts["trainer"] += 1
+            self.pool.events.append((time.time(), "trainer_failed", self.trainer_name, reason))
+            return self.restarts["trainer"] <= self.rt.max_trainer_restarts
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        interval = min(1.0, self.rt.heartbeat_interval_s)
+        while not self._stop.wait(interval):
+            try:
+                self.tick()
+            except Exception:  # one bad tick (e.g. a slow health actor) must not end supervision
+                log.exception("runtime supervisor: tick failed")
+
+    def tick(self) -> None:
+        """One round: readiness, heartbeats, drains, replacements, the replica target."""
+        try:
+            self._table = ray.get(self.health.table.remote(), timeout=10.0)
+        except ray.exceptions.GetTimeoutError:
+            pass  # keep the last table: ages then only grow
+        now = time.monotonic()
+        for rep in self.pool.in_state(STARTING):
+            self._check_start(rep, now)
+        for rep in self.pool.in_state(READY, DRAINING):
+            age = self.heartbeat_age(rep, now)
+            if age > self.rt.heartbeat_timeout_s:
+                self.pool.fail(rep, f"no heartbeat for {age:.1f} s (runtime.heartbeat_timeout_s="
+                                    f"{self.rt.heartbeat_timeout_s:g})")
+        for rep in self.pool.in_state(DRAINING):
+            if rep.in_flight == 0 or now - (rep.drain_since or now) > self.rt.drain_timeout_s:
+                self._kill(rep, graceful=rep.in_flight == 0)
+                rep.state = REMOVED
+                self.pool.log("removed", rep, "drained" if rep.in_flight == 0 else "drain timeout: groups handed back")
+        for rep in self.pool.in_state(FAILED):
+            self._kill(rep, graceful=False)
+            rep.state = REMOVED
+            with self.pool.lock:
+                self.restarts["rollout"] += 1
+            log.warning("runtime: replica %s failed (%s); replacing it", rep.name, rep.reason)
+        if self._failed_starts >= _MAX_FAILED_STARTS and not self.pool.in_state(READY):
+            self.pool.fatal = EngineError(f"{self._failed_starts} rollout replicas in a row failed to start: "
+                                          f"{self._last_failure()}")
+            return
+        self._reconcile(now)
+
+    def _check_start(self, rep: Replica, now: float) -> None:
+        done, _ = ray.wait([rep.ready_ref], timeout=0)
+        if not done:
+            if now - rep.started_at > self.rt.replica_start_timeout_s:
+                self._failed_starts += 1
+                self.pool.fail(rep, f"not ready within runtime.replica_start_timeout_s="
+                                    f"{self.rt.replica_start_timeout_s:g}")
+            return
+        try:
+            info = ray.get(rep.ready_ref)
+        except Exception as exc:  # the replica's start raised (bad model path, weights that do not fit...)
+            self._failed_starts += 1
+            self.pool.fail(rep, f"start failed: {type(exc).__name__}: {exc}")
+            return
+        with self.pool.lock:
+            rep.pid, rep.node_id, rep.subscriber = info["pid"], info["node_id"], info["subscriber"]
+            rep.ready_at = now
+            if rep.state == STARTING:
+                rep.state = READY
+        self._failed_starts = 0
+        self.pool.log("ready", rep, f"pid {rep.pid}, policy version {info['policy_version']}")
+
+    def _reconcile(self, now: float) -> None:
+        with self.pool.lock:
+            live = self.pool.live()
+            missing = self.target - len(live)
+            if missing > 0:
+                for _ in range(missing):
+                    self._start_replica()
+                return
+            # too many: stop those not serving yet first, then drain the ready ones in the highest slots
+            for rep in sorted(live, key=lambda r: (r.state == READY, -r.slot))[:-missing]:
+                if rep.state == STARTING:
+                    rep.state = FAILED  # not serving yet: stop it at once (not a restart)
+                    rep.reason = "scaled in before it was ready"
+                    self._kill(rep, graceful=False)
+                    rep.state = REMOVED
+                    self.pool.log("removed", rep, rep.reason)
+                else:
+                    rep.state, rep.drain_since = DRAINING, now
+                    self.pool.log("draining", rep, f"{rep.in_flight} groups in flight")
+
+    def _start_replica(self) -> Replica:
+        with self.pool.lock:
+            used = {r.slot for r in self.pool.in_state(STARTING, READY, DRAINING)}
+            slot = next(i for i in itertools.count() if i not in used)
+            name = f"{self.prefix}.rollout-{slot}.{next(self._generation)}"
+            handle = self._cls.options(name=name, namespace=self.namespace, num_cpus=self.rt.rollout_num_cpus,
+                                       max_restarts=0, max_concurrency=1000).remote(
+                self.cfg, name, self.bus, self.coordinator, self.health)
+            rep = Replica(slot, name, handle, time.monotonic(), handle.start.remote())
+            self.pool.replicas.append(rep)
+        self.pool.log("started", rep)
+        return rep
+
+    def _kill(self, rep: Replica, graceful: bool) -> None:
+        """Stop ``rep``: ``stop()`` first when graceful, then ``ray.kill``; a process on this node that
+        does not exit (stopped, hung) is SIGKILLed; its weight subscription and heartbeats are dropped."""
+        if graceful:
+            try:
+                ray.get(rep.handle.stop.remote(), timeout=10.0)
+            except Exception:  # dead or hung: ray.kill below
+                pass
+        try:
+            ray.kill(rep.handle, no_restart=True)
+        except Exception:
+            pass
+        if rep.pid is not None and rep.node_id == self._node_id:
+            _kill_ray_worker(rep.pid)
+        if rep.subscriber is not None:
+            try:
+                self.coordinator.unregister_subscriber(rep.subscriber)
+            except Exception:
+                log.warning("runtime: could not unregister the weight subscriber of %s", rep.name)
+        self.health.forget.remote(rep.name)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def heartbeat_age(self, rep: Replica, now: float | None = None) -> float:
+        """Seconds since ``rep`` last beat (since it became ready if it never did)."""
+        now = time.monotonic() if now is None else now
+        beat = self._table.get(rep.name)
+        if beat is not None:
+            return beat[0]
+        return now - (rep.ready_at or rep.started_at)
+
+    def _last_failure(self) -> str:
+        failed = [e for e in self.pool.events if e[1] == "failed"]
+        return failed[-1][3] if failed else "none"
+
+    def metrics(self) -> dict[str, float]:
+        """Per-role gauges for the step's metrics row (console, JSONL, TensorBoard)."""
+        ready = self.pool.in_state(READY)
+        out = {REPLICAS: float(len(ready)), TARGET: float(self.target),
+               ROLLOUT_RESTARTS: float(self.restarts["rollout"]), TRAINER_RESTARTS: float(self.restarts["trainer"]),
+               IN_FLIGHT: float(sum(r.in_flight for r in self.pool.in_state(READY, DRAINING))),
+               ROLLOUT_HEARTBEAT_AGE: max((self.heartbeat_age(r) for r in ready), default=0.0)}
+        trainer = self._table.get(self.trainer_name)
+        if trainer is not None:
+            out[TRAINER_HEARTBEAT_AGE] = trainer[0]
+        try:
+            out[QUEUE_ROWS] = float(self.bus.stats(PARTITION)["rows"])
+        except DataError:  # the partition does not exist yet
+            pass
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """The control endpoint's view: target, replicas, restarts, recent events."""
+        with self.pool.lock:
+            reps = [{"name": r.name, "slot": r.slot, "state": r.state, "in_flight": r.in_flight,
+                     "groups_done": r.groups_done, "pid": r.pid,
+                     "heartbeat_age_s": round(self.heartbeat_age(r), 3) if r.state in (READY, DRAINING) else None,
+                     "policy_version": self._table.get(r.name, (0, {}))[1].get("policy_version")}
+                    for r in self.pool.replicas if r.state != REMOVED]
+            events = [{"time": t, "event": e, "replica": n, "detail": d} for t, e, n, d in self.pool.events[-20:]]
+            return {"target": self.target, "replicas": reps, "restarts": dict(self.restarts), "events": events}
+
+
+def _kill_ray_worker(pid: int) -> None:
+    """SIGKILL ``pid`` if it still is a Ray worker process (never another process that reused the pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::"):
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):
+        pass
+
+
+class ControlServer:
+    """The controller's HTTP control endpoint (127.0.0.1 by default; bearer token).
+
+    Endpoints::
+
+        GET  /status                       -> Supervisor.status()
+        POST /scale   {"rollout": N}       -> Supervisor.scale(N) (422 naming the value when invalid)
+
+    Its URL and token are written to ``run_dir/runtime.json`` (mode 0600) for ``relax-agent scale``.
+    """
+
+    def __init__(self, supervisor: Supervisor, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.token = secrets.token_urlsafe(24)
+        self.path = Path(run_dir) / RUNTIME_FILE
+        self._server = ThreadingHTTPServer((host, port), _handler(supervisor, self.token))
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="relax-control", daemon=True)
+        self._thread.start()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": self.url, "token": self.token, "pid": os.getpid()}, f)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _handler(supervisor: Supervisor, token: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # quiet
+            pass
+
+        def _send(self, code: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            given = self.headers.get("Authorization", "")
+            if secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return True
+            self._send(401, {"detail": "missing or wrong bearer token (see run.output_dir/runtime.json)"})
+            return False
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != "/status":
+                return self._send(404, {"detail": f"unknown path {self.path}; expected /status or /scale"})
+            self._send(200, supervisor.status())
+
+        def do_POST(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != "/scale":
+                return self._send(404, {"detail": f"unknown path {self.path}; expected /status or /scale"})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0") or 0)) or b"{}")
+                self._send(200, supervisor.scale(body.get("rollout") if isinstance(body, dict) else None))
+            except (ConfigError, ValueError) as exc:
+                self._send(422, {"detail": str(exc)})
+
+    return Handler
