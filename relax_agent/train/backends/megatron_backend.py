@@ -214,6 +214,18 @@ class MegatronTrainer:
         self.step = int(metrics["train/step"])
         return metrics
 
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """One supervised warm-up update on every rank (see ``TorchTrainer.sft_step``); rank 0's metrics.
+
+        Raises:
+            DataError: the batch has no loss tokens.
+        """
+        return self._call("sft_step", (batch.to("cpu"), lr))[0]
+
+    def end_sft(self) -> None:
+        """Drop the warm-up optimizer on every rank."""
+        self._call("end_sft")
+
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The full policy in Hugging Face names (gathered from every rank's shards; a copy)."""
         return self._call("policy_state_dict")[0]

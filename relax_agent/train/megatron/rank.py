@@ -202,18 +202,23 @@ class RankTrainer(TorchTrainer):
             dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
             _unflatten_into(flat, grads)
 
-    def _clip_and_step(self) -> float:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-            self._agree_on_overflow()
+    def _clip_global(self) -> float:
+        """Clip every shard by the global gradient norm (``grad_clip``); returns that norm."""
         grad_norm = self._global_grad_norm()
-        stepped = math.isfinite(grad_norm)
-        if stepped:
-            coef = min(1.0, self.cfg.grad_clip / (grad_norm + 1e-6))
+        if math.isfinite(grad_norm):
+            coef = min(1.0, self.cfg.grad_clip / (grad_norm + 1e-6))  # clip_grad_norm_'s rule
             if coef < 1.0:
                 for p in self.params:
                     if p.grad is not None:
                         p.grad.mul_(coef)
+        return grad_norm
+
+    def _clip_and_step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+            self._agree_on_overflow()
+        grad_norm = self._clip_global()
+        stepped = math.isfinite(grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -223,6 +228,37 @@ class RankTrainer(TorchTrainer):
             self.scheduler.step()
             self.step += 1
         return grad_norm
+
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """:meth:`TorchTrainer.sft_step` on the shards: mean NLL of the ``loss_mask`` tokens, its own
+        AdamW, gradients summed where partial and clipped by the global norm."""
+        from relax_agent.errors import DataError
+        from relax_agent.train.backends.torch_backend import token_logprobs
+
+        n_tokens = batch.num_policy_tokens
+        if n_tokens == 0:
+            raise DataError("the SFT batch has no loss tokens (loss_mask is all 0)")
+        if getattr(self, "_sft_optimizer", None) is None:
+            self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, betas=self.cfg.betas,
+                                                    weight_decay=self.cfg.weight_decay)
+        for group in self._sft_optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self._sft_optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in batch.split(self.cfg.micro_batch_size):
+            micro = micro.to(self.device)
+            with self._autocast():
+                logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0)
+            nll = -(logp * micro.loss_mask).sum() / n_tokens
+            nll.backward()
+            total += float(nll.detach())
+        self._sum_partial_grads()
+        grad_norm = self._clip_global()
+        if math.isfinite(grad_norm):
+            self._sft_optimizer.step()
+        self._sft_optimizer.zero_grad(set_to_none=True)
+        return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/tokens": float(n_tokens)}
 
     def _global_grad_norm(self) -> float:
         """L2 norm of the whole model's gradient, every shard counted once (all ranks agree)."""
@@ -296,7 +332,7 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
-_COMMANDS = {"train_step", "policy_state_dict", "state_dict", "load_state_dict", "save_model", "logits", "gradients"}
+_COMMANDS = {"train_step", "sft_step", "end_sft", "policy_state_dict", "state_dict", "load_state_dict", "save_model", "logits", "gradients"}
 
 
 def _send(conn: Any, obj: Any) -> None:
