@@ -129,8 +129,14 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         on_load(model_cfg.path)
     engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train)
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
-    runner = RolloutRunner(make_env_factory(cfg), engine, renderer, build_parser(cfg.rollout.tool_parser),
-                           rollout_limits(cfg), reward=reward, env_id=cfg.env.id)
+    parser = build_parser(cfg.rollout.tool_parser)
+    driver = None
+    if cfg.rollout.driver == "agent":
+        from relax_agent.rollout.agent_driver import AgentDriver
+
+        driver = AgentDriver(make_env_factory(cfg), engine, renderer, parser, cfg.rollout.agent)
+    runner = RolloutRunner(make_env_factory(cfg), engine, renderer, parser, rollout_limits(cfg), reward=reward,
+                           env_id=cfg.env.id, driver=driver)
     return Roles(cfg, device, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks, owns_ray)
 
 

@@ -1,0 +1,234 @@
+"""The agent-driven rollout driver (``rollout.driver: agent``): your agent program plays the episode.
+
+For each episode :class:`AgentDriver` builds the env and resets it to the task (its opening
+messages and tool schemas), then starts ``rollout.agent.command`` as its own process group
+with, in its environment:
+
+- ``OPENAI_BASE_URL``: the rollout's OpenAI-compatible endpoint on 127.0.0.1
+  (:mod:`relax_agent.rollout.proxy.server`), ``OPENAI_API_KEY``: a key valid for this episode only;
+- ``RELAX_TASK_FILE``: a JSON file ``{"id", "sample_id", "messages", "tools", "metadata"}``
+  (``metadata`` is the task dict);
+- ``RELAX_OUTPUT_FILE``: where the agent may write JSON ``{"reward": float, "answer": str,
+  "metrics": {name: number}}`` (all optional, unless ``rollout.agent.reward: agent`` needs ``reward``).
+
+Every request of the agent is answered by the policy and recorded token-in/token-out by the
+episode's :class:`~relax_agent.rollout.proxy.session.AgentSession`. When the agent exits, the
+episode's trajectory is the *primary* segment (the conversation its last request continued);
+other segments (history rewrites, ``n > 1`` siblings) are counted in the ``agent/*`` metrics
+and returned by :meth:`AgentDriver.play_segments`.
+
+Reward (``rollout.agent.reward``): "env" steps the env once with the agent's final answer (the
+last assistant message of the primary segment, or ``answer`` from the output file when given);
+"agent" takes the output file's ``reward``. A configured reward service re-scores afterwards, as
+for env-driven runs (the runner does that).
+
+Faults are records, never exceptions: a non-zero exit (cause names the code and the end of the
+agent's stderr), no request at all, a missing or bad output file, an env failure. Past
+``rollout.agent.timeout_s`` (or the episode's ``episode_timeout_s``) the process group gets
+SIGTERM, then SIGKILL after ``kill_grace_s``, and every generation still running for the session
+is aborted in the engine before :meth:`AgentDriver.play` returns (a timeout record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import secrets
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from relax_agent.envs.tool_env import call_in_thread
+from relax_agent.errors import EnvError
+from relax_agent.records import StopReason, Trajectory
+from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
+from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
+from relax_agent.rollout.env_driver import _check_reset, _check_step, _close, _EnvCalls, _numeric, _step_cause
+from relax_agent.rollout.parsers import ToolCallParser
+from relax_agent.rollout.proxy.server import EndpointServer
+from relax_agent.rollout.proxy.session import AgentSession
+from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
+
+_STDERR_TAIL = 1500
+"""Characters of the agent's stderr kept in a failed record's cause."""
+
+
+class AgentDriver:
+    """Plays each episode by running the user's agent against the policy's endpoint (a :class:`RolloutDriver`).
+
+    Args:
+        make_env: builds a fresh env per episode (for the task's opening messages and tools, and
+            for scoring with ``reward="env"``).
+        engine / renderer / parser: the policy, its chat template, its tool-call parser.
+        cfg: the ``rollout.agent`` section (:class:`~relax_agent.config.AgentConfig`).
+
+    The endpoint starts on the first episode and stops at :meth:`close`.
+    """
+
+    def __init__(self, make_env: Callable[[], Any], engine: InferenceEngine, renderer: ChatRenderer,
+                 parser: ToolCallParser, cfg: Any) -> None:
+        self.make_env = make_env
+        self.engine = engine
+        self.renderer = renderer
+        self.parser = parser
+        self.cfg = cfg
+        self.server = EndpointServer(cfg.port, cfg.model_name)
+
+    def close(self) -> None:
+        """Stop the endpoint (aborting what still runs). Idempotent."""
+        self.server.close()
+
+    async def play(self, spec: EpisodeSpec, params: SamplingParams) -> Trajectory:
+        """Play ``spec`` with the agent; its primary trajectory (see the module doc)."""
+        return (await self.play_segments(spec, params))[0]
+
+    async def play_segments(self, spec: EpisodeSpec, params: SamplingParams) -> list[Trajectory]:
+        """Play ``spec`` with the agent; every segment of the episode as a trajectory, the primary
+        first (a failed episode: one failed record)."""
+        deadline = Deadline(min(spec.episode_timeout_s, self.cfg.timeout_s))
+        try:
+            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, _step_cause(spec))
+        except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
+            return [failed_episode(spec, exc, during="make_env")]
+        try:
+            return await self._play_in(env, spec, params, deadline)
+        finally:
+            await _close(env, spec.step_timeout_s)
+
+    async def _play_in(self, env: Any, spec: EpisodeSpec, params: SamplingParams, deadline: Deadline) -> list[Trajectory]:
+        calls = _EnvCalls(env, spec, deadline)
+        try:
+            obs, info = _check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
+        except Exception as exc:
+            return [TrajectoryRecorder(spec).fail_with(exc)]
+        session = AgentSession(spec, f"relax-{secrets.token_urlsafe(24)}", self.engine, self.renderer, self.parser,
+                               params, self.cfg.honor_request_sampling, self.cfg.model_name)
+        self.server.start()
+        self.server.open(session)
+        try:
+            with tempfile.TemporaryDirectory(prefix="relax-agent-") as tmp:
+                output = await self._run_agent(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
+        except Exception as exc:  # a crashed, failed or timed-out agent is a failed record
+            await self.server.end(session)
+            rec = session.primary.rec if session.primary is not None else TrajectoryRecorder(spec)
+            rec.spec = spec
+            return [rec.fail_with(exc)]
+        except BaseException:
+            await self.server.end(session)
+            raise
+        await self.server.end(session)
+        return await self._finish(session, calls, spec, output)
+
+    async def _run_agent(self, tmp: Path, spec: EpisodeSpec, messages: list[dict[str, Any]], tools: list[Any],
+                         session: AgentSession, deadline: Deadline) -> dict[str, Any]:
+        """Run the agent to its exit; its output file's JSON ({} when it wrote none).
+
+        Raises:
+            EpisodeTimeout: past the deadline (its process group killed first).
+            EnvError: the agent exited non-zero, or wrote an output file that is not a JSON object.
+        """
+        task_file, out_file, log = tmp / "task.json", tmp / "output.json", tmp / "stderr.log"
+        task_file.write_text(json.dumps({"id": spec.task_id, "sample_id": spec.sample_id, "messages": messages,
+                                         "tools": tools, "metadata": spec.task}, default=str))
+        env = {**os.environ, **self.cfg.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key,
+               "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
+        argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
+        with log.open("wb") as err:
+            try:
+                proc = await asyncio.create_subprocess_exec(*argv, cwd=self.cfg.cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                            stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                                                            start_new_session=True)
+            except OSError as exc:
+                raise EnvError(f"rollout.agent.command {argv!r} could not start: {exc}") from exc
+            try:
+                code = await asyncio.wait_for(proc.wait(), max(deadline.remaining_s, 0.0))
+            except asyncio.TimeoutError:
+                await self._stop(proc)
+                limit = ("rollout.agent.timeout_s" if self.cfg.timeout_s <= spec.episode_timeout_s
+                         else "rollout.episode_timeout_s")
+                raise EpisodeTimeout(f"agent exceeded {limit}={deadline.timeout_s}; its process group was killed and "
+                                     "its running generations aborted") from None
+            finally:
+                if proc.returncode is None:  # cancelled: never leave the agent running
+                    await self._stop(proc)
+                _kill_group(proc.pid, signal.SIGKILL)  # processes the agent left behind
+        if code != 0:
+            tail = log.read_text(errors="replace")[-_STDERR_TAIL:].strip()
+            raise EnvError(f"agent exited with code {code}" + (f"; its stderr ends: {tail}" if tail else ""))
+        if not out_file.exists():
+            return {}
+        try:
+            output = json.loads(out_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EnvError(f"the agent's RELAX_OUTPUT_FILE is not valid JSON: {exc}") from exc
+        if not isinstance(output, dict):
+            raise EnvError(f"the agent's RELAX_OUTPUT_FILE must hold a JSON object, got {type(output).__name__}")
+        return output
+
+    async def _stop(self, proc: asyncio.subprocess.Process) -> None:
+        """SIGTERM the agent's process group, SIGKILL it after ``kill_grace_s``, reap the agent."""
+        _kill_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.cfg.kill_grace_s)
+        except asyncio.TimeoutError:
+            pass
+        _kill_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+    async def _finish(self, session: AgentSession, calls: _EnvCalls, spec: EpisodeSpec,
+                      output: dict[str, Any]) -> list[Trajectory]:
+        recs = session.recorders()
+        if not recs:
+            return [TrajectoryRecorder(spec).fail_with(EnvError("the agent made no chat completion requests"))]
+        primary = recs[0][1]
+        try:
+            metrics = {**session.metrics(), **_output_metrics(output)}
+            reward, env_metrics = await self._reward(calls, primary, output)
+        except Exception as exc:
+            return [primary.fail_with(exc)]
+        metrics.update(env_metrics)
+        out = []
+        for _, rec in recs:
+            last = rec.turns[-1]
+            stop = StopReason.LENGTH if last.finish_reason == "length" else StopReason.TERMINATED
+            out.append(rec.finish(reward, dict(metrics), stop))
+        return out
+
+    async def _reward(self, calls: _EnvCalls, primary: TrajectoryRecorder,
+                      output: dict[str, Any]) -> tuple[float, dict[str, float]]:
+        if self.cfg.reward == "agent":
+            reward = output.get("reward")
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise EnvError(f"rollout.agent.reward=agent needs a finite number 'reward' in the agent's "
+                               f"RELAX_OUTPUT_FILE, got {reward!r}")
+            return float(reward), {}
+        answer = output.get("answer")
+        if answer is not None:
+            if not isinstance(answer, str):
+                raise EnvError(f"'answer' in the agent's RELAX_OUTPUT_FILE must be a string, got {type(answer).__name__}")
+            action = {"role": "assistant", "content": answer, "tool_calls": []}
+        else:
+            action = next(m for m in reversed(primary.messages) if m.get("role") == "assistant")
+            action = {k: v for k, v in action.items() if k != "parse_errors"}
+        _, reward, _, _, info = _check_step(await calls.step(action))
+        return reward, _numeric(info)
+
+
+def _output_metrics(output: dict[str, Any]) -> dict[str, float]:
+    metrics = output.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise EnvError(f"'metrics' in the agent's RELAX_OUTPUT_FILE must be an object, got {type(metrics).__name__}")
+    return {f"agent/{k}": float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

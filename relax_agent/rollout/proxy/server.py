@@ -1,0 +1,313 @@
+"""The OpenAI-compatible endpoint agents call: FastAPI on 127.0.0.1, in a thread of the rollout service.
+
+Routes: ``POST /v1/chat/completions`` (JSON or, with ``stream: true``, server-sent events as
+tokens are sampled), ``GET /v1/models``. Each episode's agent authenticates with its own key
+(``Authorization: Bearer <key>``), which selects its :class:`~relax_agent.rollout.proxy.session.AgentSession`;
+an unknown or ended key gets 401. Refused requests get the OpenAI error body with ``param``
+naming the field (400).
+
+The server runs uvicorn on its own event loop in a daemon thread, so it outlives any one
+``asyncio.run`` of the control loop; the engine's calls are made from that loop (the HF engine
+delivers to whichever loop awaits it). :meth:`EndpointServer.call` runs a coroutine there.
+
+Streaming: content deltas are sent as the reply's text grows, held back only where the text
+could still turn out to be part of a tool call or a stop string (so the deltas joined equal the
+non-streamed ``content``); tool calls are sent as deltas (id and name, then the arguments) once
+the reply is parsed, then the finish reason, with all log-probs in the choice's last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import socket
+import threading
+import uuid
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from relax_agent.errors import EngineError
+from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
+from relax_agent.rollout.proxy.openai_api import (
+    SSE_DONE, Answer, ChatRequest, RequestError, chunk, final_chunks, now_s, parse_chat_request, sse, usage_chunk,
+)
+from relax_agent.rollout.proxy.session import AgentSession
+
+T = TypeVar("T")
+
+_START_TIMEOUT_S = 30.0
+
+
+class EndpointServer:
+    """Serves the sessions of one rollout driver on ``http://127.0.0.1:{port}/v1``.
+
+    Args:
+        port: TCP port on 127.0.0.1; 0 picks a free one.
+        model_name: the model id ``/v1/models`` lists.
+
+    Attributes:
+        base_url: ``http://127.0.0.1:{port}/v1`` (what agents get as ``OPENAI_BASE_URL``).
+    """
+
+    def __init__(self, port: int = 0, model_name: str = "policy") -> None:
+        self.model_name = model_name
+        self.sessions: dict[str, AgentSession] = {}
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            self._sock.close()
+            from relax_agent.errors import ConfigError
+
+            raise ConfigError(f"rollout.agent.port={port}: cannot listen on 127.0.0.1:{port} ({exc}); "
+                              "choose a free port or 0") from exc
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "EndpointServer":
+        """Start serving (returns once the socket accepts requests). Idempotent."""
+        if self._thread is not None:
+            return self
+        import uvicorn
+
+        config = uvicorn.Config(build_app(self), log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(ready.set)
+            self.loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+
+        self._thread = threading.Thread(target=serve, name="agent-endpoint", daemon=True)
+        self._thread.start()
+        ready.wait(_START_TIMEOUT_S)
+        self.call_sync(_until_started(self._server), _START_TIMEOUT_S)
+        return self
+
+    def close(self) -> None:
+        """End every session (aborting their generations) and stop the server. Idempotent."""
+        if self._thread is None:
+            self._sock.close()
+            return
+        try:
+            self.call_sync(self._close_sessions(), 30.0)
+        except Exception:  # closing must not fail on a session that already broke
+            pass
+        self._server.should_exit = True
+        self._thread.join(30.0)
+        self._thread = None
+        self._sock.close()
+
+    async def _close_sessions(self) -> None:
+        sessions, self.sessions = list(self.sessions.values()), {}
+        await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
+
+    def call_sync(self, coro: Awaitable[T], timeout_s: float) -> T:
+        """Run ``coro`` on the server's loop from another thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def call(self, coro: Awaitable[T]) -> T:
+        """Await ``coro`` run on the server's loop (from any other loop)."""
+        fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return await asyncio.wrap_future(fut)
+
+    # -- sessions -------------------------------------------------------------------------
+    def open(self, session: AgentSession) -> None:
+        """Accept requests with ``session.key`` from now on."""
+        self.sessions[session.key] = session
+
+    async def end(self, session: AgentSession) -> None:
+        """Revoke the session's key and abort its running generations (on the server's loop)."""
+        async def end_here() -> None:
+            self.sessions.pop(session.key, None)
+            await session.aclose()
+
+        await self.call(end_here())
+
+    def session_of(self, authorization: str | None) -> AgentSession:
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        session = self.sessions.get(key)
+        if session is None:
+            raise RequestError("unknown API key: each episode's agent must use the OPENAI_API_KEY it was started "
+                               "with, while its episode runs", status=401, code="invalid_api_key")
+        return session
+
+
+async def _until_started(server: Any) -> None:
+    while not server.started:
+        await asyncio.sleep(0.01)
+
+
+def build_app(endpoint: EndpointServer) -> Any:
+    """The FastAPI app of ``endpoint``."""
+    app = FastAPI(title="relax-agent policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        try:
+            endpoint.session_of(request.headers.get("authorization"))
+        except RequestError as exc:
+            return JSONResponse(exc.body(), exc.status)
+        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "created": 0,
+                                            "owned_by": "relax-agent"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        try:
+            session = endpoint.session_of(request.headers.get("authorization"))
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+            req = parse_chat_request(body)
+            idem = request.headers.get("idempotency-key")
+            body_key = f"idem:{idem}" if idem else hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+            replay = idem is not None or _retry_count(request.headers.get("x-stainless-retry-count")) > 0
+            if req.stream:
+                return StreamingResponse(_start_stream(session, req, body_key, replay), media_type="text/event-stream")
+            answer = await session.submit(req, body_key, replay)
+        except RequestError as exc:
+            return JSONResponse(exc.body(), exc.status)
+        except EngineError as exc:
+            return JSONResponse({"error": {"message": f"the policy engine failed: {exc}", "type": "server_error",
+                                           "param": None, "code": None}}, 500)
+        except asyncio.CancelledError:
+            if session.closed:
+                return JSONResponse({"error": {"message": "the episode ended while this request was answered",
+                                               "type": "server_error", "param": None, "code": None}}, 503)
+            raise
+        return JSONResponse(answer.completion())
+
+    return app
+
+
+def _retry_count(header: str | None) -> int:
+    try:
+        return int(header) if header else 0
+    except ValueError:
+        return 0
+
+
+def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay: bool) -> AsyncIterator[str]:
+    """Submit a streamed request and return its server-sent events. The request is submitted before
+    the response starts, so a refused one still gets a plain 400."""
+    queue: asyncio.Queue = asyncio.Queue()
+    streamers = [ContentStreamer(session.parser, parse=bool(req.tools) and req.tool_choice.mode != "none",
+                                 stops=req.stop) for _ in range(req.n)]
+
+    def on_text(index: int, text: str) -> None:
+        delta = streamers[index].update(text)
+        if delta:
+            queue.put_nowait((index, delta))
+
+    fut = session.submit(req, body_key, replay, on_text)
+    fut.add_done_callback(lambda _: queue.put_nowait(None))
+    return _events(session, req, fut, streamers, queue)
+
+
+async def _events(session: AgentSession, req: ChatRequest, fut: asyncio.Future, streamers: list["ContentStreamer"],
+                  queue: asyncio.Queue) -> AsyncIterator[str]:
+    stream_id, model, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", req.model or session.model_name, now_s()
+    for i in range(req.n):
+        yield chunk(stream_id, model, created, i, {"role": "assistant", "content": ""})
+    while (item := await queue.get()) is not None:
+        index, delta = item
+        yield chunk(stream_id, model, created, index, {"content": delta})
+    if fut.cancelled() or fut.exception() is not None:
+        error = "the episode ended while this request was answered" if fut.cancelled() else str(fut.exception())
+        yield sse({"error": {"message": error, "type": "server_error", "param": None, "code": None}})
+        return
+    answer: Answer = dataclasses.replace(fut.result(), id=stream_id, model=model, created=created)
+    for i, c in enumerate(answer.choices):
+        rest = streamers[i].finish(c.content)
+        if rest:
+            yield chunk(stream_id, model, created, i, {"content": rest})
+        for event in final_chunks(answer, i):
+            yield event
+    if req.include_usage:
+        yield usage_chunk(answer)
+    yield SSE_DONE
+
+
+class ContentStreamer:
+    """Turns a reply's growing text into content deltas whose concatenation is a prefix of the final
+    ``content`` (see the module doc).
+
+    Args:
+        parser: the tool-call parser (decides which text may open a call).
+        parse: the reply is parsed for tool calls (tools given, ``tool_choice`` not "none").
+        stops: stop strings (content ends before the first).
+    """
+
+    def __init__(self, parser: ToolCallParser, parse: bool, stops: tuple[str, ...] = ()) -> None:
+        self.parse = parse
+        self.stops = tuple(stops)
+        self.openers = _openers(parser) if parse else ()
+        self.strict_json = parse and isinstance(parser, JsonParser) and parser.strict
+        self.sent = ""
+
+    def safe(self, text: str) -> str:
+        """The part of ``text`` that will start the final content whatever is sampled next."""
+        for s in self.stops:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        text = text[:len(text) - _partial_suffix(text, self.stops + self.openers)]
+        if self.parse:
+            if self.strict_json and (not text.strip() or text.lstrip()[0] in "{["):
+                return ""
+            found = [text.find(o) for o in self.openers if o in text]
+            if found:
+                text = text[:min(found)]
+            text = text.strip()
+        return text.rstrip("\ufffd")
+
+    def update(self, text: str) -> str:
+        """The new delta for the reply's text so far ("" when nothing new is safe to send)."""
+        safe = self.safe(text)
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self, content: str | None) -> str:
+        """The rest of the final ``content`` after what was sent."""
+        content = content or ""
+        assert content.startswith(self.sent), "streamed content is not a prefix of the final content"
+        rest, self.sent = content[len(self.sent):], content
+        return rest
+
+
+def _openers(parser: ToolCallParser) -> tuple[str, ...]:
+    if isinstance(parser, HermesParser):
+        return (HermesParser.OPEN,)
+    if isinstance(parser, FencedJsonParser):
+        return ("```",)
+    if isinstance(parser, JsonParser):
+        return ("{", "[")
+    return ("",)  # unknown format: any text may be a call, so content is sent once parsed
+
+
+def _partial_suffix(text: str, guards: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of one of ``guards``."""
+    best = 0
+    for g in guards:
+        for k in range(min(len(g) - 1, len(text)), best, -1):
+            if text.endswith(g[:k]):
+                best = k
+                break
+    return best

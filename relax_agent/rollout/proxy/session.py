@@ -1,0 +1,529 @@
+"""One agent episode seen from the endpoint: exact token-in/token-out across the agent's requests.
+
+A session keeps every conversation it has produced as a *segment*: the token ids (prompt
+rendered once, sampled turns exactly as the engine returned them, template deltas of the
+messages the agent added) and, beside them, the messages those tokens stand for (normalised:
+role, text, tool-call names and arguments). A request whose messages extend a segment's
+messages (the agent sent the history back, plus new tool results or user turns) reuses that
+segment's ids and tokenizes only the new messages, as the chat template's delta after the last
+assistant turn. A request that extends no segment (the agent edited or summarised history, or
+started a sub-conversation) is rendered afresh and starts a new segment, a *branch*; choices
+``1..n-1`` of an ``n > 1`` request are *siblings* of the segment choice 0 went to (same prefix,
+one turn each). Nothing of a past assistant turn is ever re-tokenized.
+
+Retries: a request whose ``x-stainless-retry-count`` header is above 0 (the OpenAI SDK's retry)
+or whose ``Idempotency-Key`` was seen, with a body identical to an earlier one, gets the
+recorded answer (waiting for it if it is still being sampled) instead of a new sample.
+
+``tool_choice``: "required" and a named function are enforced by a forced opening of the
+parser's call format (``<tool_call>\\n{"name": "`` for hermes, plus the name for a named
+function) appended to the prompt as context tokens (loss mask 0) before sampling; "none"
+returns the text as content, never parsed. ``parallel_tool_calls: false`` stops the reply at the
+first closing ``</tool_call>`` (hermes parsers). Stop strings end the reply at their first
+occurrence (the engine's row is aborted as soon as one is sampled when it streams tokens); the
+recorded turn ends with the token that completed the stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from relax_agent.records import Trajectory
+from relax_agent.rollout.chat import ChatRenderer, text_of
+from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
+from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
+from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, now_s
+from relax_agent.rollout.recorder import TrajectoryRecorder
+
+OnText = Callable[[int, str], None]
+"""Streaming listener: (choice index, the reply's text so far, forced opening included)."""
+
+
+@dataclass
+class SessionStats:
+    """Counters of one session (they become the episode's ``agent/*`` metrics).
+
+    Attributes:
+        requests: chat completions answered (replays included).
+        replayed: retried requests answered from the record.
+        branches: segments started by a request that extended no earlier segment (the first excluded).
+        siblings: segments made by choices ``1..n-1`` of ``n > 1`` requests.
+        tool_parse_failures: replies whose tool-call text did not parse (returned as plain content).
+        aborted: generations cancelled when the session closed.
+    """
+
+    requests: int = 0
+    replayed: int = 0
+    branches: int = 0
+    siblings: int = 0
+    tool_parse_failures: int = 0
+    aborted: int = 0
+
+
+@dataclass
+class Segment:
+    """One token-in/token-out conversation of a session.
+
+    Attributes:
+        rec: its tokens, turns and messages.
+        convo: [m] normalised messages the tokens stand for (requests' messages and replies).
+        tools_key: the tools it was rendered with (canonical JSON).
+        closed: its last turn ends with the template's closing token (else a delta starts with it).
+        kind: "first", "branch" or "sibling".
+        version: bumped on every extension (concurrent requests that extended an older state fork).
+        marks: :meth:`state` after each of its turns (a request may continue from any of them).
+    """
+
+    rec: TrajectoryRecorder
+    convo: list[str]
+    tools_key: str
+    closed: bool = True
+    kind: str = "first"
+    version: int = 0
+    marks: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+    def state(self) -> tuple[int, int, int, bool]:
+        """(tokens, convo messages, recorded messages, closed) now: where a fork can cut it back to."""
+        return len(self.rec.token_ids), len(self.convo), len(self.rec.messages), self.closed
+
+    def fork(self, state: tuple[int, int, int, bool], kind: str) -> "Segment":
+        """A copy cut back to an earlier :meth:`state`."""
+        num_tokens, num_convo, num_messages, closed = state
+        rec = TrajectoryRecorder(self.rec.spec)
+        rec.token_ids = self.rec.token_ids[:num_tokens]
+        rec.loss_mask = self.rec.loss_mask[:num_tokens]
+        rec.logprobs = self.rec.logprobs[:num_tokens]
+        rec.turns = [t for t in self.rec.turns if t.start < num_tokens]
+        rec.messages = self.rec.messages[:num_messages]
+        marks = [m for m in self.marks if m[0] <= num_tokens]
+        return Segment(rec, self.convo[:num_convo], self.tools_key, closed, kind, marks=marks)
+
+
+def normalise(message: dict[str, Any]) -> str:
+    """What must agree for a sent message to match a recorded one: role, text, tool calls
+    (name and decoded arguments), canonical JSON."""
+    out: dict[str, Any] = {"role": message["role"], "content": text_of(message.get("content"))}
+    if message["role"] == "assistant":
+        out["tool_calls"] = [[c["function"]["name"], _decoded(c["function"].get("arguments"))]
+                             for c in message.get("tool_calls") or ()]
+    return json.dumps(out, sort_keys=True, ensure_ascii=False)
+
+
+def _decoded(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _tools_key(tools: Sequence[dict[str, Any]]) -> str:
+    return json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
+
+
+def streams_tokens(engine: InferenceEngine) -> bool:
+    """True when ``engine.generate`` takes ``on_token`` (the HF engine): tokens stream as sampled."""
+    try:
+        return "on_token" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a request's reply goes: the segment it extends (None: a fresh render) and the tokens."""
+
+    base: Segment | None
+    base_version: int
+    base_state: tuple[int, int, int, bool]
+    prompt_ids: tuple[int, ...]
+    context_ids: tuple[int, ...]
+    """Tokens to append before sampling: the new messages' delta, or the whole rendered prompt."""
+    new_messages: tuple[dict[str, Any], ...]
+    rendered: tuple[dict[str, Any], ...]
+    convo: tuple[str, ...]
+    tools_key: str
+
+
+@dataclass
+class _Sampled:
+    gen: Generation
+    text: str
+
+
+@dataclass
+class AgentSession:
+    """The endpoint's state for one episode.
+
+    Args:
+        spec: the episode (ids and ``max_total_tokens``; ``seed`` seeds requests without one).
+        key: the episode's API key.
+        engine / renderer / parser: the policy, its chat template, its tool-call parser.
+        params: the run's sampling parameters (temperature, top_p, max_new_tokens, stop ids).
+        honor_request_sampling: requests may set their own temperature / top_p.
+        model_name: the model id answers carry.
+    """
+
+    spec: EpisodeSpec
+    key: str
+    engine: InferenceEngine
+    renderer: ChatRenderer
+    parser: ToolCallParser
+    params: SamplingParams
+    honor_request_sampling: bool = False
+    model_name: str = "policy"
+    stats: SessionStats = field(default_factory=SessionStats)
+    segments: list[Segment] = field(default_factory=list)
+    primary: Segment | None = None
+    """The segment choice 0 of the last answered request went to (the episode's trajectory)."""
+    closed: bool = False
+    _answers: dict[str, asyncio.Future] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _started: int = 0
+    _calls: int = 0
+
+    def __post_init__(self) -> None:
+        self._streams = streams_tokens(self.engine)
+        tok = self.renderer.tokenizer
+        eos = tok.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        self._close_ids = frozenset(self.renderer.end_of_turn_ids[:1]) | frozenset(eos_ids)
+        self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None) -> asyncio.Future:
+        """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`.
+
+        Args:
+            body_key: hash of the request body (retries are recognised by it).
+            replay: the request is a retry (SDK retry header or a known idempotency key): answer it
+                from the record when an identical body was answered or is being answered.
+            on_text: streaming listener, called as the text of each choice grows.
+
+        Raises:
+            RequestError: the session has ended (401), or the request cannot be honoured (400).
+        """
+        if self.closed:
+            raise RequestError("this episode's session has ended (the agent's API key is no longer valid)",
+                               status=401, code="invalid_api_key")
+        self.stats.requests += 1
+        if replay and body_key in self._answers:
+            self.stats.replayed += 1
+            return asyncio.ensure_future(asyncio.shield(self._answers[body_key]))
+        plan = self._plan(req)
+        params = self._sampling(req, plan)
+        turn = self._started
+        self._started += 1
+        task = asyncio.ensure_future(self._answer(req, plan, params, turn, on_text))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._answers[body_key] = task
+        task.add_done_callback(lambda t: self._forget_failed(body_key, t))
+        return asyncio.ensure_future(asyncio.shield(task))
+
+    def _forget_failed(self, body_key: str, task: asyncio.Future) -> None:
+        if (task.cancelled() or task.exception() is not None) and self._answers.get(body_key) is task:
+            del self._answers[body_key]
+
+    async def aclose(self) -> None:
+        """End the session: refuse new requests and abort generations still running (awaits them)."""
+        self.closed = True
+        running = [t for t in self._tasks if not t.done()]
+        for t in running:
+            t.cancel()
+        self.stats.aborted += len(running)
+        await asyncio.gather(*running, return_exceptions=True)
+
+    # -- planning -------------------------------------------------------------------------
+    def _plan(self, req: ChatRequest) -> _Plan:
+        convo = tuple(normalise(m) for m in req.messages)
+        tools_key = _tools_key(req.tools)
+        found = self._extends(convo, tools_key)
+        if found is not None:
+            base, state = found
+            num_tokens, num_convo, _, closed = state
+            new = req.messages[num_convo:]
+            try:
+                delta = self.renderer.observation_delta(list(new), closed=closed)
+            except Exception as exc:  # the template refuses these messages after an assistant turn
+                raise RequestError(f"messages[{num_convo}:] cannot be rendered after the assistant turn: "
+                                   f"{type(exc).__name__}: {exc}", "messages") from exc
+            prompt = tuple(base.rec.token_ids[:num_tokens]) + tuple(delta)
+            return _Plan(base, base.version, state, prompt, tuple(delta), tuple(new), (), convo, tools_key)
+        try:
+            rendered = self.renderer.render_prompt(self._as_template_messages(req.messages), req.tools)
+        except Exception as exc:
+            raise RequestError(f"messages cannot be rendered by the policy's chat template: "
+                               f"{type(exc).__name__}: {exc}", "messages") from exc
+        return _Plan(None, 0, (0, 0, 0, True), rendered.token_ids, rendered.token_ids, (), rendered.messages, convo,
+                     tools_key)
+
+    def _extends(self, convo: tuple[str, ...], tools_key: str) -> tuple[Segment, tuple[int, int, int, bool]] | None:
+        """(segment, state after one of its turns) whose conversation ``convo`` extends by
+        non-assistant messages only, the longest such (the most recent on a tie); or None."""
+        best = None
+        for seg in self.segments:
+            if seg.tools_key != tools_key:
+                continue
+            for state in seg.marks:
+                n = state[1]
+                if n >= len(convo) or best is not None and n < best[1][1] or tuple(seg.convo[:n]) != convo[:n]:
+                    continue
+                if not any(json.loads(m)["role"] == "assistant" for m in convo[n:]):
+                    best = (seg, state)
+        return best
+
+    def _as_template_messages(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages for a fresh render: assistant tool calls written in the parser's own format when
+        the template does not render ``tool_calls`` (it reads no ``tools``), tool results as user
+        messages for templates that refuse a tool role."""
+        out = []
+        for m in messages:
+            if m["role"] == "assistant" and m.get("tool_calls") and not self.renderer.use_template_tools:
+                calls = "".join(_call_text(self.parser, c) for c in m["tool_calls"])
+                text = text_of(m.get("content"))
+                out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls})
+            elif m["role"] == "tool" and self.renderer.tool_role == "user":
+                out.append({"role": "user", "content": f"<tool_response>\n{text_of(m.get('content'))}\n</tool_response>"})
+            else:
+                out.append({k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")})
+        return out
+
+    def _sampling(self, req: ChatRequest, plan: _Plan) -> SamplingParams:
+        base = self.params
+        for key, asked, run in (("temperature", req.temperature, base.temperature), ("top_p", req.top_p, base.top_p)):
+            if asked is not None and asked != run and not self.honor_request_sampling:
+                raise RequestError(f"{key}={asked} differs from rollout.{key}={run}, at which the trainer scores the "
+                                   f"policy's log-probs; omit {key} or set rollout.agent.honor_request_sampling=true",
+                                   key)
+        used = len(plan.prompt_ids) + len(self._forced_ids(req))
+        room = self.spec.max_total_tokens - used
+        if room < 1:
+            raise RequestError(f"the conversation is {used} tokens, at or past this episode's budget "
+                               f"rollout.max_total_tokens={self.spec.max_total_tokens}", "messages",
+                               code="context_length_exceeded")
+        wanted = req.max_tokens if req.max_tokens is not None else base.max_new_tokens
+        return dataclasses.replace(
+            base, temperature=req.temperature if req.temperature is not None else base.temperature,
+            top_p=req.top_p if req.top_p is not None else base.top_p,
+            max_new_tokens=min(wanted, base.max_new_tokens, room), seed=None)
+
+    def _forced_text(self, req: ChatRequest) -> str:
+        mode = req.tool_choice.mode
+        if mode not in ("required", "function"):
+            return ""
+        opening = _call_opening(self.parser)
+        if opening is None:
+            raise RequestError(f"tool_choice={mode!r} is enforced by opening the parser's call format, which "
+                               f"{type(self.parser).__name__} has none of; use tool_choice 'auto'", "tool_choice")
+        if mode == "function":
+            opening += json.dumps(req.tool_choice.name)[1:] + ', "arguments": '
+        return opening
+
+    def _forced_ids(self, req: ChatRequest) -> tuple[int, ...]:
+        text = self._forced_text(req)
+        return tuple(self.renderer.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else ()
+
+    def _markers(self, req: ChatRequest) -> list[tuple[str, bool]]:
+        """(text, keep) that end a reply: stop strings (cut before them) and, without parallel tool calls,
+        the parser's closing tag (kept)."""
+        markers = [(s, False) for s in req.stop]
+        if not req.parallel_tool_calls and req.tools and req.tool_choice.mode != "none":
+            if not isinstance(self.parser, HermesParser):
+                raise RequestError(f"parallel_tool_calls=false is enforced by stopping at the first closing "
+                                   f"{HermesParser.CLOSE}; {type(self.parser).__name__} has no closing tag",
+                                   "parallel_tool_calls")
+            markers.append((HermesParser.CLOSE, True))
+        return markers
+
+    # -- answering ------------------------------------------------------------------------
+    async def _answer(self, req: ChatRequest, plan: _Plan, params: SamplingParams, turn: int,
+                      on_text: OnText | None) -> Answer:
+        forced_text, forced = self._forced_text(req), self._forced_ids(req)
+        markers = self._markers(req)
+        seed = req.seed if req.seed is not None else self.spec.seed * 1009 + turn
+        prompt = list(plan.prompt_ids) + list(forced)
+        sampled = await asyncio.gather(*(
+            self._sample(i, prompt, dataclasses.replace(params, seed=seed + i), markers, forced_text, on_text)
+            for i in range(req.n)))
+        choices = [self._record(req, plan, s, forced, i) for i, s in enumerate(sampled)]
+        return Answer(f"chatcmpl-{self.key[-8:]}-{turn}", req.model or self.model_name, tuple(choices),
+                      len(plan.prompt_ids), sum(len(s.gen.token_ids) for s in sampled), req.logprobs, now_s())
+
+    async def _sample(self, index: int, prompt: list[int], params: SamplingParams, markers: list[tuple[str, bool]],
+                      forced_text: str, on_text: OnText | None) -> _Sampled:
+        """One choice: the engine's generation, cut at the first marker, and its text (forced opening included)."""
+        tokens: list[int] = []
+        lps: list[float] = []
+        version = [self.engine.policy_version]
+        loop = asyncio.get_running_loop()
+        hit: asyncio.Future = loop.create_future()
+
+        def push(tok: int, lp: float, v: int) -> None:
+            if hit.done():
+                return
+            tokens.append(tok)
+            lps.append(lp)
+            version[0] = v
+            text = forced_text + self._decode(tokens)
+            cut = _marker_cut(text, markers)
+            if cut is not None:
+                hit.set_result(len(tokens))
+            if on_text is not None:
+                on_text(index, text if cut is None else text[:cut])
+
+        if self._streams:
+            gen_task = asyncio.ensure_future(self.engine.generate(
+                prompt, params, on_token=lambda t, lp, v: loop.call_soon_threadsafe(push, t, lp, v)))
+            try:
+                await asyncio.wait({gen_task, hit}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                gen_task.cancel()
+                raise
+            if gen_task.done():
+                gen = gen_task.result()
+            else:  # a stop marker was sampled: abort the row, keep what it sampled
+                gen_task.cancel()
+                gen_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                gen = Generation(tuple(tokens), tuple(lps), "stop", version[0])
+        else:
+            gen = await self.engine.generate(prompt, params)
+            if on_text is not None:
+                on_text(index, forced_text + self._decode(gen.token_ids))
+        gen = self._cut(gen, markers, forced_text)
+        text = forced_text + self._decode(gen.token_ids)
+        cut = _marker_cut(text, markers)
+        return _Sampled(gen, text if cut is None else text[:cut])
+
+    def _cut(self, gen: Generation, markers: list[tuple[str, bool]], forced_text: str) -> Generation:
+        """``gen`` up to the token that completes the first marker (finish reason "stop"), or as is."""
+        if not markers or _marker_cut(forced_text + self._decode(gen.token_ids), markers) is None:
+            return gen
+        for k in range(1, len(gen.token_ids) + 1):
+            if _marker_cut(forced_text + self._decode(gen.token_ids[:k]), markers) is not None:
+                break
+        if k == len(gen.token_ids) and gen.finish_reason == "stop":
+            return gen
+        routes = gen.routed_experts[:k] if gen.routed_experts is not None else None
+        return Generation(gen.token_ids[:k], gen.logprobs[:k], "stop", gen.policy_version, routes)
+
+    def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int) -> Choice:
+        """Add choice ``index`` to its segment and return it as the agent sees it."""
+        content, calls, internal, failed = self._reply(req, s.text)
+        self.stats.tool_parse_failures += failed
+        seg = self._segment_for(plan, index)
+        if plan.base is None:
+            seg.rec.add_prompt(plan.context_ids, plan.rendered)
+        else:
+            seg.rec.add_context(plan.context_ids)
+            seg.rec.add_messages(plan.new_messages)
+        seg.rec.add_context(forced)
+        seg.rec.add_turn(s.gen)
+        seg.rec.add_messages([internal])
+        seg.closed = bool(s.gen.token_ids) and s.gen.token_ids[-1] in self._close_ids
+        choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
+                        tuple(self.renderer.tokenizer.decode([t]) for t in s.gen.token_ids), s.gen.logprobs)
+        seg.convo = list(plan.convo) + [normalise(choice.message())]
+        seg.version += 1
+        seg.marks.append(seg.state())
+        if index == 0:
+            self.primary = seg
+        return choice
+
+    def _segment_for(self, plan: _Plan, index: int) -> Segment:
+        """Choice 0 extends the planned segment in place when nobody extended it meanwhile; otherwise
+        (and for siblings) a copy of the planned prefix becomes a new segment."""
+        if plan.base is None:
+            kind = "first" if not self.segments else ("sibling" if index else "branch")
+            seg = Segment(TrajectoryRecorder(self.spec), [], plan.tools_key, kind=kind)
+        elif index == 0 and plan.base.version == plan.base_version and plan.base.state() == plan.base_state:
+            return plan.base
+        else:
+            seg = plan.base.fork(plan.base_state, "sibling" if index else "branch")
+        if seg.kind == "branch":
+            self.stats.branches += 1
+        elif seg.kind == "sibling":
+            self.stats.siblings += 1
+        self.segments.append(seg)
+        return seg
+
+    def _reply(self, req: ChatRequest, text: str) -> tuple[str | None, tuple[dict[str, Any], ...], dict[str, Any], int]:
+        """(content, OpenAI tool calls, the assistant message for the record, 1 if the calls did not parse)."""
+        if not req.tools or req.tool_choice.mode == "none":
+            return text, (), {"role": "assistant", "content": text, "tool_calls": []}, 0
+        parsed = self.parser.parse(text)
+        if parsed.errors:
+            internal = {"role": "assistant", "content": text.strip(), "tool_calls": [],
+                        "parse_errors": list(parsed.errors)}
+            return text.strip(), (), internal, 1
+        calls = []
+        for c in parsed.tool_calls:
+            self._calls += 1
+            calls.append({"id": f"call_{self._calls}", "type": "function",
+                          "function": {"name": c["function"]["name"],
+                                       "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}})
+        internal = {"role": "assistant", "content": parsed.content,
+                    "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                   for c in calls]}
+        content = (parsed.content or None) if calls else parsed.content
+        return content, tuple(calls), internal, 0
+
+    # -- the episode's records ----------------------------------------------------------------
+    def recorders(self) -> list[tuple[Segment, TrajectoryRecorder]]:
+        """Every segment with a turn, the primary first; the primary keeps the episode's sample id,
+        the others get ``{sample_id}/seg{k}``."""
+        ordered = [s for s in [self.primary] + [s for s in self.segments if s is not self.primary]
+                   if s is not None and s.rec.turns]
+        out = []
+        for k, seg in enumerate(ordered):
+            spec = self.spec if k == 0 else dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{k}")
+            seg.rec.spec = spec
+            out.append((seg, seg.rec))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """The ``agent/*`` metrics of the episode."""
+        s = self.stats
+        return {"agent/requests": float(s.requests), "agent/replayed": float(s.replayed),
+                "agent/branches": float(s.branches), "agent/siblings": float(s.siblings),
+                "agent/tool_parse_failures": float(s.tool_parse_failures), "agent/aborted": float(s.aborted),
+                "agent/segments": float(sum(1 for seg in self.segments if seg.rec.turns))}
+
+
+def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
+    """End of the reply's text at the earliest marker (before a stop string, after a kept tag), or None."""
+    best: tuple[int, int] | None = None
+    for marker, keep in markers:
+        i = text.find(marker)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, i + len(marker) if keep else i)
+    return None if best is None else best[1]
+
+
+def _call_opening(parser: ToolCallParser) -> str | None:
+    """The text every call of ``parser``'s format starts with, up to the function name; None if unknown."""
+    if isinstance(parser, HermesParser):
+        return HermesParser.OPEN + '\n{"name": "'
+    if isinstance(parser, FencedJsonParser):
+        return '```json\n{"name": "'
+    if isinstance(parser, JsonParser):
+        return '{"name": "'
+    return None
+
+
+def _call_text(parser: ToolCallParser, call: dict[str, Any]) -> str:
+    """One OpenAI tool call written in ``parser``'s format (for re-rendering edited history)."""
+    body = json.dumps({"name": call["function"]["name"], "arguments": _decoded(call["function"].get("arguments"))},
+                      ensure_ascii=False)
+    if isinstance(parser, FencedJsonParser):
+        return f"```json\n{body}\n```"
+    if isinstance(parser, JsonParser):
+        return body
+    return f"{HermesParser.OPEN}\n{body}\n{HermesParser.CLOSE}"

@@ -1,0 +1,306 @@
+"""The agent endpoint through the real ``openai`` SDK on 127.0.0.1: plain, tools, tool_choice, n,
+streaming, logprobs, refusals and retry replay, against the tiny model or a scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from relax_agent.config import ModelConfig
+from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, SamplingParams
+from relax_agent.rollout.parsers import build_parser
+from relax_agent.rollout.proxy.server import EndpointServer
+from relax_agent.rollout.proxy.session import AgentSession
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+_keys = itertools.count()
+
+
+class ScriptedEngine:
+    """Replies with fixed token ids, streaming each through ``on_token`` like the HF engine."""
+
+    def __init__(self, replies, delay_s: float = 0.0):
+        self.replies = replies
+        self.delay_s = delay_s
+        self.prompts: list[list[int]] = []
+        self.cancelled = 0
+        self.policy_version = 0
+
+    async def generate(self, prompt_ids, params: SamplingParams, on_token=None) -> Generation:
+        self.prompts.append(list(prompt_ids))
+        ids = self.replies(prompt_ids) if callable(self.replies) else self.replies
+        out = []
+        try:
+            for t in ids[:params.max_new_tokens]:
+                await asyncio.sleep(self.delay_s)
+                out.append(t)
+                if on_token is not None:
+                    on_token(t, -0.25, 0)
+                if t == 2:
+                    break
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return Generation(tuple(out), tuple(-0.25 for _ in out), "stop" if out[-1] == 2 else "length", 0)
+
+    def load_weights(self, state_dict, version):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    from relax_agent.models import load_policy
+    from relax_agent.rollout.engines.config import EngineConfig
+    from relax_agent.rollout.engines.hf import HFEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU kernels with more threads round differently under load; seeds must reproduce
+    model, tok = load_policy(ModelConfig(path=str(tiny_model_dir)))
+    engine = HFEngine(model, tok, EngineConfig(max_batch_size=8, batch_wait_s=0.002))
+    yield engine, tok
+    engine.close()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = EndpointServer().start()
+    yield srv
+    srv.close()
+
+
+def open_session(server, engine, tok, max_new_tokens=48, max_total_tokens=1024, **kw):
+    key = f"test-key-{next(_keys)}"
+    spec = EpisodeSpec(f"s{key}", "g", "t", {}, seed=1, max_total_tokens=max_total_tokens)
+    session = AgentSession(spec, key, engine, ChatRenderer(tok), build_parser("hermes"),
+                           SamplingParams(max_new_tokens=max_new_tokens), **kw)
+    server.open(session)
+    return session, openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=60)
+
+
+def ids_of(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"] + [2]
+
+
+USER = [{"role": "user", "content": "What is 1 + 2?"}]
+
+
+def test_plain_completion_returns_what_was_sampled(server, policy):
+    engine, tok = policy
+    session, client = open_session(server, engine, tok)
+    out = client.chat.completions.create(model="anything", messages=USER)
+    turn = session.primary.rec.turns[0]
+    assert out.choices[0].message.content == tok.decode(turn.token_ids, skip_special_tokens=True)
+    assert out.usage.completion_tokens == len(turn.token_ids)
+    assert out.usage.prompt_tokens == turn.start
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in client.models.list().data] == ["policy"]
+
+
+def test_logprobs_are_the_recorded_ones(server, policy):
+    engine, tok = policy
+    session, client = open_session(server, engine, tok)
+    out = client.chat.completions.create(model="m", messages=USER, logprobs=True)
+    turn = session.primary.rec.turns[0]
+    got = [e.logprob for e in out.choices[0].logprobs.content]
+    assert got == pytest.approx(list(turn.logprobs))
+    assert all(lp < 0 for lp in got)
+
+
+def test_tool_calls_are_parsed_into_openai_tool_calls(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, CALL_TEXT)), tok)
+    out = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    assert choice.message.content is None
+    assert session.stats.tool_parse_failures == 0
+
+
+def test_tool_choice_none_returns_the_text(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, CALL_TEXT)), tok)
+    out = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="none")
+    assert out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content == CALL_TEXT
+
+
+@pytest.mark.parametrize("choice, forced", [
+    ({"type": "function", "function": {"name": "add"}}, '<tool_call>\n{"name": "add", "arguments": '),
+    ("required", '<tool_call>\n{"name": "'),
+])
+def test_tool_choice_forces_the_call_opening(server, policy, choice, forced):
+    _, tok = policy
+    rest = CALL_TEXT[len(forced):]
+    engine = ScriptedEngine(ids_of(tok, rest))
+    session, client = open_session(server, engine, tok)
+    out = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice=choice)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+    forced_ids = tok(forced, add_special_tokens=False)["input_ids"]
+    assert engine.prompts[0][-len(forced_ids):] == forced_ids
+    rec = session.primary.rec
+    start = rec.turns[0].start
+    assert rec.loss_mask[start - len(forced_ids):start] == [0] * len(forced_ids)  # forced tokens are context
+
+
+def test_tool_choice_naming_an_unknown_function_is_refused(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "mul"}})
+    assert err.value.body["param"] == "tool_choice" and "mul" in err.value.body["message"]
+
+
+def test_parallel_tool_calls_false_stops_after_the_first_call(server, policy):
+    _, tok = policy
+    engine = ScriptedEngine(ids_of(tok, CALL_TEXT + "\n" + CALL_TEXT))
+    session, client = open_session(server, engine, tok)
+    out = client.chat.completions.create(model="m", messages=USER, tools=TOOLS, parallel_tool_calls=False)
+    assert len(out.choices[0].message.tool_calls) == 1
+    text = tok.decode(session.primary.rec.turns[0].token_ids)
+    assert text.count("</tool_call>") == 1 and text.rstrip().endswith("</tool_call>")
+
+
+def test_parse_failure_is_returned_as_content_and_counted(server, policy):
+    _, tok = policy
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call>'
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, bad)), tok)
+    out = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
+    assert out.choices[0].message.tool_calls is None
+    assert out.choices[0].message.content == bad
+    assert session.metrics()["agent/tool_parse_failures"] == 1.0
+
+
+def test_stop_strings_end_the_reply(server, policy):
+    _, tok = policy
+    engine = ScriptedEngine(ids_of(tok, "alpha beta STOP gamma delta"))
+    session, client = open_session(server, engine, tok)
+    out = client.chat.completions.create(model="m", messages=USER, stop=["STOP"])
+    assert out.choices[0].message.content == "alpha beta "
+    assert out.choices[0].finish_reason == "stop"
+    assert "gamma" not in tok.decode(session.primary.rec.turns[0].token_ids)
+
+
+def test_n4_gives_four_sibling_segments_of_one_prompt(server, policy):
+    engine, tok = policy
+    session, client = open_session(server, engine, tok)
+    out = client.chat.completions.create(model="m", messages=USER, n=4, seed=11)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert len({c.message.content for c in out.choices}) > 1
+    recs = session.recorders()
+    assert len(recs) == 4 and session.stats.siblings == 3
+    starts = {rec.turns[0].start for _, rec in recs}
+    prompts = {tuple(rec.token_ids[:rec.turns[0].start]) for _, rec in recs}
+    assert len(starts) == 1 and len(prompts) == 1
+    for (_, rec), choice in zip(recs, out.choices):
+        assert tok.decode(rec.turns[0].token_ids, skip_special_tokens=True) == choice.message.content
+
+
+def _streamed(client, **kw):
+    content, calls, finish, chunks = [], {}, None, 0
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        chunks += 1
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        for d in delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+            c["id"] = d.id or c["id"]
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(content), [calls[i] for i in sorted(calls)], finish, chunks
+
+
+def test_streamed_text_equals_the_non_streamed_answer_under_one_seed(server, policy):
+    engine, tok = policy
+    _, client = open_session(server, engine, tok, max_new_tokens=24)
+    plain = client.chat.completions.create(model="m", messages=USER, seed=7).choices[0]
+    _, client2 = open_session(server, engine, tok, max_new_tokens=24)
+    text, calls, finish, chunks = _streamed(client2, model="m", messages=USER, seed=7)
+    assert text == plain.message.content and finish == plain.finish_reason and not calls
+    assert chunks > 3  # token by token, not one chunk at the end
+
+
+def test_streamed_tool_call_deltas_equal_the_non_streamed_answer(server, policy):
+    _, tok = policy
+    reply = ids_of(tok, "Let me add.\n" + CALL_TEXT)
+    _, client = open_session(server, ScriptedEngine(reply), tok)
+    plain = client.chat.completions.create(model="m", messages=USER, tools=TOOLS).choices[0]
+    _, client2 = open_session(server, ScriptedEngine(reply, delay_s=0.001), tok)
+    text, calls, finish, _ = _streamed(client2, model="m", messages=USER, tools=TOOLS)
+    assert text == plain.message.content == "Let me add."
+    assert finish == "tool_calls" == plain.finish_reason
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in plain.message.tool_calls]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs"),
+    ({"temperature": 0.3}, "temperature"),
+    ({"temperature": 0}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"made_up_field": 1}, "made_up_field"),
+])
+def test_unsupported_fields_get_400_naming_the_field(server, policy, extra, param):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=USER, extra_body=extra)
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+
+
+def test_a_conversation_past_the_token_budget_is_refused(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok, max_total_tokens=40)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 60}])
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_key_gets_401(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="nobody", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model="m", messages=USER)
+
+
+def test_an_sdk_retry_replays_the_recorded_answer(server, policy):
+    _, tok = policy
+    engine = ScriptedEngine(ids_of(tok, "slow answer"), delay_s=0.4)  # ~1.6 s per reply
+    key = f"test-key-{next(_keys)}"
+    session = AgentSession(EpisodeSpec("r", "g", "t", {}, seed=1), key, engine, ChatRenderer(tok),
+                           build_parser("hermes"), SamplingParams(max_new_tokens=12))
+    server.open(session)
+    client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=8, timeout=0.5)
+    out = client.chat.completions.create(model="m", messages=USER)  # times out, retried until answered
+    assert out.choices[0].message.content == "slow answer"
+    assert len(engine.prompts) == 1  # sampled once; retries waited for (then replayed) that sample
+    assert session.stats.replayed >= 1
+    body = {"model": "m", "messages": USER}
+    headers = {"Authorization": f"Bearer {key}", "x-stainless-retry-count": "1"}
+    again = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=30)
+    fresh = httpx.post(f"{server.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                       timeout=30)
+    assert again.json()["id"] == out.id and len(engine.prompts) == 2  # a first attempt is sampled anew
+    assert fresh.json()["id"] != out.id
