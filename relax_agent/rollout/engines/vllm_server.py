@@ -1,0 +1,448 @@
+"""The vLLM worker process behind ``engine.kind: vllm`` (run with the vLLM venv's python).
+
+This file is a standalone script: it imports vLLM, FastAPI and uvicorn, never relax_agent,
+because it runs in ``.venv-vllm`` (vLLM's CPU build pins its own torch and transformers; see
+``scripts/setup_vllm.sh``). :class:`relax_agent.rollout.engines.vllm.VLLMEngine` starts it::
+
+    .venv-vllm/bin/python vllm_server.py --model DIR --port-file FILE [options]
+
+One engine thread owns a ``vllm.LLMEngine`` whose engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and calls ``step()`` in a loop: continuous batching
+over every request in flight. Everything that touches the engine (adding, aborting, weight
+reloads, prefix-cache resets) is a command the thread runs *between* two steps, so a weight
+update never lands inside a forward pass.
+
+HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_TOKEN``):
+
+- ``POST /generate`` ``{"id", "prompt_ids", "max_tokens", "temperature", "top_p",
+  "stop_token_ids", "seed"}`` -> ``{"token_ids", "logprobs", "token_versions",
+  "finish_reason": "stop"|"length"|"abort", "prompt_tokens", "cached_prompt_tokens",
+  "resumed"}``. Log-probs are vLLM's ``processed_logprobs``: the log-softmax of the
+  temperature-scaled logits at the sampled token. ``token_versions[i]`` is the weights
+  version that sampled token ``i``.
+- ``POST /abort`` ``{"id"}``: stop that request now (its ``/generate`` answers ``"abort"``).
+- ``POST /load_weights`` ``{"path", "version", "policy"}``: reload every weight from the
+  safetensors file ``path`` (checkpoint names, e.g. ``model.layers.0.self_attn.q_proj.weight``)
+  through vLLM's ``reload_weights`` (which re-fuses qkv/gate-up and repacks for the CPU
+  kernels), reset the prefix cache, and serve ``version``. ``policy`` decides what happens
+  to requests in flight: ``"abort_resume"`` aborts them between two steps, reloads, and
+  resumes each one from the tokens it already has (prompt + sampled tokens as the new
+  prompt, the rest of its budget), so later tokens carry the new version;
+  ``"finish_old"`` admits no new request, lets the running ones finish on the old weights,
+  then reloads. Answers ``{"version", "pause_s", "read_s", "reload_s", "aborted"}``
+  (``pause_s``: time the engine could not step).
+- ``GET /stats``: counters since start; ``GET /health``: ``{"version"}`` (500 once the
+  engine thread died).
+
+Startup writes ``{"port": N}`` to ``--port-file`` once the model is loaded and the socket
+listens; logs go to stderr.
+"""
+
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+# Run as a script, this file's folder is first on sys.path, and its sibling vllm.py (the client)
+# would shadow the vllm package: take the folder off the path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+POLICIES = ("abort_resume", "finish_old")
+
+
+@dataclass
+class _Req:
+    """One client request; lives across the vLLM requests it takes (one per weight version)."""
+
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    attempt: int = 0
+    vllm_id: str | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    first_output: bool = True
+
+    def reply(self, finish_reason: str) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "logprobs": self.logprobs, "token_versions": self.token_versions,
+                "finish_reason": finish_reason, "prompt_tokens": self.prompt_tokens,
+                "cached_prompt_tokens": self.cached_prompt_tokens, "resumed": self.attempt}
+
+
+@dataclass
+class _Load:
+    path: str
+    version: int
+    policy: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+def _settle(req_loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -> None:
+    def set_it() -> None:
+        if fut.done():
+            return
+        if isinstance(value, BaseException):
+            fut.set_exception(value)
+        else:
+            fut.set_result(value)
+
+    req_loop.call_soon_threadsafe(set_it)
+
+
+class EngineLoop:
+    """Owns the ``LLMEngine``; runs commands between steps (see the module docstring)."""
+
+    def __init__(self, llm: Any, seed: int) -> None:
+        self.llm = llm
+        self.version = 0
+        self.seed = seed
+        self.commands: queue.Queue = queue.Queue()
+        self.running: dict[str, _Req] = {}
+        """vLLM request id -> request, for requests added to the engine."""
+        self.parked: list[_Req] = []
+        """Requests waiting for a weight update to finish (new ones under finish_old, aborted
+        ones under abort_resume)."""
+        self.pending_load: _Load | None = None
+        self.aborted_ids: dict[str, None] = {}
+        """Client ids aborted before their request arrived (the abort overtook it): refused on arrival."""
+        self.error: str | None = None
+        self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
+                      "aborted": 0, "resumed": 0, "weight_loads": 0, "weight_load_s": 0.0, "last_load": {}}
+        self.thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.llm.has_unfinished_requests()
+                self._drain_commands(block=not busy)
+                if self.pending_load is not None and (self.pending_load.policy == "abort_resume"
+                                                      or not self.running):
+                    self._apply_load(self.pending_load)
+                    self.pending_load = None
+                    for req in self.parked:
+                        self._add(req)
+                    self.parked = []
+                if self.llm.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:  # the engine is unusable: fail everyone and say why
+            self.error = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            failure = RuntimeError(f"vLLM engine thread died: {self.error}")
+            for req in [*self.running.values(), *self.parked]:
+                _settle(req.loop, req.future, failure)
+            if self.pending_load is not None:
+                _settle(self.pending_load.loop, self.pending_load.future, failure)
+            self._fail_commands(failure)
+
+    def _fail_commands(self, failure: BaseException) -> None:
+        while True:
+            try:
+                kind, item = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind in ("add", "load"):
+                _settle(item.loop, item.future, failure)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            kind, item = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                self.stats["requests"] += 1
+                if item.id in self.aborted_ids:
+                    del self.aborted_ids[item.id]
+                    self.stats["aborted"] += 1
+                    _settle(item.loop, item.future, item.reply("abort"))
+                elif self.pending_load is not None:
+                    self.parked.append(item)
+                else:
+                    self._add(item)
+            elif kind == "abort":
+                self._abort(item)
+            elif kind == "load":
+                self._start_load(item)
+            try:
+                kind, item = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, req: _Req) -> None:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        remaining = req.max_tokens - len(req.token_ids)
+        params = SamplingParams(max_tokens=remaining, logprobs=0, ignore_eos=True, detokenize=False,
+                                skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, **req.sampling)
+        req.vllm_id = f"{req.id}#{req.attempt}"
+        req.first_output = True
+        self.llm.add_request(req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
+        self.running[req.vllm_id] = req
+
+    def _abort(self, client_id: str) -> None:
+        found = False
+        for vid, req in list(self.running.items()):
+            if req.id == client_id:
+                self.llm.abort_request([vid])
+                del self.running[vid]
+                found = True
+                self.stats["aborted"] += 1
+                _settle(req.loop, req.future, req.reply("abort"))
+        for req in [r for r in self.parked if r.id == client_id]:
+            self.parked.remove(req)
+            found = True
+            self.stats["aborted"] += 1
+            _settle(req.loop, req.future, req.reply("abort"))
+        if not found:  # not arrived yet, or already finished: refuse it if it still comes
+            self.aborted_ids[client_id] = None
+            while len(self.aborted_ids) > 10_000:
+                del self.aborted_ids[next(iter(self.aborted_ids))]
+
+    def _start_load(self, load: _Load) -> None:
+        if self.pending_load is not None:  # a newer version replaces one not applied yet
+            _settle(self.pending_load.loop, self.pending_load.future,
+                    RuntimeError(f"superseded by version {load.version} before it was applied"))
+        self.pending_load = load
+
+    def _step(self) -> None:
+        outputs = self.llm.step()
+        self.stats["steps"] += 1
+        for out in outputs:
+            req = self.running.get(out.request_id)
+            if req is None:  # aborted between the step and now
+                continue
+            if req.first_output:
+                req.first_output = False
+                n_prompt = len(out.prompt_token_ids or ())
+                cached = int(out.num_cached_tokens or 0)
+                req.prompt_tokens += n_prompt
+                req.cached_prompt_tokens += cached
+                self.stats["prompt_tokens"] += n_prompt
+                self.stats["cached_prompt_tokens"] += cached
+            comp = out.outputs[0]
+            new = list(comp.token_ids)
+            for i, tok in enumerate(new):
+                req.token_ids.append(int(tok))
+                req.logprobs.append(float(comp.logprobs[i][tok].logprob))
+                req.token_versions.append(self.version)
+            self.stats["new_tokens"] += len(new)
+            if out.finished:
+                del self.running[out.request_id]
+                reason = comp.finish_reason if comp.finish_reason in ("stop", "length") else str(comp.finish_reason)
+                _settle(req.loop, req.future, req.reply(reason))
+
+    def _apply_load(self, load: _Load) -> None:
+        start = time.perf_counter()
+        aborted = 0
+        if load.policy == "abort_resume":
+            for vid, req in list(self.running.items()):
+                self.llm.abort_request([vid])
+                del self.running[vid]
+                req.attempt += 1
+                self.stats["resumed"] += 1
+                self.parked.append(req)
+                aborted += 1
+        try:
+            read_s, reload_s = self._reload(load.path)
+        except Exception as exc:  # the old weights may be half replaced: nothing can be trusted now
+            _settle(load.loop, load.future, RuntimeError(f"reload_weights from {load.path} failed: "
+                                                         f"{type(exc).__name__}: {exc}"))
+            raise
+        self.llm.reset_prefix_cache()
+        self.version = load.version
+        pause_s = time.perf_counter() - start
+        self.stats["weight_loads"] += 1
+        self.stats["weight_load_s"] += pause_s
+        detail = {"version": load.version, "pause_s": pause_s, "read_s": read_s, "reload_s": reload_s,
+                  "aborted": aborted}
+        self.stats["last_load"] = detail
+        _settle(load.loop, load.future, detail)
+
+    def _reload(self, path: str) -> tuple[float, float]:
+        """Read ``path`` (a safetensors file, memory-mapped) and reload it in place; (read_s, reload_s)."""
+        from safetensors import safe_open
+
+        start = time.perf_counter()
+        with safe_open(path, framework="pt", device="cpu") as f:
+            tensors = [(name, f.get_tensor(name)) for name in f.keys()]
+        read_s = time.perf_counter() - start
+        loaded = {name for name, _ in tensors}
+        tied = self.llm.apply_model(_tied_parameters)[0]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        self.llm.apply_model(lambda model: _tie_again(model, tied, loaded))
+        return read_s, time.perf_counter() - start - read_s
+
+
+def _tied_parameters(model: Any) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (a tied lm_head and embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _tie_again(model: Any, tied: list[list[str]], loaded: set[str]) -> None:
+    """vLLM's layerwise reload restores the old tensor of a tied module that the file does not name
+    (``lm_head`` of a tied model) and so unties it; point every name of a group back at the loaded
+    one, and redo that module's post-load processing (on CPU: the packed GEMM weight of the head)."""
+    for names in tied:
+        source = next((n for n in names if n in loaded), None)
+        if source is None:
+            continue
+        param = model.get_parameter(source)
+        for name in names:
+            if name != source:
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name)
+                setattr(module, attr, param)
+                quant_method = getattr(module, "quant_method", None)
+                if quant_method is not None:
+                    quant_method.process_weights_after_loading(module)
+
+
+def build_llm(args: argparse.Namespace) -> Any:
+    """The ``LLMEngine`` of the command line: token ids in (no tokenizer), processed log-probs."""
+    from vllm import EngineArgs, LLMEngine
+
+    engine_args = EngineArgs(
+        model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_caching, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+        max_logprobs=1, enforce_eager=True, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, generation_config="vllm",
+        disable_log_stats=True,
+    )
+    return LLMEngine.from_engine_args(engine_args)
+
+
+def warm_up(llm: Any) -> None:
+    """Run one two-token request before serving: the first step pays one-off kernel set-up
+    (~20 s on a loaded 2-core machine), which belongs to start-up, not to the first episode."""
+    from vllm import SamplingParams, TokensPrompt
+
+    llm.add_request("warm-up", TokensPrompt(prompt_token_ids=[0, 1, 2, 3]),
+                    SamplingParams(max_tokens=2, logprobs=0, ignore_eos=True, detokenize=False))
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.reset_prefix_cache()
+
+
+def build_app(engine: EngineLoop, token: str) -> Any:
+    """The FastAPI app over ``engine`` (routes in the module docstring)."""
+    from fastapi import Depends, FastAPI, HTTPException, Request
+
+    def auth(request: Request) -> None:
+        if request.headers.get("authorization") != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong bearer token")
+
+    app = FastAPI(dependencies=[Depends(auth)])
+
+    def alive() -> None:
+        if engine.error is not None:
+            raise HTTPException(500, f"vLLM engine thread died: {engine.error}")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        alive()
+        return {"version": engine.version}
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return {**engine.stats, "version": engine.version, "running": len(engine.running),
+                "parked": len(engine.parked)}
+
+    @app.post("/generate")
+    async def generate(body: dict[str, Any]) -> dict[str, Any]:
+        alive()
+        loop = asyncio.get_running_loop()
+        sampling = {"temperature": float(body["temperature"]), "top_p": float(body["top_p"]),
+                    "stop_token_ids": [int(t) for t in body["stop_token_ids"]]}
+        if body.get("seed") is not None:
+            sampling["seed"] = int(body["seed"])
+        req = _Req(str(body["id"]), [int(t) for t in body["prompt_ids"]], int(body["max_tokens"]), sampling, loop,
+                   loop.create_future())
+        engine.commands.put(("add", req))
+        try:
+            return await req.future
+        except RuntimeError as exc:
+            raise HTTPException(500, str(exc)) from exc
+
+    @app.post("/abort")
+    async def abort(body: dict[str, Any]) -> dict[str, Any]:
+        engine.commands.put(("abort", str(body["id"])))
+        return {"ok": True}
+
+    @app.post("/load_weights")
+    async def load_weights(body: dict[str, Any]) -> dict[str, Any]:
+        alive()
+        policy = str(body.get("policy", "abort_resume"))
+        if policy not in POLICIES:
+            raise HTTPException(422, f"policy={policy!r}: expected one of {POLICIES}")
+        if not os.path.isfile(str(body["path"])):
+            raise HTTPException(422, f"path={body['path']!r} is not a file")
+        loop = asyncio.get_running_loop()
+        load = _Load(str(body["path"]), int(body["version"]), policy, loop, loop.create_future())
+        engine.commands.put(("load", load))
+        try:
+            return await load.future
+        except RuntimeError as exc:
+            raise HTTPException(500, str(exc)) from exc
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, load the model, listen on 127.0.0.1 and write the port file."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="HF folder (config.json + safetensors)")
+    parser.add_argument("--port-file", required=True, help="written with {'port': N} once serving")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args(argv)
+    token = os.environ.get("RELAX_VLLM_TOKEN", "")
+    if not token:
+        sys.exit("RELAX_VLLM_TOKEN is not set: the server refuses to run without a bearer token")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+
+    import uvicorn
+
+    engine = EngineLoop(build_llm(args), args.seed)
+    warm_up(engine.llm)
+    engine.thread.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    tmp = args.port_file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"port": sock.getsockname()[1], "pid": os.getpid()}, f)
+    os.replace(tmp, args.port_file)
+    config = uvicorn.Config(build_app(engine, token), log_level="warning", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
