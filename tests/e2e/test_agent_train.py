@@ -1,0 +1,33 @@
+"""`relax-agent train examples/agents/openai_sdk_agent.yaml` runs two steps with the tiny model: every
+episode is the example agent (a subprocess using the openai SDK) calling the policy's endpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_two_training_steps_through_the_example_agent(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "relax_agent.cli", "train", "examples/agents/openai_sdk_agent.yaml", "--quiet",
+           f"model.path={tiny_model_dir}", f"run.output_dir={out}", "trainer.steps=2", "rollout.tasks_per_step=2",
+           "rollout.group_size=2", "rollout.max_new_tokens=16", "rollout.max_total_tokens=1024",
+           "rollout.agent.env.AGENT_MAX_TURNS='2'", "eval.at_start=false", "eval.num_tasks=2", "trainer.micro_batch_size=4",
+           "checkpoint.every_steps=0", "run.num_threads=1", "logging.tensorboard=false", "logging.plot=false"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2]
+    samples = [json.loads(line) for line in (out / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    assert all(s["error"] is None for s in samples), [s["error"] for s in samples]
+    assert all(s["metrics"]["agent/requests"] >= 1 for s in samples)
+    assert all(s["response"] for s in samples)

@@ -1,0 +1,178 @@
+"""AgentDriver (``rollout.driver: agent``): the agent runs as a subprocess against the endpoint; its
+episode becomes a trajectory scored by the env or by the agent; failures and timeouts are records,
+and a timed-out agent leaves no process and no generation running."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+import relax_agent.envs  # noqa: F401
+from relax_agent.config import AgentConfig, ModelConfig
+from relax_agent.models import load_tokenizer
+from relax_agent.rollout.agent_driver import AgentDriver
+from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.parsers import build_parser
+from tests.unit.test_endpoint_openai import ScriptedEngine
+
+REPO = Path(__file__).resolve().parents[2]
+make_env = functools.partial(gymnasium.make, "relax/Calculator-v0", difficulty=1, num_tasks=20)
+TASK = make_env().unwrapped.tasks("train")[0]
+
+ONE_CALL = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+reply = OpenAI().chat.completions.create(model="policy", messages=task["messages"], tools=task["tools"])
+"""
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(ModelConfig(path=str(tiny_model_dir)))
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"] + [2]
+
+
+def _driver(tok, engine, tmp_path, script: str | None = None, command=None, **cfg):
+    if script is not None:
+        (tmp_path / "agent.py").write_text(textwrap.dedent(script))
+        command = ["{python}", str(tmp_path / "agent.py")]
+    return AgentDriver(make_env, engine, ChatRenderer(tok), build_parser("hermes"),
+                       AgentConfig(command=command, **{"timeout_s": 60.0, **cfg}))
+
+
+def _play(driver, seed=0, **spec):
+    spec = EpisodeSpec("s/0", "s", TASK["id"], TASK, seed=seed, **spec)
+    try:
+        return asyncio.run(driver.play(spec, SamplingParams(max_new_tokens=64)))
+    finally:
+        driver.close()
+
+
+def test_the_example_agent_solves_a_calculator_task_through_tools(tok, tmp_path):
+    a, op, b = TASK["expression"].split()
+    name = {"+": "add", "-": "subtract"}[op]
+    call = f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+    replies = [_ids(tok, call), _ids(tok, f"Answer: {TASK['answer']}")]
+    engine = ScriptedEngine(lambda prompt: replies[len(engine.prompts) - 1])
+    driver = _driver(tok, engine, tmp_path, command=["{python}", str(REPO / "examples/agents/openai_sdk_agent.py")])
+    traj = _play(driver)
+    assert traj.error is None, traj.error
+    assert traj.reward == 1.0 and traj.metrics["correct"] == 1.0
+    assert [list(t.token_ids) for t in traj.turns] == replies
+    assert traj.metrics["agent/requests"] == 2.0 and traj.metrics["agent/branches"] == 0.0
+    tool_result = [m for m in traj.messages if m["role"] == "tool"]
+    assert tool_result and tool_result[0]["content"] == str(TASK["answer"])  # the agent ran the tool itself
+
+
+def test_the_streaming_example_agent_gives_the_same_trajectory(tok, tmp_path):
+    replies = [_ids(tok, f"Answer: {TASK['answer']}")]
+    engine = ScriptedEngine(lambda prompt: replies[0], delay_s=0.001)
+    driver = _driver(tok, engine, tmp_path, command=["{python}", str(REPO / "examples/agents/streaming_agent.py")])
+    traj = _play(driver)
+    assert traj.error is None, traj.error
+    assert traj.reward == 1.0 and [list(t.token_ids) for t in traj.turns] == replies
+
+
+def test_the_agent_can_score_itself(tok, tmp_path):
+    script = ONE_CALL + 'json.dump({"reward": 0.25, "metrics": {"steps": 3}}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))\n'
+    driver = _driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script, reward="agent")
+    traj = _play(driver)
+    assert traj.error is None and traj.reward == 0.25 and traj.metrics["agent/steps"] == 3.0
+
+
+def test_an_answer_in_the_output_file_is_what_the_env_scores(tok, tmp_path):
+    script = ONE_CALL + ('json.dump({"answer": "Answer: " + str(task["metadata"]["answer"])}, '
+                         'open(os.environ["RELAX_OUTPUT_FILE"], "w"))\n')
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "no idea")), tmp_path, script))
+    assert traj.error is None and traj.reward == 1.0
+
+
+@pytest.mark.parametrize("script, cause", [
+    (ONE_CALL + "import sys; sys.stderr.write('boom at line 7'); sys.exit(3)\n", "agent exited with code 3; its stderr ends: boom at line 7"),
+    ("pass\n", "the agent made no chat completion requests"),
+    (ONE_CALL + 'open(os.environ["RELAX_OUTPUT_FILE"], "w").write("[1, 2")\n', "RELAX_OUTPUT_FILE is not valid JSON"),
+])
+def test_agent_failures_are_failed_records(tok, tmp_path, script, cause):
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script))
+    assert traj.reward_status == "error" and not traj.trainable
+    assert cause in traj.error
+
+
+def test_agent_reward_mode_without_a_reward_is_a_failed_record(tok, tmp_path):
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, ONE_CALL, reward="agent"))
+    assert traj.reward_status == "error" and "needs a finite number 'reward'" in traj.error
+
+
+def test_a_command_that_cannot_start_is_a_failed_record(tok, tmp_path):
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, command=[str(tmp_path / "missing")]))
+    assert traj.reward_status == "error" and "could not start" in traj.error
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_a_timed_out_agent_leaves_no_process_and_no_generation(tok, tmp_path):
+    pids = tmp_path / "pids.json"
+    script = ("import json, os, subprocess\n"
+              "child = subprocess.Popen(['sleep', '300'])\n"
+              f"json.dump([os.getpid(), child.pid], open({str(pids)!r}, 'w'))\n") + ONE_CALL
+    engine = ScriptedEngine(_ids(tok, "never finished " * 20), delay_s=5.0)
+    driver = _driver(tok, engine, tmp_path, script, timeout_s=10.0, kill_grace_s=0.5)
+    traj = _play(driver)
+    assert len(engine.prompts) == 1, "the agent did not reach its request within timeout_s"
+    assert traj.reward_status == "timeout" and "rollout.agent.timeout_s=10.0" in traj.error, traj.error
+    assert engine.cancelled == 1  # the generation in flight was aborted before play() returned
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in json.loads(pids.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in json.loads(pids.read_text()))
+
+
+def test_the_session_key_dies_with_the_episode(tok, tmp_path):
+    keys = tmp_path / "key"
+    script = ONE_CALL + f'open({str(keys)!r}, "w").write(os.environ["OPENAI_API_KEY"] + " " + os.environ["OPENAI_BASE_URL"])\n'
+    driver = _driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script)
+    spec = EpisodeSpec("s/0", "s", TASK["id"], TASK, seed=0)
+
+    async def main():
+        await driver.play(spec, SamplingParams(max_new_tokens=8))
+        import httpx
+
+        key, url = keys.read_text().split()
+        async with httpx.AsyncClient() as client:
+            r = await client.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        return r
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        driver.close()
+    assert r.status_code == 401
+
+
+def test_the_python_placeholder_is_the_running_interpreter(tok, tmp_path):
+    script = ONE_CALL + 'import sys; json.dump({"reward": float(sys.executable == ' + repr(sys.executable) + ')}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))\n'
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script, reward="agent"))
+    assert traj.reward == 1.0
