@@ -90,6 +90,8 @@ class Coordinator:
         self._publisher_token: str | None = None
         self._subscribers: dict[str, str] = {}
         self._reports: dict[str, ApplyReport] = {}
+        self._departed: dict[str, ApplyReport] = {}
+        """Last reports of subscribers that unregistered (a publish waiting on them still counts them)."""
         self._ids = itertools.count()
         self._closed = False
 
@@ -118,9 +120,14 @@ class Coordinator:
             return subscriber in self._subscribers
 
     def unregister_subscriber(self, subscriber: str) -> None:
+        """Remove ``subscriber``; its last report still answers a publish that was waiting for it."""
         with self._cond:
             self._subscribers.pop(subscriber, None)
-            self._reports.pop(subscriber, None)
+            report = self._reports.pop(subscriber, None)
+            if report is not None:
+                self._departed[subscriber] = report
+                while len(self._departed) > 64:
+                    self._departed.pop(next(iter(self._departed)))
             self._cond.notify_all()
 
     def subscribers(self) -> list[str]:
@@ -248,16 +255,22 @@ class Coordinator:
 
         Returns:
             (subscriber id -> its report about ``version`` or newer, ids that had not reported it
-            when the time was up: lagging). Unregistered subscribers are in neither.
+            when the time was up: lagging). A subscriber that reported and then unregistered (a
+            replica that reached its last version and left) counts with its report; one that left
+            without reporting is in neither.
         """
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                live = [s for s in subscribers if s in self._subscribers]
-                missing = [s for s in live if s not in self._reports or self._reports[s].version < version]
+                done = {}
+                for s in subscribers:
+                    report = self._reports.get(s) or self._departed.get(s)
+                    if report is not None and report.version >= version:
+                        done[s] = report
+                missing = [s for s in subscribers if s in self._subscribers and s not in done]
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
-                    return {s: self._reports[s] for s in live if s not in missing}, missing
+                    return done, missing
                 self._cond.wait(remaining)
 
     def reported_version(self, subscriber: str) -> int | None:

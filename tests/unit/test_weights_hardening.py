@@ -283,3 +283,19 @@ def test_replicas_register_again_after_a_publisher_restart_and_take_the_new_runs
         first.close()
         if second is not None:
             second.close()
+
+
+def test_a_replica_that_reports_and_leaves_before_the_publisher_waits_still_counts():
+    """A replica that applied its last version and unregistered at once (a race the publisher
+    loses on a loaded machine) is counted as having applied it, not dropped from the stats."""
+    from relax_agent.weights.coordinator import ApplyReport, Coordinator
+
+    coord = Coordinator()
+    sub = coord.register_subscriber("replica")
+    coord.report(ApplyReport(subscriber=sub, version=3))
+    coord.unregister_subscriber(sub)
+    done, missing = coord.wait_reports(3, [sub], timeout_s=0.0)
+    assert list(done) == [sub] and done[sub].version == 3 and missing == []
+    gone = coord.register_subscriber("other")
+    coord.unregister_subscriber(gone)  # left without reporting: in neither
+    assert coord.wait_reports(3, [gone], timeout_s=0.0) == ({}, [])
