@@ -89,6 +89,7 @@ def preflight(cfg: RelaxConfig) -> str:
     check_env_kwargs(cfg.env.id, cfg.env.kwargs)
     device = resolve_device(cfg.run.device)
     check_dtypes(device, cfg.engine.dtype, cfg.trainer.dtype)
+    check_vllm_engine(cfg)
     check_mode(cfg, device)
     check_output_dir(cfg.run.output_dir)
     return device
@@ -107,6 +108,25 @@ def check_env_prompt(env: Any, task: dict[str, Any], seed: int, accepts_media: b
         return
     if isinstance(obs, (list, tuple)):
         check_media([m for m in obs if isinstance(m, dict)], accepts_media, where="env.reset observation")
+
+
+def check_vllm_engine(cfg: RelaxConfig) -> None:
+    """``engine.kind: vllm``: its venv exists (``engine.vllm.python``), routing replay is off, and
+    ``engine.vllm.weights_dir`` is a writable folder; ConfigError naming the key otherwise."""
+    if cfg.engine.kind != "vllm":
+        return
+    import os
+
+    from relax_agent.rollout.engines.vllm import find_vllm_python
+
+    find_vllm_python(cfg.engine.vllm.python)
+    if cfg.moe.replay:
+        raise ConfigError("moe.routing_replay=rollout with engine.kind=vllm: the vLLM engine does not return routed "
+                          "experts yet; use engine.kind=hf for routing replay")
+    folder = cfg.engine.vllm.weights_dir
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise ConfigError(f"engine.vllm.weights_dir={folder!r} is not a writable folder; the vLLM engine writes "
+                          "its model and each weight version there (choose /dev/shm or another folder)")
 
 
 def check_output_dir(path: str) -> None:

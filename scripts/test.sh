@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTHON=.venv/bin/python bash scripts/setup_docker.sh
+bash scripts/setup_vllm.sh  # .venv-vllm for engine.kind=vllm (~3 min once; RELAX_SKIP_VLLM=1 skips it)
 exec .venv/bin/python -m pytest -q "$@"

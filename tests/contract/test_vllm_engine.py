@@ -137,7 +137,7 @@ def test_cpu_head_size_is_checked_before_a_server_starts(tiny_model_dir):
 
 def test_routing_replay_is_refused_by_name(policy):
     model, tok = policy
-    with pytest.raises(ConfigError, match="moe.replay"):
+    with pytest.raises(ConfigError, match="moe.routing_replay"):
         engine_config().build(model=model, tokenizer=tok, record_routes=True)
 
 

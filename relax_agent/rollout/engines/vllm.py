@@ -214,7 +214,7 @@ class VLLMEngine:
     def __init__(self, model: Any, tokenizer: Any, cfg: EngineConfig, device: str = "cpu", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
         if record_routes:
-            raise ConfigError("moe.replay=true with engine.kind=vllm: this engine does not return routed experts "
+            raise ConfigError("moe.routing_replay=rollout with engine.kind=vllm: this engine does not return routed experts "
                               "yet; use engine.kind=hf for routing replay")
         if model is None:
             raise ConfigError("engine.kind=vllm needs the policy model to start its server (got model=None)")
