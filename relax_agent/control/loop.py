@@ -210,6 +210,7 @@ class Controller:
                 metrics = self.runtime.trainer.sft(rows, t.sft_lr)
                 losses.append(metrics["sft/loss"])
                 log.write(json.dumps({"sft/step": k + 1, **metrics}) + "\n")
+                log.flush()
                 self._report("sft", {"step": k + 1, "total": t.sft_warmup_steps, **metrics})
                 self.stop.check()
         self.version += 1
