@@ -5,7 +5,7 @@ Contract (DESIGN.md): ``reset(seed, options={"task": task})`` returns the openin
 plus parsed ``tool_calls``) and returns ``(new_messages, reward, terminated, truncated, info)``.
 Tasks come from :meth:`TextEnv.tasks`; the trainer samples them and passes one per reset.
 An env may also define ``async def areset(...)`` and ``async def astep(action)`` with the same
-returns; the rollout orchestrator then awaits them instead of running ``reset``/``step`` in a
+returns; the rollout driver then awaits them instead of running ``reset``/``step`` in a
 worker thread. For tool envs, :class:`relax_agent.envs.ToolEnv` does the tool plumbing; check any
 env with :mod:`relax_agent.envs.testing`.
 """

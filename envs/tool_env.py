@@ -30,7 +30,7 @@ An assistant message with tool calls runs them (in order) and returns one ``tool
 call; a message without tool calls is the final answer: :meth:`ToolEnv.score` judges it and the
 episode ends. A tool that raises, gets bad arguments, is unknown or runs past ``tool_timeout_s``
 yields a ``tool`` message starting with ``error:`` instead of crashing the episode. Tools may be
-``async def``; :meth:`ToolEnv.astep` awaits them (the orchestrator prefers it), :meth:`ToolEnv.step`
+``async def``; :meth:`ToolEnv.astep` awaits them (the rollout driver prefers it), :meth:`ToolEnv.step`
 runs them too, so the env works with plain gymnasium code.
 """
 

@@ -62,7 +62,7 @@ class EnvConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed to ``gymnasium.make``."""
     max_turns: int = Field(default=1, ge=1)
-    """Assistant turns per episode before the orchestrator truncates it."""
+    """Assistant turns per episode before the rollout truncates it."""
     step_timeout_s: float = Field(default=60.0, gt=0.0)
     """Most seconds one env call (building the env, ``reset``, ``step``, ``close``) may take;
     past it the episode becomes a failed record naming this key."""

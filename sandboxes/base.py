@@ -7,7 +7,7 @@ A sandbox runs untrusted, model-written commands with limits on by default::
         assert result.stdout == "hi\\n" and result.ok
 
 **Why async.** Rollouts run hundreds of episodes at once and an exec mostly waits (on a
-container, a process, a socket). The protocol is ``async`` so the rollout orchestrator can
+container, a process, a socket). The protocol is ``async`` so the rollout driver can
 drive all of them from one event loop, cancel an episode cleanly (a cancelled ``exec`` kills
 its command before re-raising), and bound concurrency with ordinary asyncio primitives.
 Synchronous callers (gymnasium ``step``) use :func:`run_sync`, which runs the coroutine on a

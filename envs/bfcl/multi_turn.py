@@ -29,7 +29,7 @@ As in BFCL, every method of the task's classes can be called, withheld ones incl
 relies on it: ``multi_turn_miss_func_49`` calls ``tail`` a turn before its doc arrives).
 
 Reward: each judged turn that is correct adds ``1 / judged turns`` at the step that ends it, so
-an episode's rewards sum to the fraction of judged turns correct, even when the orchestrator
+an episode's rewards sum to the fraction of judged turns correct, even when the rollout
 truncates it. ``info`` of every step carries the running numbers (``turn_accuracy``,
 ``correct`` / ``task_correct`` = BFCL's whole-task 0/1, ``well_formed``, ``num_calls``).
 

@@ -1,4 +1,4 @@
-"""The inference-engine protocol the orchestrator talks to."""
+"""The inference-engine protocol the rollout drivers talk to."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A scripted inference engine for orchestrator and trainer tests (no model, no threads).
+"""A scripted inference engine for rollout and trainer tests (no model, no threads).
 
 Example::
 
