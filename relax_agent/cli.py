@@ -204,6 +204,25 @@ def eval_cmd(
     typer.echo(json.dumps({k: v for k, v in result.items()}, default=str))
 
 
+@app.command()
+def scale(
+    run_dir: Path = typer.Argument(..., help="run.output_dir of a running training with runtime.kind=ray."),
+    rollout: int = typer.Option(..., "--rollout", help="Rollout replicas to run from now on (>= 1)."),
+) -> None:
+    """Scale the rollout replicas of a running ``runtime: ray`` training (new ones pull the latest
+    weights before they serve; removed ones finish or hand back their groups first)."""
+    from relax_agent.runtime.ray_control import scale_run
+
+    try:
+        status = scale_run(run_dir, rollout)
+    except RelaxError as exc:
+        _fail(exc)
+        return
+    states = ", ".join(f"{r['name']} {r['state']}" for r in status["replicas"])
+    console.print(f"rollout replicas: target {status['target']} ({states})")
+    typer.echo(json.dumps(status))
+
+
 @envs_app.command("list")
 def envs_list() -> None:
     """Registered environments: relax-agent's and those of installed plugin packages."""

@@ -1,5 +1,5 @@
 """The one supervisor of a Ray run: starts, health-checks, replaces and scales rollout replicas, and
-decides (and counts) trainer restarts. Plus the controller's HTTP control endpoint.
+decides (and counts) trainer restarts. (Its HTTP control endpoint is :mod:`.ray_control`.)
 
 Restart policy per role:
 
@@ -34,15 +34,11 @@ Serve's for reward replicas.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
-import secrets
 import signal
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -74,8 +70,6 @@ QUEUE_ROWS = "runtime/queue_rows"
 """Rows on the data bus's rollout partition (queue depth)."""
 
 _MAX_FAILED_STARTS = 3
-RUNTIME_FILE = "runtime.json"
-"""In ``run.output_dir``: the control endpoint's URL and bearer token (mode 0600), while the run lives."""
 
 
 class Supervisor:
@@ -325,77 +319,3 @@ def _kill_ray_worker(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except (OSError, ProcessLookupError):
         pass
-
-
-class ControlServer:
-    """The controller's HTTP control endpoint (127.0.0.1 by default; bearer token).
-
-    Endpoints::
-
-        GET  /status                       -> Supervisor.status()
-        POST /scale   {"rollout": N}       -> Supervisor.scale(N) (422 naming the value when invalid)
-
-    Its URL and token are written to ``run_dir/runtime.json`` (mode 0600) for ``relax-agent scale``.
-    """
-
-    def __init__(self, supervisor: Supervisor, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.token = secrets.token_urlsafe(24)
-        self.path = Path(run_dir) / RUNTIME_FILE
-        self._server = ThreadingHTTPServer((host, port), _handler(supervisor, self.token))
-        self._server.daemon_threads = True
-        self.url = f"http://{host}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="relax-control", daemon=True)
-        self._thread.start()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"url": self.url, "token": self.token, "pid": os.getpid()}, f)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _handler(supervisor: Supervisor, token: str) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:  # quiet
-            pass
-
-        def _send(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _authorized(self) -> bool:
-            given = self.headers.get("Authorization", "")
-            if secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return True
-            self._send(401, {"detail": "missing or wrong bearer token (see run.output_dir/runtime.json)"})
-            return False
-
-        def do_GET(self) -> None:
-            if not self._authorized():
-                return
-            if self.path != "/status":
-                return self._send(404, {"detail": f"unknown path {self.path}; expected /status or /scale"})
-            self._send(200, supervisor.status())
-
-        def do_POST(self) -> None:
-            if not self._authorized():
-                return
-            if self.path != "/scale":
-                return self._send(404, {"detail": f"unknown path {self.path}; expected /status or /scale"})
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0") or 0)) or b"{}")
-                self._send(200, supervisor.scale(body.get("rollout") if isinstance(body, dict) else None))
-            except (ConfigError, ValueError) as exc:
-                self._send(422, {"detail": str(exc)})
-
-    return Handler

@@ -254,3 +254,65 @@ def test_sigkill_of_the_trainer_restarts_it_from_the_checkpoint(ray_session, tin
     assert_same_as_local(reference, tmp_path, box["summary"])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["runtime/trainer_restarts"] for m in metrics] == [0, 0, 0, 1]
+
+
+def gate_trainer(ctrl, gated_calls):
+    """Hold the trainer service's ``train`` call number ``n`` until ``gates[n]`` is set; returns
+    (calls so far, gates)."""
+    calls, gates = [], {n: threading.Event() for n in gated_calls}
+    real = ctrl.runtime.trainer.train
+
+    def train(fields, version):
+        calls.append(version)
+        gate = gates.get(len(calls))
+        if gate is not None:
+            assert gate.wait(600), f"train call {len(calls)} was never released"
+        return real(fields, version)
+
+    ctrl.runtime.trainer.train = train
+    return calls, gates
+
+
+def scale_cli(out, n):
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    result = CliRunner().invoke(app, ["scale", str(out), "--rollout", str(n)])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
+def test_scale_out_and_in_while_training(ray_session, tiny_model_dir, tmp_path, reference):
+    """1 -> 2 replicas before step 2 is trained (through ``relax-agent scale``), 2 -> 1 after step 3's
+    groups: the new replica's first group carries the latest version, scale-in drains it, and the run
+    matches the local one sample for sample."""
+    from relax_agent.runtime.ray_rollout import READY, REMOVED
+
+    ctrl = build(tiny_model_dir, tmp_path, "scale", "runtime.rollout_replicas=1")
+    calls, gates = gate_trainer(ctrl, (2, 3))
+    pool = ctrl.runtime.rollout.pool
+    thread, box = run_in_thread(ctrl)
+    try:
+        wait_for(lambda: len(calls) >= 2, 300, "step 2's groups played")
+        assert scale_cli(tmp_path, 2)["target"] == 2
+        wait_for(lambda: len(pool.in_state(READY)) == 2, 300, "a second ready replica")
+        new = next(r for r in pool.in_state(READY) if r.slot == 1)
+        gates[2].set()
+        wait_for(lambda: len(calls) >= 3, 300, "step 3's groups played")
+        assert new.first_group == (2, 2), new.first_group  # pulled version 2 before its first group
+        status = scale_cli(tmp_path, 1)
+        assert status["target"] == 1
+        wait_for(lambda: new.state == REMOVED, 120, "the second replica drained and removed")
+        gates[3].set()
+        thread.join(600)
+        assert "error" not in box, box.get("error")
+        events = [(e, name, detail) for _, e, name, detail in pool.events]
+    finally:
+        for gate in gates.values():
+            gate.set()
+        ctrl.close()
+    assert ("removed", new.name, "drained") in events and not any(e == "failed" for e, _, _ in events)
+    assert_every_sample_once(tmp_path, ctrl.bus)
+    assert_same_as_local(reference, tmp_path, box["summary"])
+    assert not (tmp_path / "runtime.json").exists()  # the control endpoint is gone with the run

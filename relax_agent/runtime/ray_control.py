@@ -1,0 +1,121 @@
+"""The controller's HTTP control endpoint (``runtime: ray``) and its client, ``relax-agent scale``.
+
+Endpoints (JSON; every one needs ``Authorization: Bearer <token>``, else 401)::
+
+    GET  /status                       -> the supervisor's status: target, replicas, restarts, events
+    POST /scale   {"rollout": N}       -> set the rollout replicas (422 naming the value when invalid)
+
+While the run lives, ``run.output_dir/runtime.json`` (mode 0600) holds the endpoint's URL and token;
+:func:`scale_run` reads it, so ``relax-agent scale RUN_DIR --rollout N`` needs neither Ray nor the token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from relax_agent.errors import ConfigError
+
+RUNTIME_FILE = "runtime.json"
+"""In ``run.output_dir``: the control endpoint's URL and bearer token (mode 0600), while the run lives."""
+
+
+class ControlServer:
+    """Serves ``supervisor``'s status and scaling on ``host:port`` (port 0: a free one) in a daemon
+    thread, and writes ``run_dir/runtime.json``; :meth:`close` stops it and removes the file."""
+
+    def __init__(self, supervisor: Any, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.token = secrets.token_urlsafe(24)
+        self.path = Path(run_dir) / RUNTIME_FILE
+        self._server = ThreadingHTTPServer((host, port), _handler(supervisor, self.token))
+        self._server.daemon_threads = True
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="relax-control", daemon=True)
+        self._thread.start()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": self.url, "token": self.token, "pid": os.getpid()}, f)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _handler(supervisor: Any, token: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # quiet
+            pass
+
+        def _send(self, code: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            given = self.headers.get("Authorization", "")
+            if secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return True
+            self._send(401, {"detail": "missing or wrong bearer token (see run.output_dir/runtime.json)"})
+            return False
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != "/status":
+                return self._send(404, {"detail": f"unknown path {self.path}; expected /status or /scale"})
+            self._send(200, supervisor.status())
+
+        def do_POST(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != "/scale":
+                return self._send(404, {"detail": f"unknown path {self.path}; expected /status or /scale"})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0") or 0)) or b"{}")
+                self._send(200, supervisor.scale(body.get("rollout") if isinstance(body, dict) else None))
+            except (ConfigError, ValueError) as exc:
+                self._send(422, {"detail": str(exc)})
+
+    return Handler
+
+
+def scale_run(run_dir: str | Path, rollout: int, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Ask the running controller of ``run_dir`` for ``rollout`` replicas; returns its status.
+
+    Raises:
+        ConfigError: no ``runtime.json`` in ``run_dir`` (not a live ``runtime: ray`` run), nothing
+            answers at its URL (the run ended), or the controller refused the value.
+    """
+    import httpx
+
+    path = Path(run_dir) / RUNTIME_FILE
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: {run_dir} is not the run.output_dir of a running training "
+                          "with runtime.kind=ray (and runtime.control_port set)") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} cannot be read ({exc}); is it a runtime: ray run folder?") from exc
+    try:
+        resp = httpx.post(f"{info['url']}/scale", json={"rollout": rollout}, timeout=timeout_s,
+                          headers={"Authorization": f"Bearer {info['token']}"})
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"the controller of {run_dir} does not answer at {info['url']} ({type(exc).__name__}); "
+                          f"the run has ended? ({path} is left from it)") from exc
+    if resp.status_code != 200:
+        raise ConfigError(f"the controller of {run_dir} refused the request: HTTP {resp.status_code} "
+                          f"{resp.json().get('detail', resp.text)}")
+    return resp.json()
