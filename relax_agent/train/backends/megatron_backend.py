@@ -71,7 +71,11 @@ def _free_port() -> int:
 def _check_megatron_installed() -> None:
     import importlib.util
 
-    if importlib.util.find_spec("megatron.core") is None:
+    try:
+        found = importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # a module named megatron that is not the package
+        found = False
+    if not found:
         raise ConfigError(f"trainer.backend=megatron needs megatron-core: {INSTALL_HINT}")
 
 
