@@ -316,3 +316,74 @@ def test_scale_out_and_in_while_training(ray_session, tiny_model_dir, tmp_path, 
     assert_every_sample_once(tmp_path, ctrl.bus)
     assert_same_as_local(reference, tmp_path, box["summary"])
     assert not (tmp_path / "runtime.json").exists()  # the control endpoint is gone with the run
+
+
+SLOW_REWARD_PY = '''
+import json, os, time
+
+LOG = {log!r}
+
+
+def score(item):
+    """Length of the reply / 100, after 1 s of "work"; logs start/end per item with this replica's pid."""
+    with open(LOG, "a") as f:
+        f.write(json.dumps({{"ev": "start", "id": item.id, "pid": os.getpid()}}) + "\\n")
+    time.sleep(1.0)
+    with open(LOG, "a") as f:
+        f.write(json.dumps({{"ev": "end", "id": item.id, "pid": os.getpid()}}) + "\\n")
+    return {{"reward": min(len(item.response_text()), 100) / 100.0, "metrics": {{"chars": float(len(item.response_text()))}}}}
+'''
+
+
+def reward_events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_sigkill_of_a_reward_replica_retries_its_items(ray_session, tiny_model_dir, tmp_path):
+    """Reward as a Ray Serve deployment with 2 replicas; one is SIGKILLed while it scores items: every
+    item it held is scored again by a replica that survives (Serve replaces the dead one), and every
+    sample has its real reward with status ok (none is masked, none scored 0)."""
+    import socket
+
+    from ray import serve
+
+    from relax_agent.reward_services.ray_serve import APP_NAME, build_app
+
+    log = tmp_path / "reward_calls.jsonl"
+    target = tmp_path / "slow_reward.py"
+    target.write_text(SLOW_REWARD_PY.format(log=str(log)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(f"{target}:score", replicas=2, num_cpus_per_replica=0.1), name=APP_NAME, route_prefix="/")
+        ctrl = build(tiny_model_dir, tmp_path / "run", "reward", "runtime.rollout_replicas=1", "reward.source=remote",
+                     f"reward.url=http://127.0.0.1:{port}")
+        thread, box = run_in_thread(ctrl)
+        try:
+            def in_flight():
+                events = reward_events(log)
+                ended = {(e["id"], e["pid"]) for e in events if e["ev"] == "end"}
+                return next((e for e in events if e["ev"] == "start" and (e["id"], e["pid"]) not in ended), None)
+
+            wait_for(lambda: ctrl.step >= 1 and in_flight() is not None, 300, "an item being scored in step 2")
+            victim = in_flight()["pid"]
+            os.kill(victim, signal.SIGKILL)
+            thread.join(600)
+            assert "error" not in box, box.get("error")
+        finally:
+            ctrl.close()
+    finally:
+        serve.shutdown()
+    events = reward_events(log)
+    ended = {(e["id"], e["pid"]) for e in events if e["ev"] == "end"}
+    lost = {e["id"] for e in events if e["ev"] == "start" and e["pid"] == victim and (e["id"], victim) not in ended}
+    assert lost  # the kill hit items in flight...
+    rescored = {e["id"] for e in events if e["ev"] == "end" and e["pid"] != victim}
+    assert lost <= rescored  # ...and each was scored again elsewhere
+    rows = dumped(tmp_path / "run")
+    assert len(rows) == STEPS * B * G
+    for r in rows:
+        assert r["reward_status"] == "ok", r
+        assert r["reward"] == pytest.approx(min(r["metrics"]["reward/chars"], 100) / 100.0)
