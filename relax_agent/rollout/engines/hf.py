@@ -587,6 +587,11 @@ def _fail_unfinished(reqs: list[_Request], error: EngineError) -> None:
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer (keys, values), each [rows, kv_heads, seq, head_dim]."""
+RowKV = list[tuple[torch.Tensor, torch.Tensor]]
+"""One row's per-layer (keys, values), each [kv_heads, seq, head_dim]."""
+
+_SPARE_COLUMNS = 64
+"""Columns a KV buffer holds beyond its content, for decode steps to write into."""
 
 
 @dataclass
@@ -622,29 +627,13 @@ class _Batch:
         return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
 
     def merge(self, new: list[_Row]) -> None:
-        """Add prefilled rows: one copy of the batch's KV into a tensor wide enough for every row."""
+        """Add prefilled rows: the batch's KV is copied once into buffers wide enough for every row."""
         if not new:
             return
-        if not self.rows and len(new) == 1:
-            self.cache = _cache_of(new[0].kv)
-        else:
-            old = _kv_of(self.cache) if self.rows else None
-            old_width, rows = self.width, len(self.rows)
-            width = max([old_width] + [r.length for r in new])
-            merged = []
-            for layer, (ref, _) in enumerate(new[0].kv):
-                keys = ref.new_zeros((rows + len(new), ref.shape[1], width, ref.shape[3]))
-                values = torch.zeros_like(keys)
-                if old is not None:
-                    keys[:rows, :, width - old_width:] = old[layer][0]
-                    values[:rows, :, width - old_width:] = old[layer][1]
-                for j, row in enumerate(new):
-                    keys[rows + j, :, width - row.length:] = row.kv[layer][0][0]
-                    values[rows + j, :, width - row.length:] = row.kv[layer][1][0]
-                merged.append((keys, values))
-            self.cache = _cache_of(merged)
-        self.rows += [r.req for r in new]
+        rows_kv = [self._row_views(i) for i in range(len(self.rows))] + [[(k[0], v[0]) for k, v in r.kv] for r in new]
         self.lengths += [r.length for r in new]
+        self.cache = _assemble(rows_kv, self.lengths)
+        self.rows += [r.req for r in new]
         self.next_tokens += [r.next_token for r in new]
         self._sampling = None
 
@@ -671,22 +660,21 @@ class _Batch:
 
     def row_kv(self, i: int) -> KV:
         """Row ``i``'s real columns, copied out: [1, kv_heads, lengths[i], head_dim] per layer."""
-        start = self.width - self.lengths[i]
-        return [(k[i:i + 1, :, start:].clone(), v[i:i + 1, :, start:].clone()) for k, v in _kv_of(self.cache)]
+        return [(k[None].clone(), v[None].clone()) for k, v in self._row_views(i)]
 
     def select(self, keep: list[int], tokens: list[int]) -> None:
         """Keep rows ``keep`` (their next input tokens from ``tokens``); drop padding no row needs."""
         if len(keep) < len(self.rows):
             self._sampling = None
+            rows_kv = [self._row_views(i) for i in keep]
             self.rows = [self.rows[i] for i in keep]
             self.lengths = [self.lengths[i] for i in keep]
-            if not keep:
-                self.cache = None
-            else:
-                idx = torch.tensor(keep, device=self.device)
-                start = self.width - max(self.lengths)
-                self.cache = _cache_of([(k[idx, :, start:], v[idx, :, start:]) for k, v in _kv_of(self.cache)])
+            self.cache = _assemble(rows_kv, self.lengths) if keep else None
         self.next_tokens = [tokens[i] for i in keep]
+
+    def _row_views(self, i: int) -> RowKV:
+        start = self.width - self.lengths[i]
+        return [(k[i, :, start:], v[i, :, start:]) for k, v in _kv_of(self.cache)]
 
 
 class _PrefixCache:
@@ -763,6 +751,63 @@ def _cache_of(kv: KV | None) -> DynamicCache:
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
         cache.layers.append(layer)
+    return cache
+
+
+class _GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose new columns are written in place into spare buffer capacity.
+
+    ``DynamicLayer`` concatenates, copying the whole cache at every decode step; here a step
+    writes one column per row. ``keys``/``values`` are views [rows, kv_heads, length, head_dim]
+    of buffers with at least ``length`` columns, reallocated 25% larger when full.
+
+    Args:
+        keys, values: buffers [rows, kv_heads, capacity, head_dim].
+        length: columns already filled.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self._buffers, self._length = (keys, values), length
+        self._expose()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self._length, self._length + key_states.shape[-2]
+        if end > self._buffers[0].shape[-2]:
+            self._buffers = tuple(_widened(buf, start, end + max(_SPARE_COLUMNS, end // 4)) for buf in self._buffers)
+        self._buffers[0][:, :, start:end] = key_states
+        self._buffers[1][:, :, start:end] = value_states
+        self._length = end
+        self._expose()
+        return self.keys, self.values
+
+    def _expose(self) -> None:
+        self.keys, self.values = (buf[:, :, :self._length] for buf in self._buffers)
+
+
+def _widened(buf: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
+    out = buf.new_empty((*buf.shape[:2], capacity, buf.shape[3]))
+    out[:, :, :filled] = buf[:, :, :filled]
+    return out
+
+
+def _assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
+    """A batch cache: row ``j``'s ``lengths[j]`` columns right-aligned in ``max(lengths)`` columns
+    (zeros before them), in buffers with ``_SPARE_COLUMNS`` more for decode steps."""
+    width = max(lengths)
+    cache = DynamicCache()
+    for layer in range(len(rows_kv[0])):
+        ref = rows_kv[0][layer][0]
+        buffers = []
+        for side in (0, 1):
+            buf = ref.new_empty((len(rows_kv), ref.shape[0], width + _SPARE_COLUMNS, ref.shape[2]))
+            for j, (row, n) in enumerate(zip(rows_kv, lengths)):
+                buf[j, :, :width - n].zero_()
+                buf[j, :, width - n:width] = row[layer][side]
+            buffers.append(buf)
+        cache.layers.append(_GrowingLayer(*buffers, width))
     return cache
 
 
