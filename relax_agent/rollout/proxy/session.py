@@ -379,7 +379,7 @@ class AgentSession:
             if on_text is not None:
                 on_text(index, text if cut is None else text[:cut])
 
-        if self._streams:
+        if self._streams and (markers or on_text is not None):
             gen_task = asyncio.ensure_future(self.engine.generate(
                 prompt, params, on_token=lambda t, lp, v: loop.call_soon_threadsafe(push, t, lp, v)))
             try:
@@ -393,7 +393,7 @@ class AgentSession:
                 gen_task.cancel()
                 gen_task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 gen = Generation(tuple(tokens), tuple(lps), "stop", version[0])
-        else:
+        else:  # nothing to watch token by token (or the engine cannot stream): one call
             gen = await self.engine.generate(prompt, params)
             if on_text is not None:
                 on_text(index, forced_text + self._decode(gen.token_ids))
@@ -428,8 +428,9 @@ class AgentSession:
         seg.rec.add_turn(s.gen)
         seg.rec.add_messages([internal])
         seg.closed = bool(s.gen.token_ids) and s.gen.token_ids[-1] in self._close_ids
+        tokens = tuple(self.renderer.tokenizer.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
         choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
-                        tuple(self.renderer.tokenizer.decode([t]) for t in s.gen.token_ids), s.gen.logprobs)
+                        tokens, s.gen.logprobs if req.logprobs else ())
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
         seg.marks.append(seg.state())
