@@ -39,6 +39,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,6 +79,7 @@ class AgentDriver:
         self.parser = parser
         self.cfg = cfg
         self.server = EndpointServer(cfg.port, cfg.model_name)
+        weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
 
     def close(self) -> None:
         """Stop the endpoint (aborting what still runs). Idempotent."""
