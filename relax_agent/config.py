@@ -188,6 +188,9 @@ class RuntimeConfig(Section):
     weights.transport tcp)."""
     rollout_replicas: int = Field(default=1, ge=1)
     """ray: rollout replicas at start (change it while training with ``relax-agent scale``)."""
+    max_groups_per_replica: int | None = Field(default=None, ge=1)
+    """ray: most groups one replica plays at once (its env and sandbox capacity); None: no limit
+    beyond the staleness gate."""
     rollout_num_cpus: float = Field(default=0.25, gt=0.0)
     """ray: CPUs Ray reserves per rollout replica (fractional: four replicas fit one core)."""
     trainer_num_cpus: float = Field(default=0.5, gt=0.0)

@@ -118,7 +118,8 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
             control = ControlServer(supervisor, cfg.run.output_dir, port=cfg.runtime.control_port)
             closers.insert(0, control.close)
         rollout = RayRolloutService(pool, roles.runner, coordinator, watchdog_s(cfg),
-                                    getattr(roles.engine, "route_layout", None), supervisor)
+                                    getattr(roles.engine, "route_layout", None), supervisor,
+                                    cfg.runtime.max_groups_per_replica)
     except BaseException:
         _close_all(closers)
         if owns_ray:

@@ -201,10 +201,12 @@ class ReplicaPool:
         with self.lock:
             return [r for r in self.replicas if r.state in states]
 
-    def pick(self) -> Replica | None:
-        """The ready replica with the fewest calls in flight (counted as one more), or None."""
+    def pick(self, max_in_flight: int | None = None) -> Replica | None:
+        """The ready replica with the fewest calls in flight (counted as one more), or None when
+        none is ready with fewer than ``max_in_flight``."""
         with self.lock:
-            ready = [r for r in self.replicas if r.state == READY]
+            ready = [r for r in self.replicas if r.state == READY
+                     and (max_in_flight is None or r.in_flight < max_in_flight)]
             if not ready:
                 return None
             rep = min(ready, key=lambda r: (r.in_flight, r.slot))
@@ -235,10 +237,12 @@ class RayRolloutService:
         routes: the engine's route layout for routing replay, or None.
         supervisor: the run's :class:`~relax_agent.runtime.ray_supervisor.Supervisor` (scaling,
             per-role metrics), or None.
+        max_groups_per_replica: groups one replica plays at once (``runtime.max_groups_per_replica``).
     """
 
     def __init__(self, pool: ReplicaPool, runner: Any, coordinator: Any, watchdog_s: float,
-                 routes: Any = None, supervisor: Any = None) -> None:
+                 routes: Any = None, supervisor: Any = None, max_groups_per_replica: int | None = None) -> None:
+        self.max_groups_per_replica = max_groups_per_replica
         self.pool = pool
         self.runner = runner
         self.coordinator = coordinator
@@ -258,7 +262,7 @@ class RayRolloutService:
         while True:
             if self.pool.fatal is not None:
                 raise self.pool.fatal
-            rep = self.pool.pick()
+            rep = self.pool.pick(self.max_groups_per_replica)
             if rep is not None:
                 return rep
             await asyncio.sleep(0.05)

@@ -94,7 +94,8 @@ class Supervisor:
         self._generation = itertools.count()
         self._failed_starts = 0
         self._table: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._node_id = ray.get_runtime_context().get_node_id()
+        self._node_id: str | None = None
+        """This (the driver's) node; replica processes on it that do not exit are SIGKILLed."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cls = ray.remote(RolloutReplica)
@@ -260,6 +261,8 @@ class Supervisor:
             ray.kill(rep.handle, no_restart=True)
         except Exception:
             pass
+        if self._node_id is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
         if rep.pid is not None and rep.node_id == self._node_id:
             _kill_ray_worker(rep.pid)
         if rep.subscriber is not None:

@@ -1,0 +1,118 @@
+"""``runtime: ray`` without Ray: the config section, the combinations it refuses, replica picking,
+scaling through the control endpoint and ``relax-agent scale``."""
+
+from __future__ import annotations
+
+import json
+import stat
+import warnings
+
+import pytest
+
+from relax_agent.config import load_config
+from relax_agent.errors import ConfigError
+
+
+def test_runtime_ray_is_short_for_the_kind_and_keys_are_checked():
+    assert load_config(None, ["runtime=ray"]).runtime.kind == "ray"
+    cfg = load_config(None, ["runtime.kind=ray", "runtime.rollout_replicas=2", "runtime.max_trainer_restarts=1"])
+    assert (cfg.runtime.rollout_replicas, cfg.runtime.max_trainer_restarts) == (2, 1)
+    assert load_config(None, []).runtime.kind == "local"
+    with pytest.raises(ConfigError, match="did you mean 'runtime.rollout_replicas'"):
+        load_config(None, ["runtime.replicas=2"])
+    with pytest.raises(ConfigError, match="runtime.rollout_replicas"):
+        load_config(None, ["runtime.rollout_replicas=0"])
+
+
+def test_ray_runtime_refuses_colocate_and_transports_other_than_tcp():
+    from relax_agent.runtime.ray import check_ray_runtime
+
+    with pytest.raises(ConfigError, match="mode='colocate'.*set mode=async"):
+        check_ray_runtime(load_config(None, ["runtime=ray", "weights.transport=tcp"]))
+    with pytest.raises(ConfigError, match="weights.transport='inproc'.*set weights.transport=tcp"):
+        check_ray_runtime(load_config(None, ["runtime=ray", "mode=async"]))
+    check_ray_runtime(load_config(None, ["runtime=ray", "mode=async", "weights.transport=tcp"]))
+
+
+def test_ray_runtime_uses_the_ray_bus_with_adopted_values_and_warns_when_told_otherwise():
+    from relax_agent.runtime.ray import bus_config, watchdog_s
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data = bus_config(load_config(None, ["runtime=ray"]))
+    assert (data.backend, data.ray_adopt_values) == ("ray", True)
+    with pytest.warns(UserWarning, match="ignores data.backend='local'"):
+        bus_config(load_config(None, ["runtime=ray", "data.backend=local"]))
+    assert watchdog_s(load_config(None, ["rollout.episode_timeout_s=30"])) == 90.0
+    assert watchdog_s(load_config(None, ["runtime.request_timeout_s=5"])) == 5.0
+
+
+def _replicas(*states_in_flight):
+    from relax_agent.runtime.ray_rollout import Replica, ReplicaPool
+
+    pool = ReplicaPool()
+    for slot, (state, in_flight) in enumerate(states_in_flight):
+        pool.replicas.append(Replica(slot, f"r{slot}", None, 0.0, None, state=state, in_flight=in_flight))
+    return pool
+
+
+def test_groups_go_to_the_ready_replica_with_the_fewest_in_flight_within_its_capacity():
+    pool = _replicas(("ready", 2), ("starting", 0), ("ready", 1), ("draining", 0))
+    assert pool.pick().name == "r2" and pool.replicas[2].in_flight == 2
+    assert pool.pick().name == "r0"  # 2 and 2: a tie goes to the lower slot
+    assert pool.pick(max_in_flight=3).name == "r2"
+    assert pool.pick(max_in_flight=3) is None  # both ready replicas are full; starting/draining never get work
+    pool.fail(pool.replicas[0], "died")
+    assert pool.replicas[0].state == "failed" and pool.pick().name == "r2"
+
+
+@pytest.fixture()
+def control(tmp_path):
+    from relax_agent.runtime.ray_control import ControlServer
+    from relax_agent.runtime.ray_rollout import ReplicaPool
+    from relax_agent.runtime.ray_supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(None, ["runtime=ray"]), ReplicaPool(), None, None, None, "p", "ns")
+    server = ControlServer(supervisor, tmp_path)
+    yield supervisor, server
+    server.close()
+
+
+def test_scale_through_the_control_endpoint(control, tmp_path):
+    from relax_agent.runtime.ray_control import scale_run
+
+    supervisor, server = control
+    path = tmp_path / "runtime.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert json.loads(path.read_text())["url"] == server.url
+    assert scale_run(tmp_path, 3)["target"] == 3 and supervisor.target == 3
+    with pytest.raises(ConfigError, match=r"HTTP 422 .*--rollout 0: expected an integer >= 1"):
+        scale_run(tmp_path, 0)
+    assert supervisor.target == 3
+    path.write_text(json.dumps({**json.loads(path.read_text()), "token": "wrong"}))
+    with pytest.raises(ConfigError, match="HTTP 401"):
+        scale_run(tmp_path, 2)
+
+
+def test_scale_cli_names_a_folder_without_a_running_controller(tmp_path):
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    result = CliRunner().invoke(app, ["scale", str(tmp_path), "--rollout", "2"])
+    assert result.exit_code == 2 and "runtime.json does not exist" in result.output
+
+
+def test_control_endpoint_closes_and_removes_its_file(tmp_path):
+    from relax_agent.runtime.ray_control import ControlServer, scale_run
+    from relax_agent.runtime.ray_rollout import ReplicaPool
+    from relax_agent.runtime.ray_supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(None, ["runtime=ray"]), ReplicaPool(), None, None, None, "p", "ns")
+    server = ControlServer(supervisor, tmp_path)
+    info = (tmp_path / "runtime.json").read_text()
+    server.close()
+    assert not (tmp_path / "runtime.json").exists()
+    (tmp_path / "runtime.json").write_text(info)  # a file left by a run that was killed
+    with pytest.raises(ConfigError, match="does not answer"):
+        scale_run(tmp_path, 2, timeout_s=2.0)
