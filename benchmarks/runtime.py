@@ -14,7 +14,7 @@ such limit (only the staleness gate). Runs, in one Ray session and one process:
    latest weights pulled: it takes groups) and until it finished its first group; p50 and max.
 
     python benchmarks/runtime.py                     # ~4-6 minutes on 2 CPU cores
-    python benchmarks/runtime.py --steps 12 --kills 5 --json runtime.json
+    python benchmarks/runtime.py --repeats 2 --json runtime.json   # each configuration twice, order rotated
 
 Targets (issue 13): 2 replicas >= 1.6x 1 replica; failover (kill -> replacement ready) p50 <= 15 s.
 """
@@ -153,6 +153,7 @@ def main() -> None:
     p.add_argument("--latency-sigma", type=float, default=0.5)
     p.add_argument("--latency-cap-s", type=float, default=6.0)
     p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration, in rotating order (means reported)")
     p.add_argument("--ray-num-cpus", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="policy path (default: a tiny random llama)")
@@ -170,12 +171,19 @@ def main() -> None:
 
                 args.model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=0))
             ray_rt = {"kind": "ray", "trainer_num_cpus": 0.25, "max_groups_per_replica": args.groups_per_replica}
-            runs = [throughput(args, args.model, Path(tmp) / "local", "local", {"kind": "local"}),
-                    throughput(args, args.model, Path(tmp) / "ray1", "ray, 1 replica", {**ray_rt, "rollout_replicas": 1}),
-                    throughput(args, args.model, Path(tmp) / "ray2", "ray, 2 replicas", {**ray_rt, "rollout_replicas": 2})]
+            configs = [("local", {"kind": "local"}), ("ray, 1 replica", {**ray_rt, "rollout_replicas": 1}),
+                       ("ray, 2 replicas", {**ray_rt, "rollout_replicas": 2})]
+            per_run: list[list[dict[str, Any]]] = [[] for _ in configs]
+            for rep in range(args.repeats):  # rotate the order so a drifting machine load hits every run
+                for k in range(len(configs)):
+                    i = (k + rep) % len(configs)
+                    name, runtime = configs[i]
+                    per_run[i].append(throughput(args, args.model, Path(tmp) / f"r{rep}-{i}", name, runtime))
             fail = failover(args, args.model, Path(tmp) / "failover") if args.kills else None
     finally:
         ray.shutdown()
+    runs = [{**r[0], **{k: statistics.fmean(x[k] for x in r) for k in r[0] if k not in ("run", "steps")},
+             "samples_per_s_runs": [x["samples_per_s"] for x in r]} for r in per_run]
     local, one, two = (r["samples_per_s"] for r in runs)
     print(f"{args.steps} steps x {args.tasks_per_step} groups x {args.group_size} samples, max_staleness "
           f"{args.staleness}, tool latency lognormal (median {args.latency_median_s} s, sigma {args.latency_sigma}), "
@@ -183,7 +191,7 @@ def main() -> None:
     print(f"{'run':<16} {'samples/s':>9} {'step s':>7} {'wait s':>7} {'staleness':>9}")
     for r in runs:
         print(f"{r['run']:<16} {r['samples_per_s']:>9.2f} {r['step_s']:>7.2f} {r['data_wait_s']:>7.2f} "
-              f"{r['staleness_mean']:>9.2f}")
+              f"{r['staleness_mean']:>9.2f}   runs: " + " ".join(f"{x:.2f}" for x in r["samples_per_s_runs"]))
     print(f"ray 2 replicas / 1 replica: {two / one:.2f}x (target >= 1.6x); ray 1 replica / local: {one / local:.2f}x; "
           f"ray 2 replicas / local: {two / local:.2f}x")
     if fail:

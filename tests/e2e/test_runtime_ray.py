@@ -155,7 +155,7 @@ def wait_for(cond, timeout_s, what):
 
 
 def test_two_replicas_train_four_steps_within_staleness(ray_session, tiny_model_dir, tmp_path):
-    ctrl = build(tiny_model_dir, tmp_path, "main", "max_staleness=1")
+    ctrl = build(tiny_model_dir, tmp_path, "main", "max_staleness=1", "eval.at_end=true")
     try:
         summary = ctrl.train()
         pool = ctrl.runtime.rollout.pool
@@ -167,6 +167,7 @@ def test_two_replicas_train_four_steps_within_staleness(ray_session, tiny_model_
     assert len(trained) == STEPS * B * G
     assert all(0 <= r["trained_at_version"] - r["sample_version"] <= 1 for r in trained)
     assert summary["last"]["policy_version"] == STEPS
+    assert summary["eval_end"]["eval/num_tasks"] == 4  # evaluation episodes ran on the replicas too
     assert sum(1 for n in served.values() if n > 0) == 2, served  # both replicas played groups
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["runtime/rollout_replicas"] for m in metrics] == [2.0] * STEPS

@@ -116,3 +116,56 @@ def test_control_endpoint_closes_and_removes_its_file(tmp_path):
     (tmp_path / "runtime.json").write_text(info)  # a file left by a run that was killed
     with pytest.raises(ConfigError, match="does not answer"):
         scale_run(tmp_path, 2, timeout_s=2.0)
+
+
+class _Supervisor:
+    def __init__(self, allow):
+        self.allow, self.reasons = allow, []
+
+    def allow_trainer_restart(self, reason):
+        self.reasons.append(reason)
+        return self.allow
+
+
+def _trainer_service(tmp_path, allow=True):
+    from relax_agent.runtime.ray_trainer import RayTrainerService, _Base
+
+    svc = RayTrainerService.__new__(RayTrainerService)  # no actor: the restart bookkeeping only
+    svc.cfg = load_config(None, ["runtime.kind=ray", f"run.output_dir={tmp_path}", "runtime.max_trainer_restarts=2"])
+    svc.supervisor, svc.actor = _Supervisor(allow), None
+    svc._base, svc._log, svc._version, svc._saved = _Base(None, 0), [], 0, False
+    return svc
+
+
+def test_a_dead_trainer_past_the_restart_budget_ends_the_run(tmp_path):
+    from relax_agent.errors import RelaxError
+
+    svc = _trainer_service(tmp_path, allow=False)
+    with pytest.raises(RelaxError, match="runtime.max_trainer_restarts=2 restarts are used up"):
+        svc._recover(RuntimeError("actor died"))
+    assert svc.supervisor.reasons == ["RuntimeError: actor died"]
+
+
+def test_a_restart_refuses_a_redo_log_with_a_gap(tmp_path):
+    from relax_agent.errors import CheckpointError
+
+    svc = _trainer_service(tmp_path)
+    svc._log, svc._version = [("train", {}, 1), ("train", {}, 3)], 3
+    with pytest.raises(CheckpointError, match=r"redo log holds versions \[1, 3\], expected \[1, 2\]"):
+        svc._restart()
+
+
+def test_after_a_checkpoint_the_redo_log_keeps_only_what_came_later(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    (ckpt / "model").mkdir(parents=True)
+    for name in ("trainer.pt", "rng.pt", "model/model.safetensors"):
+        (ckpt / name).write_text("x")
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "policy_version": 3}))
+    svc = _trainer_service(tmp_path)
+    svc._log = [("sft", {}, 1e-4), ("end_sft", None, 1), ("train", {}, 2), ("train", {}, 3), ("train", {}, 4)]
+    svc._trim_to_checkpoint()
+    assert len(svc._log) == 5  # nothing was saved since the last trim
+    svc._saved = True
+    svc._trim_to_checkpoint()
+    assert (svc._base.checkpoint, svc._base.version) == (ckpt, 3)
+    assert svc._log == [("train", {}, 4)]
