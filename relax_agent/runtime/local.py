@@ -123,7 +123,13 @@ class LocalTrainerService:
             self._save_tokenizer(Path(path))
 
     def close(self) -> None:
-        self.sync.close()
+        """Close the weight sync, then the trainer when it holds processes (Megatron ranks)."""
+        try:
+            self.sync.close()
+        finally:
+            close = getattr(self.trainer, "close", None)
+            if callable(close):
+                close()
 
 
 def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
