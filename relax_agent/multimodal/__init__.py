@@ -1,0 +1,18 @@
+"""Omni-modal policies: content parts -> processor inputs, media tokens, media on the bus.
+
+- :mod:`~relax_agent.multimodal.parts`: building and decoding image / audio / video content parts;
+- :mod:`~relax_agent.multimodal.processor`: the model family (placeholder ids, patching) and the
+  processor that turns one part into features and its placeholder-token count;
+- :mod:`~relax_agent.multimodal.render`: token-in/token-out rendering that processes each new
+  message's media once and expands its placeholders;
+- :mod:`~relax_agent.multimodal.driver`: the episode loop recording media beside tokens;
+- :mod:`~relax_agent.multimodal.engine`: the rollout engine that generates with media;
+- :mod:`~relax_agent.multimodal.batch`: media in training batches and the trainer's forward.
+
+The per-sample record is :class:`relax_agent.records.MediaInputs` (the bus field ``media``).
+"""
+
+from relax_agent.multimodal.parts import audio_part, image_part, video_part
+from relax_agent.multimodal.processor import FAMILIES, MediaFamily, MediaProcessor, check_placeholders
+
+__all__ = ["FAMILIES", "MediaFamily", "MediaProcessor", "audio_part", "check_placeholders", "image_part", "video_part"]

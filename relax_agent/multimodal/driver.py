@@ -1,0 +1,116 @@
+"""Episodes of a multimodal policy: the env driver's turn loop with media on every segment.
+
+The same contract as :mod:`relax_agent.rollout.env_driver` (one :class:`Trajectory` per episode,
+failures as data, ``step_timeout_s`` / ``episode_timeout_s`` / ``max_total_tokens``), with a
+:class:`~relax_agent.multimodal.render.MediaRenderer` in place of the chat renderer: the prompt
+and each observation delta come with the processor outputs of their media, the recorder keeps
+them beside the tokens, and every engine call gets the episode's media so far
+(``engine.generate(ids, params, media=...)``). An observation whose media cannot be rendered
+(a placeholder the template dropped, an undecodable part) ends the episode as a failed record
+naming the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from relax_agent.envs.tool_env import call_in_thread
+from relax_agent.multimodal.render import MediaRenderer, MediaSegment
+from relax_agent.records import MediaInputs, StopReason, Trajectory
+from relax_agent.rollout.driver import Deadline, EpisodeSpec
+from relax_agent.rollout.env_driver import (
+    _check_reset, _check_step, _close, _ended, _EnvCalls, _numeric, _step_cause,
+)
+from relax_agent.rollout.parsers import ToolCallParser
+from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
+
+
+class MediaRecorder(TrajectoryRecorder):
+    """A :class:`TrajectoryRecorder` that also keeps each segment's media, in token order."""
+
+    def __init__(self, spec: EpisodeSpec) -> None:
+        super().__init__(spec)
+        self.segments: list[MediaInputs] = []
+
+    @property
+    def media(self) -> MediaInputs | None:
+        """The media of every recorded segment so far, in placeholder order (None without media)."""
+        return MediaInputs.concat(self.segments)
+
+    def add_segment(self, seg: MediaSegment, prompt: bool = False) -> None:
+        """A rendered prompt (``prompt=True``) or observation delta, with its media."""
+        if prompt:
+            self.add_prompt(seg.token_ids, seg.messages)
+        else:
+            self.add_context(seg.token_ids)
+        if seg.media is not None:
+            self.segments.append(seg.media)
+
+    def _record(self, **fields: Any) -> Trajectory:
+        return super()._record(media=self.media, **fields)
+
+
+class MediaEnvDriver:
+    """Plays each episode in a fresh env with a multimodal policy (a :class:`RolloutDriver`).
+
+    Args:
+        make_env: builds a fresh environment per episode.
+        engine: an engine whose ``generate`` takes ``media=`` (:class:`~relax_agent.multimodal.engine.MediaEngine`).
+        renderer: the media renderer.
+        parser: tool-call parser.
+    """
+
+    def __init__(self, make_env: Callable[[], Any], engine: Any, renderer: MediaRenderer, parser: ToolCallParser):
+        self.make_env = make_env
+        self.engine = engine
+        self.renderer = renderer
+        self.parser = parser
+
+    async def play(self, spec: EpisodeSpec, params: Any) -> Trajectory:
+        """Build the env and play ``spec``; a constructor that raises or hangs gives a failed record."""
+        deadline = Deadline(spec.episode_timeout_s)
+        try:
+            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, _step_cause(spec))
+        except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
+            return failed_episode(spec, exc, during="make_env")
+        rec = MediaRecorder(spec)
+        calls = _EnvCalls(env, spec, deadline)
+        try:
+            obs, info = _check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
+            rec.add_segment(self.renderer.render_prompt(obs, info.get("tools", ())), prompt=True)
+            reward, metrics, stop = await self._turns(rec, calls, spec, params, deadline)
+        except Exception as exc:  # env bugs, timeouts, template and media refusals become data
+            return rec.fail_with(exc)
+        finally:
+            await _close(env, spec.step_timeout_s)
+        return rec.finish(reward, metrics, stop)
+
+    async def _turns(self, rec: MediaRecorder, calls: _EnvCalls, spec: EpisodeSpec, params: Any,
+                     deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
+        reward, metrics = 0.0, {}
+        for turn in range(spec.max_turns):
+            budget = spec.max_total_tokens - rec.num_tokens
+            if budget <= 0:
+                return reward, metrics, StopReason.MAX_TOTAL_TOKENS
+            seed = params.seed if params.seed is not None else spec.seed * 1009 + turn
+            request = replace(params, max_new_tokens=min(params.max_new_tokens, budget), seed=seed)
+            gen = await deadline.call(self.engine.generate(list(rec.token_ids), request, media=rec.media),
+                                      f"engine.generate (turn {turn + 1})")
+            rec.add_turn(gen)
+            if gen.finish_reason == "length" and rec.num_tokens >= spec.max_total_tokens:
+                return reward, metrics, StopReason.MAX_TOTAL_TOKENS
+            text = self.renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            action = self.parser.parse(text).message()
+            rec.add_messages([{**action, "content": text}])
+            new_obs, step_reward, terminated, truncated, step_info = _check_step(await calls.step(action))
+            reward += step_reward
+            metrics.update(_numeric(step_info))
+            rec.add_messages(new_obs)
+            if terminated or truncated:
+                return reward, metrics, _ended(rec, StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
+            seg = self.renderer.observation_delta(new_obs, closed=gen.finish_reason != "length")
+            if rec.num_tokens + len(seg.token_ids) >= spec.max_total_tokens:
+                return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # media are never cut: the whole delta or none
+            rec.add_segment(seg)
+        return reward, metrics, _ended(rec, StopReason.MAX_TURNS)

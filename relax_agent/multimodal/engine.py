@@ -1,0 +1,162 @@
+"""The rollout engine of a multimodal policy: ``transformers`` ``generate`` with media inputs.
+
+Each request is a prompt's token ids plus the :class:`~relax_agent.records.MediaInputs` of the
+media items in it (the renderer expanded each item's placeholder into exactly as many tokens
+as its features). One worker thread serves requests one at a time: the media encoders run once
+per request over all of the prompt's items (no KV is kept between turns), which on tiny CPU
+models costs milliseconds. The text engine (:mod:`relax_agent.rollout.engines.hf`) batches and
+caches prefixes; this one trades that for the families' own position handling (Qwen's 3-D rope
+indices are computed by ``generate`` from the media grids).
+
+Log-probs: ``log_softmax(logits.float() / T)`` at each sampled token, from the raw logits of
+the same forward pass that sampled it (before top-p), as the text engine and the trainer compute
+them. Sampling is reproducible per request: ``generate`` runs under a forked torch RNG seeded
+with the request's seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.multimodal.batch import media_model_kwargs
+from relax_agent.multimodal.processor import MediaFamily, check_placeholders
+from relax_agent.records import MediaInputs
+from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+
+
+@dataclass
+class MediaEngineStats:
+    """Counters since construction: ``sequences`` served, ``new_tokens`` sampled,
+    ``media_items`` encoded, ``weight_loads`` and ``weight_load_s`` (seconds copying weights)."""
+
+    sequences: int = 0
+    new_tokens: int = 0
+    media_items: int = 0
+    weight_loads: int = 0
+    weight_load_s: float = 0.0
+
+
+class MediaEngine:
+    """Implements :class:`~relax_agent.rollout.engines.base.InferenceEngine` for a multimodal policy,
+    with ``generate(prompt_ids, params, media=...)``.
+
+    Args:
+        model: the engine's own copy of the policy (a ``*ForConditionalGeneration`` of a family in
+            :data:`~relax_agent.multimodal.processor.FAMILIES`).
+        tokenizer: its tokenizer (pad and default stop ids).
+        device: torch device.
+        seed: draws a sampling seed for each request without ``params.seed``.
+        stop_token_ids: replaces the default stop ids (EOS, ``<|im_end|>``); ``params.stop_token_ids`` add to them.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, device: str = "cpu", seed: int = 0,
+                 stop_token_ids: Sequence[int] | None = None) -> None:
+        self._model = model.to(device).eval()
+        self._tokenizer = tokenizer
+        self._device = torch.device(device)
+        self.family = MediaFamily.from_config(model.config)
+        self._vocab = int(model.config.get_text_config().vocab_size)
+        self._default_stop = frozenset(default_stop_ids(tokenizer) if stop_token_ids is None else stop_token_ids)
+        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="media-engine")
+        self._version = 0
+        self._closed = False
+        self.stats = MediaEngineStats()
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the next request uses."""
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       media: MediaInputs | None = None) -> Generation:
+        """Sample a continuation of ``prompt_ids`` [P] whose media placeholders ``media`` fills.
+
+        Raises:
+            ConfigError: temperature <= 0 or top_p outside (0, 1].
+            DataError: an empty prompt, a token id outside the vocabulary, or placeholder tokens
+                that do not match ``media`` (names the kind and both counts).
+            EngineError: the engine is closed or the forward pass failed.
+        """
+        if self._closed:
+            raise EngineError("the media engine is closed")
+        self._check(prompt_ids, params, media)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, (1,), generator=self._seeds))
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._generate, list(prompt_ids), params, media, seed)
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams, media: MediaInputs | None) -> None:
+        if not params.temperature > 0 or not 0 < params.top_p <= 1:
+            raise ConfigError(f"sampling needs temperature > 0 and 0 < top_p <= 1; got {params.temperature}, {params.top_p}")
+        if not prompt_ids:
+            raise DataError("generate got an empty prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self._vocab]
+        if bad:
+            raise DataError(f"prompt token ids {bad[:3]} are outside the vocabulary [0, {self._vocab})")
+        check_placeholders(prompt_ids, media, self.family, where="generate prompt")
+
+    def _generate(self, prompt_ids: list[int], params: SamplingParams, media: MediaInputs | None,
+                  seed: int) -> Generation:
+        from transformers import GenerationConfig
+
+        stop = self._default_stop | frozenset(params.stop_token_ids)
+        config = GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                                  max_new_tokens=params.max_new_tokens, eos_token_id=sorted(stop) or None,
+                                  pad_token_id=self._pad_id, output_logits=True, return_dict_in_generate=True)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self._device)
+        mask = torch.ones_like(input_ids)
+        with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            version = self._version
+            try:
+                kwargs = media_model_kwargs(self._model, self.family, input_ids, [media])
+                out = self._model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, **kwargs)
+            except Exception as exc:
+                raise EngineError(f"media engine forward failed: {type(exc).__name__}: {exc}") from exc  # noqa
+        tokens = out.sequences[0, len(prompt_ids):].tolist()
+        n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+        tokens = tokens[:n]
+        logprobs = [float(torch.log_softmax(step[0].float() / params.temperature, -1)[t])
+                    for step, t in zip(out.logits, tokens)]
+        self.stats.sequences += 1
+        self.stats.new_tokens += len(tokens)
+        self.stats.media_items += 0 if media is None else len(media)
+        finish = "stop" if tokens and tokens[-1] in stop else "length"
+        return Generation(tuple(tokens), tuple(logprobs), finish, version)
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Copy ``state_dict`` (a subset of the model's keys; cast to its dtypes) between requests.
+
+        Raises:
+            WeightSyncError: an unknown key or a shape mismatch (nothing is copied then).
+        """
+        target = self._model.state_dict()
+        unknown = [k for k in state_dict if k not in target]
+        if unknown:
+            raise WeightSyncError(f"load_weights: {len(unknown)} keys are not in the model, e.g. {unknown[:3]}")
+        for name, value in state_dict.items():
+            if tuple(value.shape) != tuple(target[name].shape):
+                raise WeightSyncError(f"load_weights: {name} has shape {tuple(value.shape)}, "
+                                      f"the model expects {tuple(target[name].shape)}")
+        with self._lock, torch.no_grad():
+            start = time.perf_counter()
+            for name, value in state_dict.items():
+                target[name].copy_(value)
+            self._version = int(version)
+            self.stats.weight_loads += 1
+            self.stats.weight_load_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Refuse new requests and stop the worker after the running one."""
+        self._closed = True
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,140 @@
+"""Token-in/token-out rendering with media: each new message's media is processed once.
+
+:class:`MediaRenderer` wraps a :class:`~relax_agent.rollout.chat.ChatRenderer` built with
+``accepts_media=True``. The chat template renders each media content part as its placeholder
+structure (Qwen: ``<|vision_start|><|image_pad|><|vision_end|>``, one placeholder token per part);
+the renderer then
+
+1. checks, per message, that the template wrote one placeholder token for each media part (a
+   template that drops images in tool messages, say, is an error naming the message);
+2. runs the processor on the new parts only (past turns are never processed again; their
+   features were recorded when they were new);
+3. expands each part's placeholder token into ``num_tokens`` copies, the feature vectors its
+   encoder makes, and returns the expanded ids with the parts' :class:`~relax_agent.records.MediaInputs`.
+
+So the trajectory's token ids are exactly what the model sees, media tokens included, and the
+trainer's forward gets the same features the engine saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from relax_agent.errors import EnvError
+from relax_agent.multimodal.parts import part_kind
+from relax_agent.multimodal.processor import MediaProcessor, check_placeholders
+from relax_agent.records import MediaInputs
+from relax_agent.rollout.chat import ChatRenderer
+
+
+@dataclass(frozen=True)
+class MediaSegment:
+    """Rendered tokens that carry media.
+
+    Attributes:
+        token_ids: [n] token ids, each media part's placeholder expanded to its ``num_tokens``.
+        media: the segment's media items in placeholder order; None when it has none.
+        messages: the messages as rendered (prompt: with the system prompt; delta: the new ones).
+    """
+
+    token_ids: tuple[int, ...]
+    media: MediaInputs | None
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+class MediaRenderer:
+    """Renders prompts and observation deltas of a multimodal policy.
+
+    Args:
+        chat: the text renderer (``accepts_media=True``); prompts, deltas and plain-text rules are its own.
+        processor: the policy's media processor.
+
+    Attributes:
+        tokenizer: ``chat.tokenizer`` (the driver decodes sampled turns with it).
+    """
+
+    def __init__(self, chat: ChatRenderer, processor: MediaProcessor) -> None:
+        if not chat.accepts_media:
+            raise ValueError("MediaRenderer needs a ChatRenderer built with accepts_media=True")
+        self.chat = chat
+        self.tokenizer = chat.tokenizer
+        self.processor = processor
+        self.family = processor.family
+        self._kind_of = self.family.kind_of_token()
+
+    def render_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> MediaSegment:
+        """The opening messages rendered once (see :meth:`ChatRenderer.render_prompt`), media expanded.
+
+        Raises:
+            EnvError: a media part has no placeholder in the rendering (names the message).
+            ConfigError: a part of a kind the policy does not take (names the message).
+            DataError: a part that cannot be decoded (names the message).
+        """
+        prompt = self.chat.render_prompt(messages, tools)
+        ids, media = self._expand(list(prompt.token_ids), list(messages), "env.reset observation")
+        return MediaSegment(tuple(ids), media, prompt.messages)
+
+    def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True) -> MediaSegment:
+        """The delta after a sampled turn (see :meth:`ChatRenderer.observation_delta`), media expanded.
+
+        Raises:
+            EnvError, ConfigError, DataError: as :meth:`render_prompt`.
+        """
+        ids = self.chat.observation_delta(new_messages, closed)
+        ids, media = self._expand(ids, list(new_messages), "env.step observation")
+        return MediaSegment(tuple(ids), media, tuple(new_messages))
+
+    def _expand(self, ids: list[int], messages: list[dict[str, Any]], where: str) -> tuple[list[int], MediaInputs | None]:
+        parts = [(i, p) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
+                 for p in m["content"] if isinstance(p, dict) and part_kind(p) is not None]
+        self._check_rendered(ids, messages, parts, where)
+        if not parts:
+            return ids, None
+        items = [self.processor.process(p, f"{where}[{i}]") for i, p in parts]
+        queues: dict[str, list[int]] = {}
+        for item in items:
+            queues.setdefault(item.kinds[0], []).append(item.num_tokens[0])
+        out: list[int] = []
+        for tok in ids:
+            kind = self._kind_of.get(tok)
+            out += [tok] * queues[kind].pop(0) if kind is not None else [tok]
+        media = MediaInputs.concat(items)
+        check_placeholders(out, media, self.family, where)
+        return out, media
+
+    def _check_rendered(self, ids: list[int], messages: list[dict[str, Any]], parts: list[tuple[int, Any]],
+                        where: str) -> None:
+        """One placeholder token per media part, per kind; else an error naming the first message at fault."""
+        rendered = self.family.count_placeholders(ids)
+        wanted = {k: 0 for k in self.family.token_ids}
+        for _, p in parts:
+            kind = part_kind(p)
+            wanted[kind] = wanted.get(kind, 0) + 1
+        if rendered == wanted:
+            return
+        kinds = sorted(k for k in wanted if rendered.get(k, 0) != wanted[k])
+        for i, m in enumerate(messages):
+            has = self._parts_of(m)
+            got = self._placeholders_alone(m)
+            for kind in kinds:
+                if has.get(kind, 0) != got.get(kind, 0):
+                    raise EnvError(
+                        f"{where}[{i}] (role {m.get('role')!r}) has {has.get(kind, 0)} {kind} part(s) but the chat "
+                        f"template rendered {got.get(kind, 0)} {kind} placeholder(s) for it: placeholders and media "
+                        f"features would not match (does the template render {kind} parts in {m.get('role')} messages?)")
+        raise EnvError(f"{where}: the chat template rendered {rendered} media placeholders for media parts {wanted}")
+
+    def _parts_of(self, message: dict[str, Any]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in message.get("content") if isinstance(message.get("content"), list) else ():
+            kind = part_kind(p) if isinstance(p, dict) else None
+            if kind is not None:
+                out[kind] = out.get(kind, 0) + 1
+        return out
+
+    def _placeholders_alone(self, message: dict[str, Any]) -> dict[str, int]:
+        """Placeholder tokens the template writes for ``message`` after an assistant turn."""
+        _, tail = self.chat.render_after_assistant([message])
+        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        return self.family.count_placeholders(ids)
