@@ -68,9 +68,10 @@ class Roles:
             ray.shutdown()
 
 
-def load_tasks(cfg: RelaxConfig) -> tuple[list[Task], list[Task]]:
+def load_tasks(cfg: RelaxConfig, accepts_media: bool = False) -> tuple[list[Task], list[Task]]:
     """(train, held-out) task lists of the configured env; the first train task's opening
-    messages are checked against the policy (see :func:`relax_agent.preflight.check_env_prompt`)."""
+    messages are checked against the policy (see :func:`relax_agent.preflight.check_env_prompt`;
+    ``accepts_media``: the policy is multimodal)."""
     from relax_agent.preflight import check_env_prompt
 
     env = make_env_factory(cfg)()
@@ -78,7 +79,7 @@ def load_tasks(cfg: RelaxConfig) -> tuple[list[Task], list[Task]]:
         inner = env.unwrapped
         train, heldout = inner.tasks("train"), inner.tasks("heldout")
         if train:
-            check_env_prompt(env, train[0], cfg.run.seed)
+            check_env_prompt(env, train[0], cfg.run.seed, accepts_media)
         return train, heldout
     finally:
         env.close()
@@ -119,19 +120,23 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         import torch
 
         torch.set_num_threads(cfg.run.num_threads)
-    train_tasks, heldout_tasks = load_tasks(cfg)
+    model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
+    media = _media_policy(cfg, model_cfg)
+    train_tasks, heldout_tasks = load_tasks(cfg, accepts_media=media)
     if train:
         check_task_counts(cfg, len(train_tasks))
     if on_tasks is not None:
         on_tasks(train_tasks, heldout_tasks)
-    model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
     if on_load is not None:
         on_load(model_cfg.path)
-    engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train)
-    renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
+    engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train, media)
+    renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
+                            accepts_media=media)
     parser = build_parser(cfg.rollout.tool_parser)
     driver = None
-    if cfg.rollout.driver == "agent":
+    if media:
+        driver = _media_driver(cfg, model_cfg, engine, renderer, parser)
+    elif cfg.rollout.driver == "agent":
         from relax_agent.rollout.agent_driver import AgentDriver
 
         driver = AgentDriver(make_env_factory(cfg), engine, renderer, parser, cfg.rollout.agent)
@@ -140,8 +145,36 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     return Roles(cfg, device, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks, owns_ray)
 
 
-def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bool) -> tuple[Any, Any, Any]:
-    """(engine, trainer or None, tokenizer); loads the policy only when a real engine or trainer needs it."""
+def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
+    """True for a multimodal policy (read from its config); ConfigError for settings that cannot serve one."""
+    from relax_agent.errors import ConfigError
+    from relax_agent.models import is_media_policy
+
+    if not is_media_policy(model_cfg):
+        return False
+    if cfg.engine.kind != "hf":
+        raise ConfigError(f"engine.kind={cfg.engine.kind!r}: a multimodal policy ({model_cfg.path}) rolls out on "
+                          "engine.kind: hf (the media engine); set engine.kind: hf")
+    if cfg.rollout.driver != "env":
+        raise ConfigError(f"rollout.driver={cfg.rollout.driver!r}: a multimodal policy plays env-driven episodes; "
+                          "set rollout.driver: env")
+    return True
+
+
+def _media_driver(cfg: RelaxConfig, model_cfg: Any, engine: Any, renderer: Any, parser: Any) -> Any:
+    """The env driver of a multimodal policy: media rendered, recorded and sent to the engine."""
+    from relax_agent.models import load_media_processor
+    from relax_agent.multimodal.driver import MediaEnvDriver
+    from relax_agent.multimodal.render import MediaRenderer
+
+    processor = load_media_processor(model_cfg, engine.model_config)
+    return MediaEnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
+
+
+def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bool,
+                        media: bool = False) -> tuple[Any, Any, Any]:
+    """(engine, trainer or None, tokenizer); loads the policy only when a real engine or trainer needs it;
+    a multimodal policy (``media``) rolls out on the media engine."""
     from relax_agent.models import load_policy, load_tokenizer
 
     needs_model = cfg.engine.kind != "fake" or (train and cfg.trainer.backend != "fake")
@@ -155,8 +188,13 @@ def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bo
         from relax_agent.models import torch_dtype
 
         engine_model = copy.deepcopy(model).to(torch_dtype(cfg.engine.dtype)) if train else model
-    engine = cfg.engine.build(model=engine_model, tokenizer=tokenizer, device=device, seed=cfg.run.seed,
-                              record_routes=cfg.moe.replay)
+    if media:
+        from relax_agent.multimodal.engine import MediaEngine
+
+        engine: Any = MediaEngine(engine_model, tokenizer, device=device, seed=cfg.run.seed)
+    else:
+        engine = cfg.engine.build(model=engine_model, tokenizer=tokenizer, device=device, seed=cfg.run.seed,
+                                  record_routes=cfg.moe.replay)
     trainer = None
     if train:
         trainer = cfg.trainer.build(model=model, device=device, temperature=cfg.rollout.temperature,

@@ -74,6 +74,11 @@ class MediaEngine:
         self.stats = MediaEngineStats()
 
     @property
+    def model_config(self) -> Any:
+        """The policy's transformers config."""
+        return self._model.config
+
+    @property
     def policy_version(self) -> int:
         """Version of the weights the next request uses."""
         return self._version
