@@ -43,7 +43,7 @@ def policy(tmp_path_factory):
 
 
 def engine_config(**vllm: object) -> EngineConfig:
-    return EngineConfig(kind="vllm", max_batch_size=32,
+    return EngineConfig(kind="vllm", max_batch_size=32, batch_wait_s=0.5,
                         vllm=VLLMConfig(kv_cache_gib=1, max_model_len=MAX_LEN, **vllm))
 
 
@@ -210,11 +210,12 @@ def test_max_new_tokens_is_respected_per_request(engine):
 @needs_vllm
 def test_sixteen_concurrent_requests_are_served_with_their_own_samples(engine):
     before = engine.server_stats()["steps"]
-    gens = asyncio.run(gather(engine, [prompt_of(8, i) for i in range(16)], SamplingParams(max_new_tokens=8)))
-    steps = engine.server_stats()["steps"] - before
-    assert len(gens) == 16 and all(len(g.token_ids) == 8 for g in gens)
+    gens = asyncio.run(gather(engine, [prompt_of(8, i) for i in range(16)], SamplingParams(max_new_tokens=32)))
+    stats = engine.server_stats()
+    assert len(gens) == 16 and all(len(g.token_ids) == 32 for g in gens)
     assert len({g.token_ids for g in gens}) == 16
-    assert steps < 16 * 8 / 2  # continuous batching: far fewer engine steps than sampled tokens
+    # batched (the idle engine waited batch_wait_s=0.5 s for the burst): fewer steps than tokens
+    assert stats["max_running"] >= 8 and stats["steps"] - before < 16 * 32 / 2, stats
 
 
 @needs_vllm
@@ -427,3 +428,64 @@ def test_bad_sampling_params_are_refused(engine, params, error, match):
 def test_bad_prompts_are_refused(engine, prompt, match):
     with pytest.raises(DataError, match=match):
         engine.generate_many([prompt], SamplingParams())
+
+
+def trainer_logprobs(model, prompts, gens, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's [B, T] log-probs of each completion (one right-padded batch through
+    ``token_logprobs``), the engine's in the same layout, and the completion mask."""
+    from relax_agent.train.backends.torch_backend import token_logprobs
+
+    width = max(len(p) + len(g.token_ids) for p, g in zip(prompts, gens))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros(len(prompts), width)
+    rollout = torch.zeros(len(prompts), width)
+    for i, (p, g) in enumerate(zip(prompts, gens)):
+        seq = p + list(g.token_ids)
+        ids[i, :len(seq)], attn[i, :len(seq)] = torch.tensor(seq), 1
+        mask[i, len(p):len(seq)] = 1
+        rollout[i, len(p):len(seq)] = torch.tensor(g.logprobs)
+    with torch.no_grad():
+        train = token_logprobs(model, ids, attn, temperature)
+    return train, rollout, mask
+
+
+@needs_vllm
+def test_train_rollout_mismatch_is_below_1e_6_for_vllm_and_the_hf_engine(policy, engine):
+    from relax_agent.rollout.engines.hf import HFEngine
+    from relax_agent.train.algorithms import MISMATCH_K3_KL, mismatch_metrics
+
+    model, tok = policy
+    prompts = [prompt_of(n, n) for n in (5, 30, 120, 400)]
+    params = SamplingParams(max_new_tokens=24, temperature=0.7)
+    hf = HFEngine(model, tok, EngineConfig(max_batch_size=8), seed=0)
+    try:
+        hf_gens = hf.generate_many(prompts, params)
+    finally:
+        hf.close()
+    results = {}
+    for name, gens in (("vllm", engine.generate_many(prompts, params)), ("hf", hf_gens)):
+        train, rollout, mask = trainer_logprobs(model, prompts, gens, 0.7)
+        results[name] = mismatch_metrics(train, rollout, mask)[MISMATCH_K3_KL]
+    assert results["vllm"] <= 1e-6 and results["hf"] <= 1e-6, results
+
+
+@needs_vllm
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_half_precision_engines_follow_the_forward_pass_in_that_dtype(policy, dtype, torch_dtype):
+    import copy
+
+    model, tok = policy
+    eng = EngineConfig(kind="vllm", dtype=dtype, max_batch_size=4,
+                       vllm=VLLMConfig(kv_cache_gib=1, max_model_len=1024)).build(model=model, tokenizer=tok)
+    try:
+        assert {dt for _, dt in eng.weight_layout().values()} == {torch_dtype}
+        prompt = prompt_of(50, 11)
+        gen = eng.generate_many([prompt], SamplingParams(max_new_tokens=8, seed=3))[0]
+    finally:
+        eng.close()
+    half = copy.deepcopy(model).to(torch_dtype)
+    ref_half = reference_logprobs(half, prompt, gen.token_ids, 1.0)
+    ref_fp32 = reference_logprobs(model, prompt, gen.token_ids, 1.0)
+    lp = torch.tensor(gen.logprobs)
+    assert (lp - ref_half).abs().max() < 0.05
+    assert (lp - ref_fp32).abs().max() > 1e-5  # not secretly fp32

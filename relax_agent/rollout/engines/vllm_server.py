@@ -31,7 +31,7 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   ``"finish_old"`` admits no new request, lets the running ones finish on the old weights,
   then reloads. Answers ``{"version", "pause_s", "read_s", "reload_s", "aborted"}``
   (``pause_s``: time the engine could not step).
-- ``GET /stats``: counters since start; ``GET /health``: ``{"version"}`` (500 once the
+- ``GET /stats``: counters since start (``max_running``: most requests in one batch); ``GET /health``: ``{"version"}`` (500 once the
   engine thread died).
 
 Startup writes ``{"port": N}`` to ``--port-file`` once the model is loaded and the socket
@@ -109,8 +109,9 @@ def _settle(req_loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any
 class EngineLoop:
     """Owns the ``LLMEngine``; runs commands between steps (see the module docstring)."""
 
-    def __init__(self, llm: Any, seed: int) -> None:
+    def __init__(self, llm: Any, seed: int, batch_wait_s: float = 0.0) -> None:
         self.llm = llm
+        self.batch_wait_s = batch_wait_s
         self.version = 0
         self.seed = seed
         self.commands: queue.Queue = queue.Queue()
@@ -124,7 +125,7 @@ class EngineLoop:
         """Client ids aborted before their request arrived (the abort overtook it): refused on arrival."""
         self.error: str | None = None
         self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                      "aborted": 0, "resumed": 0, "weight_loads": 0, "weight_load_s": 0.0, "last_load": {}}
+                      "aborted": 0, "resumed": 0, "max_running": 0, "weight_loads": 0, "weight_load_s": 0.0, "last_load": {}}
         self.thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
 
     # ------------------------------------------------------------------ thread
@@ -163,10 +164,13 @@ class EngineLoop:
                 _settle(item.loop, item.future, failure)
 
     def _drain_commands(self, block: bool) -> None:
+        """Run the queued commands. ``block`` (the engine is idle): wait for one, and after a first
+        request wait up to ``batch_wait_s`` for more, so a burst starts as one batch."""
         try:
             kind, item = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
         except queue.Empty:
             return
+        deadline = time.monotonic() + (self.batch_wait_s if block and kind == "add" else 0.0)
         while True:
             if kind == "add":
                 self.stats["requests"] += 1
@@ -183,7 +187,8 @@ class EngineLoop:
             elif kind == "load":
                 self._start_load(item)
             try:
-                kind, item = self.commands.get_nowait()
+                remaining_s = deadline - time.monotonic()
+                kind, item = self.commands.get(timeout=remaining_s) if remaining_s > 0 else self.commands.get_nowait()
             except queue.Empty:
                 return
 
@@ -198,6 +203,7 @@ class EngineLoop:
         req.first_output = True
         self.llm.add_request(req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
         self.running[req.vllm_id] = req
+        self.stats["max_running"] = max(self.stats["max_running"], len(self.running))
 
     def _abort(self, client_id: str) -> None:
         found = False
@@ -421,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--batch-wait-s", type=float, default=0.0,
+                        help="an idle engine waits this long after a request for more before it steps")
     args = parser.parse_args(argv)
     token = os.environ.get("RELAX_VLLM_TOKEN", "")
     if not token:
@@ -429,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    engine = EngineLoop(build_llm(args), args.seed)
+    engine = EngineLoop(build_llm(args), args.seed, args.batch_wait_s)
     warm_up(engine.llm)
     engine.thread.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
