@@ -486,10 +486,10 @@ MEDIA_TEMPLATE = (
     "{%- elif part['type'] in ['audio', 'input_audio'] -%}{{ AUDIO_START }}{{ AUDIO }}{{ AUDIO_END }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- endmacro -%}"
-    "{%- for message in messages -%}"
+    "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ render(message['content']) }}<|im_end|>\n"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """ChatML that renders every role's content parts (images, videos, audio clips in user and tool
 messages alike) as the family's placeholder structure; the upper-case names are filled per family."""
