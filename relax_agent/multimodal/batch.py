@@ -71,7 +71,7 @@ def media_model_kwargs(model: Any, family: Any, input_ids: torch.Tensor,
     if merged is None:
         return {}
     device = input_ids.device
-    out: dict[str, torch.Tensor] = {k: torch.from_numpy(np.ascontiguousarray(v)).to(device)
+    out: dict[str, torch.Tensor] = {k: torch.from_numpy(np.array(v)).to(device)  # a copy: bus arrays are read-only
                                     for k, v in merged.arrays.items()}
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         out["mm_token_type_ids"] = family.token_type_ids(input_ids)
