@@ -149,7 +149,7 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--groups-per-replica", type=int, default=2, help="runtime.max_groups_per_replica")
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--latency-median-s", type=float, default=1.0)
+    p.add_argument("--latency-median-s", type=float, default=2.0)
     p.add_argument("--latency-sigma", type=float, default=0.5)
     p.add_argument("--latency-cap-s", type=float, default=6.0)
     p.add_argument("--kills", type=int, default=5)

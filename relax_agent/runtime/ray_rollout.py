@@ -176,8 +176,8 @@ class Replica:
 class ReplicaPool:
     """The replicas of a run, shared by the supervisor thread and the loop's event loop (one lock).
 
-    ``pick``/``release`` are the service's; ``add``, ``mark`` and the states are the supervisor's;
-    ``fail`` is called by either (a call that failed, a heartbeat that stopped).
+    ``pick``/``release`` are the service's; adding replicas and moving them between states are the
+    supervisor's; ``fail`` is called by either (a call that failed, a heartbeat that stopped).
     """
 
     def __init__(self) -> None:
@@ -245,6 +245,8 @@ class RayRolloutService:
         self.max_groups_per_replica = max_groups_per_replica
         self.pool = pool
         self.runner = runner
+        self.driver = runner.driver
+        """The driver's rollout driver (env factory, renderer, parser): evaluation replays parsed actions on it."""
         self.coordinator = coordinator
         self.watchdog_s = watchdog_s
         self.routes = routes
@@ -272,9 +274,9 @@ class RayRolloutService:
         attempt = 0
         while True:
             rep = await self._acquire()
-            ok = False
-            ref = call(rep, attempt)
+            ok, ref = False, None
             try:
+                ref = call(rep, attempt)
                 result = await asyncio.wait_for(_as_future(ref), self.watchdog_s)
                 ok = True
                 return result
@@ -284,7 +286,8 @@ class RayRolloutService:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self.pool.fail(rep, f"died during {what}: {type(exc).__name__}")
             except asyncio.CancelledError:
-                ray.cancel(ref)
+                if ref is not None:
+                    ray.cancel(ref)
                 raise
             finally:
                 self.pool.release(rep, ok)
@@ -312,7 +315,7 @@ class RayRolloutService:
         """Rendered in the driver with its runner's env factory, renderer and parser (no engine needed)."""
         from relax_agent.rollout.demonstrations import demonstration_fields
 
-        driver = self.runner.driver
+        driver = self.driver
         return demonstration_fields(driver.make_env, driver.renderer, driver.parser, tasks, seed)
 
     async def run(self, specs: Sequence[Any], params: SamplingParams,
