@@ -56,7 +56,8 @@ def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any
     b = len(tokens)
     if not b:
         raise DataError("collate needs at least one row; got none")
-    adv = torch.as_tensor(np.array(fields[R.ADVANTAGE] if advantages is None else advantages, dtype=np.float32)).reshape(-1)
+    adv = torch.as_tensor(np.asarray(fields[R.ADVANTAGE] if advantages is None else advantages, dtype=np.float32).copy())
+    adv = adv.reshape(-1)
     if adv.numel() != b:
         raise DataError(f"got {adv.numel()} advantages for {b} rows")
     lengths = [len(t) for t in tokens]
