@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from relax_agent.errors import DataError, EngineError
+from relax_agent.errors import DataError
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Task

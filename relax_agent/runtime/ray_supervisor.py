@@ -43,7 +43,7 @@ from typing import Any
 
 import ray
 
-from relax_agent.errors import ConfigError, DataError, EngineError
+from relax_agent.errors import ConfigError, DataError, EngineError, RelaxError
 from relax_agent.runtime.base import PARTITION
 from relax_agent.runtime.ray_rollout import (
     DRAINING,
@@ -169,6 +169,10 @@ class Supervisor:
             self._table = ray.get(self.health.table.remote(), timeout=10.0)
         except ray.exceptions.GetTimeoutError:
             pass  # keep the last table: ages then only grow
+        except ray.exceptions.RayActorError as exc:  # not restarted (see the table): the run cannot go on
+            self.pool.fatal = RelaxError(f"the heartbeat actor {self.prefix}.health died ({type(exc).__name__}); "
+                                         "replicas cannot be supervised: resume the run from its checkpoint")
+            return
         now = time.monotonic()
         for rep in self.pool.in_state(STARTING):
             self._check_start(rep, now)

@@ -106,8 +106,6 @@ def assert_same_as_local(reference, out, summary):
     Weights agree to 1e-4: the replicas' log-probs come from other processes and differ in the last
     bits, which Adam (lr 1e-3) turns into differences of ~1e-5; a step missing or taken twice moves
     weights by ~lr = 1e-3."""
-    import torch
-
     key = lambda r: (r["sample_id"], r["sample_version"], r["trained_at_version"], r["reward"], r["response"])  # noqa: E731
     assert sorted(map(key, dumped(out))) == sorted(map(key, reference["rows"]))
     got = final_weights(summary)
