@@ -347,9 +347,10 @@ def test_abort_resume_tags_every_token_with_the_version_that_sampled_it(policy, 
     prompt = prompt_of(20, 7)
     new = perturbed(model, seed=4)
     old_version = engine.policy_version
+    N = 1500  # long enough that the update lands mid-generation even on a loaded machine
 
     async def main():
-        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=400, seed=6)))
+        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=N, seed=6)))
         await wait_for_tokens(engine, 20)
         await asyncio.to_thread(engine.load_weights, new, old_version + 1)
         return await task
@@ -357,8 +358,8 @@ def test_abort_resume_tags_every_token_with_the_version_that_sampled_it(policy, 
     gen = asyncio.run(main())
     versions = torch.tensor(gen.token_versions)
     k = int((versions == old_version).sum())
-    assert len(gen.token_ids) == 400 and 20 <= k < 400, k
-    assert gen.token_versions == (old_version,) * k + (old_version + 1,) * (400 - k)
+    assert len(gen.token_ids) == N and 20 <= k < N, k
+    assert gen.token_versions == (old_version,) * k + (old_version + 1,) * (N - k)
     assert gen.policy_version == old_version and engine.server_stats()["last_load"]["aborted"] == 1
     old_ref = reference_logprobs(model, prompt, gen.token_ids, 1.0)
     model.load_state_dict(new)
@@ -381,7 +382,7 @@ def test_finish_old_keeps_each_generation_on_one_version_then_close_fails_in_fli
     prompt = prompt_of(15, 8)
     try:
         async def main():
-            running = asyncio.create_task(eng.generate(prompt, SamplingParams(max_new_tokens=300, seed=7)))
+            running = asyncio.create_task(eng.generate(prompt, SamplingParams(max_new_tokens=1000, seed=7)))
             await wait_for_tokens(eng, 20)
             loader = asyncio.create_task(asyncio.to_thread(eng.load_weights, new, 1))
             await asyncio.sleep(0.2)
@@ -391,7 +392,8 @@ def test_finish_old_keeps_each_generation_on_one_version_then_close_fails_in_fli
             return old_gen, await later
 
         old_gen, new_gen = asyncio.run(main())
-        assert old_gen.token_versions == (0,) * 300 and old_gen.policy_version == 0
+        assert old_gen.token_versions == (0,) * 1000 and old_gen.policy_version == 0
+        assert eng.server_stats()["last_load"]["aborted"] == 0
         assert new_gen.token_versions == (1,) * 5 and eng.policy_version == 1
         torch.testing.assert_close(torch.tensor(old_gen.logprobs),
                                    reference_logprobs(model, prompt, old_gen.token_ids, 1.0), atol=1e-4, rtol=0)
