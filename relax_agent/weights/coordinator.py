@@ -237,7 +237,8 @@ class Coordinator:
         """Block until each of ``subscribers`` still registered has reported ``version`` (or newer).
 
         Returns:
-            subscriber id -> its report (unregistered subscribers are left out).
+            subscriber id -> its report (a subscriber that left after reporting keeps its report;
+            one that left without reporting is left out).
 
         Raises:
             WeightSyncError: ``timeout_s`` passed first; names the subscribers still missing.

@@ -154,8 +154,11 @@ def test_wait_applied_collects_reports_and_names_the_missing():
     coord.report(ApplyReport(b, 1, "refused"))
     reports = coord.wait_applied(1, [a, b], 1.0)
     assert reports[a].stats == {"pause_s": 0.1} and reports[b].error == "refused"
-    coord.unregister_subscriber(b)
-    assert list(coord.wait_applied(1, [a, b], 1.0)) == [a]
+    coord.unregister_subscriber(b)  # its last report still answers a publish waiting for it
+    assert list(coord.wait_applied(1, [a, b], 1.0)) == [a, b]
+    c = coord.register_subscriber("c")
+    coord.unregister_subscriber(c)  # left without reporting: neither applied nor missing
+    assert list(coord.wait_applied(1, [a, c], 1.0)) == [a]
 
 
 def test_http_coordinator_speaks_the_same_protocol():
