@@ -224,8 +224,8 @@ MEDIA = "media"
 TRAJECTORY = "trajectory"
 
 TRAIN_FIELDS = (TOKEN_IDS, LOSS_MASK, ROLLOUT_LOGPROBS, ADVANTAGE, MEDIA)
-"""What the trainer reads to build a batch (``media`` is None on text-only rows; plus :data:`ROUTED_EXPERTS` / :data:`ROUTES_MASK`
-for routing replay)."""
+"""What the trainer reads to build a batch (``media`` is None on text-only rows; plus
+:data:`ROUTED_EXPERTS` / :data:`ROUTES_MASK` for routing replay)."""
 ROUTE_FIELDS = (ROUTED_EXPERTS, ROUTES_MASK)
 
 
