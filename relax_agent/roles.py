@@ -158,6 +158,9 @@ def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
     if cfg.rollout.driver != "env":
         raise ConfigError(f"rollout.driver={cfg.rollout.driver!r}: a multimodal policy plays env-driven episodes; "
                           "set rollout.driver: env")
+    if cfg.trainer.backend != "torch":
+        raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: only the torch backend feeds media to the policy's "
+                          "forward (another would train a blind model); set trainer.backend: torch")
     if cfg.trainer.sft_warmup_steps:
         raise ConfigError(f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps}: the supervised warm-up renders "
                           "text-only demonstrations; set it to 0 for a multimodal policy")

@@ -28,7 +28,9 @@ def test_a_media_prompt_is_refused_for_a_text_policy_and_accepted_for_a_media_on
 
 
 @pytest.mark.parametrize("override, key", [("engine.kind=fake", "engine.kind"), ("rollout.driver=agent", "rollout.driver"),
-                                           ("trainer.sft_warmup_steps=2", "trainer.sft_warmup_steps")])
+                                           ("trainer.sft_warmup_steps=2", "trainer.sft_warmup_steps"),
+                                           ("trainer.backend=megatron", "trainer.backend"),
+                                           ("trainer.backend=fake", "trainer.backend")])
 def test_settings_that_cannot_serve_a_media_policy_are_refused_by_key(vl_dir, override, key):
     extra = ['rollout.agent.command=["python", "agent.py"]'] if key == "rollout.driver" else []
     cfg = load_config("examples/visual_count.yaml", [f"model.path={vl_dir}", override, *extra])
