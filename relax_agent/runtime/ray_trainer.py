@@ -278,10 +278,11 @@ class RayTrainerService:
 
     def _restart(self) -> None:
         """A new actor: the base checkpoint, the logged operations replayed, the loop's version published."""
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:
-            pass
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception:  # gone already
+                pass
         base = self._base
         versions = [arg for kind, _, arg in self._log if kind != "sft"]
         expected = list(range(base.version + 1, base.version + 1 + len(versions)))
