@@ -85,9 +85,9 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
         EngineError: replicas did not become ready (names the last failure).
     """
     from relax_agent.data.ray import RayTransferQueue, start_ray
+    from relax_agent.runtime.ray_control import ControlServer
     from relax_agent.runtime.ray_health import start_health
     from relax_agent.runtime.ray_rollout import RayRolloutService, ReplicaPool
-    from relax_agent.runtime.ray_control import ControlServer
     from relax_agent.runtime.ray_supervisor import Supervisor
     from relax_agent.runtime.ray_trainer import RayTrainerService
     from relax_agent.runtime.ray_weights import ActorCoordinator, start_coordinator

@@ -389,22 +389,34 @@ def test_sigkill_of_a_reward_replica_retries_its_items(ray_session, tiny_model_d
         assert r["reward"] == pytest.approx(min(r["metrics"]["reward/chars"], 100) / 100.0)
 
 
-def test_train_cli_starts_and_stops_its_own_ray(tiny_model_dir, tmp_path):
+def test_train_cli_starts_its_own_ray_and_resumes(tiny_model_dir, tmp_path):
     """``relax-agent train ... runtime.kind=ray`` in a fresh process: the runtime starts a local Ray
-    (``data.ray_num_cpus``), trains with 2 replicas and exits 0, leaving no control endpoint file."""
+    (``data.ray_num_cpus``), trains 2 steps with 2 replicas and exits 0 (no control endpoint file
+    left); ``--resume`` to 3 steps rebuilds the trainer actor from the checkpoint and publishes its
+    weights, so step 3's groups are sampled with version 2."""
     import subprocess
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "relax_agent.cli", "train", "examples/tiny.yaml", f"model.path={tiny_model_dir}",
-           "env.id=examples.custom_env:examples/Echo-v0", "eval.at_start=false", "eval.at_end=false",
-           "trainer.steps=2", "checkpoint.every_steps=0", "logging.tensorboard=false", "logging.plot=false",
-           "run.num_threads=1", f"run.output_dir={out}", "mode=async", "weights.transport=tcp", "runtime.kind=ray",
-           "runtime.rollout_replicas=2", "runtime.trainer_num_cpus=0.25", "data.ray_actor_name=t-cli", "--quiet"]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [m for line in (out / "metrics.jsonl").read_text().splitlines() if "rollout/reward" in (m := json.loads(line))]
+
+    def train(steps, *extra):
+        cmd = [sys.executable, "-m", "relax_agent.cli", "train", "examples/tiny.yaml", f"model.path={tiny_model_dir}",
+               "env.id=examples.custom_env:examples/Echo-v0", "eval.at_start=false", "eval.at_end=false",
+               f"trainer.steps={steps}", "checkpoint.every_steps=0", "logging.tensorboard=false",
+               "logging.plot=false", "run.num_threads=1", f"run.output_dir={out}", "mode=async",
+               "weights.transport=tcp", "runtime.kind=ray", "runtime.rollout_replicas=2",
+               "runtime.trainer_num_cpus=0.25", "data.ray_actor_name=t-cli", "--quiet", *extra]
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not (out / "runtime.json").exists()
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [m for m in rows if "rollout/reward" in m]
+
+    steps = train(2)
     assert [m["policy_version"] for m in steps] == [1, 2]
     assert [m["runtime/rollout_replicas"] for m in steps] == [2.0, 2.0]
     assert json.loads((out / "summary.json").read_text())["checkpoint"].endswith("step_000002")
-    assert not (out / "runtime.json").exists()
+    steps = train(3, "--resume")
+    assert [(m["step"], m["policy_version"]) for m in steps] == [(1, 1), (2, 2), (3, 3)]
+    step3 = [json.loads(line) for line in (out / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
+    assert {r["sample_version"] for r in step3} == {2}
