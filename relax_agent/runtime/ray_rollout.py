@@ -281,13 +281,13 @@ class RayRolloutService:
                 ok = True
                 return result
             except asyncio.TimeoutError:
-                ray.cancel(ref)
+                _cancel(ref)
                 self.pool.fail(rep, f"{what} took more than runtime.request_timeout_s={self.watchdog_s:g} s")
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self.pool.fail(rep, f"died during {what}: {type(exc).__name__}")
             except asyncio.CancelledError:
                 if ref is not None:
-                    ray.cancel(ref)
+                    _cancel(ref)
                 raise
             finally:
                 self.pool.release(rep, ok)
@@ -298,7 +298,8 @@ class RayRolloutService:
         first: dict[str, Any] = {}
 
         def call(rep: Replica, attempt: int) -> Any:
-            if rep.first_group is None and rep.groups_done == 0 and "rep" not in first:
+            first.clear()  # only the attempt that returns counts
+            if rep.first_group is None and rep.groups_done == 0:
                 first.update(rep=rep, latest=self.coordinator.latest_version)
             return rep.handle.play_group.remote(job, params, attempt)
 
@@ -343,6 +344,15 @@ class RayRolloutService:
 
     def close(self) -> None:
         """Nothing here: the supervisor stops the replicas (a closer of the runtime)."""
+
+
+def _cancel(ref: Any) -> None:
+    """Ask Ray to cancel the call behind ``ref`` (its episodes are cancelled, their envs closed);
+    a replica that is dead or hung cannot answer, which is fine: it is being replaced."""
+    try:
+        ray.cancel(ref)
+    except Exception:
+        pass
 
 
 def _as_future(ref: Any) -> asyncio.Future:

@@ -169,3 +169,74 @@ def test_after_a_checkpoint_the_redo_log_keeps_only_what_came_later(tmp_path):
     svc._trim_to_checkpoint()
     assert (svc._base.checkpoint, svc._base.version) == (ckpt, 3)
     assert svc._log == [("train", {}, 4)]
+
+
+class _Call:
+    """A fake ObjectRef: ``future()`` is a concurrent future the test completes (or never does)."""
+
+    def __init__(self, result=None, error=None):
+        import concurrent.futures
+
+        self._future = concurrent.futures.Future()
+        if error is not None:
+            self._future.set_exception(error)
+        elif result is not None:
+            self._future.set_result(result)
+
+    def future(self):
+        return self._future
+
+
+class _Handle:
+    def __init__(self, call):
+        self.play_group = type("M", (), {"remote": staticmethod(lambda *args: call)})()
+
+
+class _Coordinator:
+    latest_version = 3
+
+
+def _service(calls, watchdog_s=0.3):
+    from relax_agent.runtime.ray_rollout import RayRolloutService, Replica, ReplicaPool
+
+    pool = ReplicaPool()
+    for slot, call in enumerate(calls):
+        pool.replicas.append(Replica(slot, f"r{slot}", _Handle(call), 0.0, None, state="ready"))
+    runner = type("Runner", (), {"driver": None})()
+    return RayRolloutService(pool, runner, _Coordinator(), watchdog_s), pool
+
+
+def _job():
+    from relax_agent.runtime.base import GroupDone, GroupJob
+
+    job = GroupJob(0, "s0/g0", {"id": "t"}, 0, 2)
+    return job, GroupDone(job, ["s0/g0/0", "s0/g0/1"], 3, 0.1)
+
+
+def test_a_group_past_the_watchdog_is_played_again_on_another_replica():
+    import asyncio
+
+    from relax_agent.rollout.engines.base import SamplingParams
+
+    job, done = _job()
+    svc, pool = _service([_Call(), _Call(done)])  # replica 0 never answers
+    assert asyncio.run(svc.play_group(job, SamplingParams(8))) == done
+    r0, r1 = pool.replicas
+    assert r0.state == "failed" and "runtime.request_timeout_s=0.3" in r0.reason
+    assert (r0.in_flight, r1.in_flight, r1.groups_done, svc.retried_groups) == (0, 0, 1, 1)
+    assert r0.first_group is None and r1.first_group == (3, 3)  # its first group: version 3, the latest
+
+
+def test_a_group_whose_replica_died_is_played_again_and_records_the_first_version():
+    import asyncio
+
+    import ray
+
+    from relax_agent.rollout.engines.base import SamplingParams
+
+    job, done = _job()
+    svc, pool = _service([_Call(error=ray.exceptions.ActorDiedError()), _Call(done)], watchdog_s=60)
+    assert asyncio.run(svc.play_group(job, SamplingParams(8))) == done
+    r0, r1 = pool.replicas
+    assert r0.state == "failed" and "died during group s0/g0" in r0.reason
+    assert r1.groups_done == 1 and svc.retried_groups == 1 and r1.first_group == (3, 3)
