@@ -349,9 +349,11 @@ class RayRolloutService:
 def _cancel(ref: Any) -> None:
     """Ask Ray to cancel the call behind ``ref`` (its episodes are cancelled, their envs closed);
     a replica that is dead or hung cannot answer, which is fine: it is being replaced."""
+    if not isinstance(ref, ray.ObjectRef):
+        return
     try:
         ray.cancel(ref)
-    except Exception:
+    except Exception:  # the replica is gone
         pass
 
 
