@@ -71,3 +71,8 @@ class AuthError(RewardServiceError, PermissionError):
 
 class WeightSyncError(RelaxError, RuntimeError):
     """Weights could not be published or applied (layout mismatch, checksum, transport)."""
+
+
+class RuntimeServiceError(RelaxError, RuntimeError):
+    """A role's service failed past its restart policy (``runtime.max_trainer_restarts`` spent, a
+    supervising actor died)."""

@@ -43,7 +43,7 @@ from typing import Any
 
 import ray
 
-from relax_agent.errors import ConfigError, DataError, EngineError, RelaxError
+from relax_agent.errors import ConfigError, DataError, EngineError, RuntimeServiceError
 from relax_agent.runtime.base import PARTITION
 from relax_agent.runtime.ray_rollout import (
     DRAINING,
@@ -170,7 +170,7 @@ class Supervisor:
         except ray.exceptions.GetTimeoutError:
             pass  # keep the last table: ages then only grow
         except ray.exceptions.RayActorError as exc:  # not restarted (see the table): the run cannot go on
-            self.pool.fatal = RelaxError(f"the heartbeat actor {self.prefix}.health died ({type(exc).__name__}); "
+            self.pool.fatal = RuntimeServiceError(f"the heartbeat actor {self.prefix}.health died ({type(exc).__name__}); "
                                          "replicas cannot be supervised: resume the run from its checkpoint")
             return
         now = time.monotonic()

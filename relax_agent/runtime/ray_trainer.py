@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import ray
 
-from relax_agent.errors import CheckpointError, RelaxError
+from relax_agent.errors import CheckpointError, RuntimeServiceError
 
 log = logging.getLogger("relax_agent.runtime")
 _DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -261,12 +261,12 @@ class RayTrainerService:
         """Restart the actor (again while restarts die), within the restart budget.
 
         Raises:
-            RelaxError: ``runtime.max_trainer_restarts`` restarts are used up.
+            RuntimeServiceError: ``runtime.max_trainer_restarts`` restarts are used up.
         """
         while True:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if not self.supervisor.allow_trainer_restart(reason):
-                raise RelaxError(f"the trainer actor died ({reason}) and runtime.max_trainer_restarts="
+                raise RuntimeServiceError(f"the trainer actor died ({reason}) and runtime.max_trainer_restarts="
                                  f"{self.cfg.runtime.max_trainer_restarts} restarts are used up") from exc
             log.warning("runtime: the trainer actor died (%s); restarting it from %s and %d logged operations",
                         reason, self._base.checkpoint or "the initial policy", len(self._log))

@@ -34,7 +34,8 @@ def test_public_api_is_pinned():
 def test_errors_subclass_their_builtin_and_pickle():
     pairs = {errors.ConfigError: ValueError, errors.EnvError: RuntimeError, errors.DataError: ValueError,
              errors.SandboxError: RuntimeError, errors.SandboxTimeoutError: TimeoutError,
-             errors.AuthError: PermissionError, errors.ModelLoadError: OSError, errors.CheckpointError: OSError}
+             errors.AuthError: PermissionError, errors.ModelLoadError: OSError, errors.CheckpointError: OSError,
+             errors.RuntimeServiceError: RuntimeError}
     for cls, builtin in pairs.items():
         assert issubclass(cls, errors.RelaxError) and issubclass(cls, builtin)
         err = pickle.loads(pickle.dumps(cls("trainer.lr: bad")))
