@@ -93,8 +93,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """Draw reward/accuracy/format-rate curves (training), eval points and, in async mode, the
-    staleness of the trained samples to a PNG."""
+    """Draw reward/accuracy/format-rate curves (training), eval points and, when the run has them,
+    the staleness of the trained samples (async mode) and the rollout replicas and restarts per
+    role (``runtime: ray``) to a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +103,9 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
 
     rows = read_metrics(metrics_path)
     stale = [(r["step"], r["async/staleness_mean"], r["async/staleness_max"]) for r in rows if "async/staleness_mean" in r]
-    fig, axes = plt.subplots(1, 3 if stale else 2, figsize=(16.5 if stale else 11, 4), sharex=True)
+    roles = [r for r in rows if "runtime/rollout_replicas" in r]
+    panels = 2 + bool(stale) + bool(roles)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), sharex=True)
     colors = {"reward": "tab:blue", "accuracy": "tab:green", "well-formed calls": "tab:orange"}
     for key, label in ((REWARD, "reward"), (ACCURACY, "accuracy"), (FORMAT_RATE, "well-formed calls")):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
@@ -120,6 +123,16 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
         axes[2].plot(s, mean, marker=".", label="mean", color="tab:purple")
         axes[2].plot(s, high, marker=".", label="max", color="tab:red")
         axes[2].set_title("staleness of trained samples (versions)")
+    if roles:  # runtime: ray: replicas serving and restarts so far, per role
+        ax = axes[-1]
+        for key, label, color, style in (("runtime/rollout_target", "replica target", "tab:gray", "--"),
+                                         ("runtime/rollout_replicas", "rollout replicas", "tab:blue", "-"),
+                                         ("runtime/rollout_restarts", "rollout restarts", "tab:red", "-"),
+                                         ("runtime/trainer_restarts", "trainer restarts", "tab:purple", "-")):
+            pts = [(r["step"], r[key]) for r in roles if r.get(key) is not None]
+            if pts:
+                ax.step(*zip(*pts), where="post", marker=".", label=label, color=color, linestyle=style)
+        ax.set_title("runtime: replicas and restarts")
     last = max((r["step"] for r in rows), default=1)
     for ax in axes:
         ax.set_xlim(-0.5, last + 0.5)

@@ -125,3 +125,20 @@ def test_an_env_whose_prompts_carry_images_is_refused_at_start_up_for_a_text_onl
     with pytest.raises(ConfigError, match=r"env.reset observation\[0\] has a 'image_url' content part"):
         check_env_prompt(ImageEnv(), {"id": "t"}, seed=0)
     check_env_prompt(ImageEnv(), {"id": "t"}, seed=0, accepts_media=True)
+
+
+def test_the_plot_gets_a_replicas_and_restarts_panel_for_a_ray_run(tmp_path):
+    from PIL import Image
+
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    for step, (replicas, restarts) in enumerate([(1, 0), (2, 0), (2, 1), (1, 1)], start=1):
+        log.log(step, {"rollout/reward": 0.1 * step, "runtime/rollout_replicas": replicas,
+                       "runtime/rollout_target": replicas, "runtime/rollout_restarts": restarts,
+                       "runtime/trainer_restarts": 0})
+    log.close()
+    plain = MetricsLogger(tmp_path / "plain", tensorboard=False)
+    plain.log(1, {"rollout/reward": 0.1})
+    plain.close()
+    with_roles = Image.open(plot_curves(tmp_path / "metrics.jsonl", tmp_path / "p.png"))
+    without = Image.open(plot_curves(tmp_path / "plain" / "metrics.jsonl", tmp_path / "q.png"))
+    assert with_roles.width > without.width  # a third panel
