@@ -441,11 +441,16 @@ class TorchTrainer:
             nll = -(logp * micro.loss_mask).sum() / n_tokens
             nll.backward()
             total += float(nll.detach())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        grad_norm = self._clip_sft_grads()
         if math.isfinite(grad_norm):
             self._sft_optimizer.step()
         self._sft_optimizer.zero_grad(set_to_none=True)
         return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/tokens": float(n_tokens)}
+
+    def _clip_sft_grads(self) -> float:
+        """Clip the warm-up's gradients at ``grad_clip``; returns their norm before clipping
+        (a sharded backend overrides this to sum partial gradients and take the global norm)."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
 
     def end_sft(self) -> None:
         """Drop the warm-up optimizer's state (the RL optimizer is separate)."""

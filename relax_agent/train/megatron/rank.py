@@ -229,36 +229,11 @@ class RankTrainer(TorchTrainer):
             self.step += 1
         return grad_norm
 
-    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
-        """:meth:`TorchTrainer.sft_step` on the shards: mean NLL of the ``loss_mask`` tokens, its own
-        AdamW, gradients summed where partial and clipped by the global norm."""
-        from relax_agent.errors import DataError
-        from relax_agent.train.backends.torch_backend import token_logprobs
-
-        n_tokens = batch.num_policy_tokens
-        if n_tokens == 0:
-            raise DataError("the SFT batch has no loss tokens (loss_mask is all 0)")
-        if getattr(self, "_sft_optimizer", None) is None:
-            self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, betas=self.cfg.betas,
-                                                    weight_decay=self.cfg.weight_decay)
-        for group in self._sft_optimizer.param_groups:
-            group["lr"] = lr
-        self.model.train()
-        self._sft_optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in batch.split(self.cfg.micro_batch_size):
-            micro = micro.to(self.device)
-            with self._autocast():
-                logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0)
-            nll = -(logp * micro.loss_mask).sum() / n_tokens
-            nll.backward()
-            total += float(nll.detach())
+    def _clip_sft_grads(self) -> float:
+        """:meth:`TorchTrainer.sft_step` on the shards: gradients summed where partial, clipped by
+        the global norm."""
         self._sum_partial_grads()
-        grad_norm = self._clip_global()
-        if math.isfinite(grad_norm):
-            self._sft_optimizer.step()
-        self._sft_optimizer.zero_grad(set_to_none=True)
-        return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/tokens": float(n_tokens)}
+        return self._clip_global()
 
     def _global_grad_norm(self) -> float:
         """L2 norm of the whole model's gradient, every shard counted once (all ranks agree)."""
