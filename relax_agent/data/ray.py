@@ -274,6 +274,7 @@ class RayTransferQueue:
 
     Raises:
         ConfigError: Ray is not initialised (call ``ray.init(num_cpus=...)`` first).
+        DataError: the named metadata actor did not start, or kept dying, within 30 s.
     """
 
     def __init__(self, cfg: DataConfig | None = None) -> None:
@@ -281,13 +282,38 @@ class RayTransferQueue:
         if not ray.is_initialized():
             raise ConfigError("data.backend='ray' needs a running Ray: call ray.init(num_cpus=...) or "
                               "relax_agent.data.ray.start_ray(cfg) first")
-        actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
-        self._actor = actor_cls.options(name=self.cfg.ray_actor_name, namespace=self.cfg.ray_namespace,
-                                        get_if_exists=True).remote(self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
+        self._actor = self._attach()
         self._channel: ChannelClient | None = None
         self._channel_lock = threading.Lock()
         self._channel_checked = False
         self._closed = False
+
+    def _attach(self, timeout_s: float = 30.0) -> Any:
+        """The named metadata actor, created if absent and waited on until it answers.
+
+        A named actor whose last handle was just dropped is still found by name while Ray tears it
+        down; such a handle dies on its first call, so attaching waits for the name to free and
+        creates the actor anew.
+
+        Raises:
+            DataError: no live metadata actor answered within ``timeout_s`` seconds.
+        """
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=1000)(MetadataActor)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            actor = actor_cls.options(name=self.cfg.ray_actor_name, namespace=self.cfg.ray_namespace,
+                                      get_if_exists=True).remote(self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                return actor
+            except ray.exceptions.ActorDiedError as exc:
+                if time.monotonic() > deadline:
+                    raise DataError(f"data bus: metadata actor {self.cfg.ray_actor_name!r} kept dying while "
+                                    f"attaching for {timeout_s:.0f} s: {exc}") from exc
+                time.sleep(0.2)
+            except ray.exceptions.GetTimeoutError as exc:
+                raise DataError(f"data bus: metadata actor {self.cfg.ray_actor_name!r} did not start within "
+                                f"{timeout_s:.0f} s (is the Ray cluster out of resources?)") from exc
 
     def __getstate__(self) -> dict[str, Any]:
         return {"cfg": self.cfg, "_actor": self._actor}

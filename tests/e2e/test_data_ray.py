@@ -6,6 +6,7 @@ killed with SIGKILL.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -217,6 +218,16 @@ def test_put_after_close_is_refused(tq):  # tq: Ray is up
         bus.stats("p")
 
 
+def test_a_bus_reattached_by_name_right_after_the_last_handle_dropped_works(tq):  # tq: Ray is up
+    for round_ in range(3):  # each round's actor dies with its handle; the next finds the dying one by name
+        bus = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="reattach"))
+        bus.create_partition("p", 4)
+        bus.put("p", [f"s{round_}"], {"r": [float(round_)]}, group_ids=["g"], versions=[0])
+        assert bus.get("p", ["r"], "t", 1, timeout_s=5).fields["r"] == [float(round_)]
+        del bus
+        gc.collect()
+
+
 _SECOND_DRIVER = """
 import json, sys
 import numpy as np
@@ -255,9 +266,9 @@ class _DriverOnly:
 
 @pytest.mark.parametrize("value", [lambda x: x, _DriverOnly(3)], ids=["lambda", "class-by-value"])
 def test_a_value_the_channel_cannot_carry_is_refused_at_put(tq, value):
-    slow = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="poison-put", lease_timeout_s=300,
-                                       ray_inline_max_bytes=1024))
     part = f"poison-put-{type(value).__name__}"
+    slow = RayTransferQueue(DataConfig(backend="ray", ray_actor_name=part, lease_timeout_s=300,
+                                       ray_inline_max_bytes=1024))
     slow.create_partition(part, 4)
     big = np.zeros((1, 1024), np.int64)  # an object-store field: the put travels as a Ray task (cloudpickle)
     with pytest.raises(DataError, match=r"field 'meta' of sample 'bad'.*cannot be pickled"):
