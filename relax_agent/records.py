@@ -71,6 +71,8 @@ class Turn:
         finish_reason: "stop" (EOS/stop token) or "length" (hit max_new_tokens).
         routed_experts: MoE routing replay only: [n, layers, top_k] uint8/int16 experts chosen,
             per MoE layer, by the forward pass that scored each sampled token; None otherwise.
+        token_versions: [n] policy version of each token when a weight update landed inside
+            this turn (``policy_version`` is then the oldest); empty when one version sampled it all.
     """
 
     start: int
@@ -79,6 +81,12 @@ class Turn:
     policy_version: int
     finish_reason: str
     routed_experts: Any = None
+    token_versions: tuple[int, ...] = ()
+
+    @property
+    def crossed_update(self) -> bool:
+        """Whether tokens of this turn were sampled under more than one policy version."""
+        return len(set(self.token_versions)) > 1
 
 
 MEDIA_KINDS = ("image", "video", "audio")

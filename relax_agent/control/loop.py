@@ -444,7 +444,7 @@ class _Run:
              wait_s: float, step_s: float) -> dict[str, Any]:
         ctrl = self.ctrl
         live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
-        return {**rollout_metrics(trajs, step_s), **train_metrics,
+        return {**rollout_metrics(trajs, step_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
                 **staleness_metrics([trained_at - v for v in versions], ctrl.s),
                 M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
                 DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),

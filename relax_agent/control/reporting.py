@@ -17,6 +17,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, 
     ok = [t for t in trajs if t.trainable]
     n_ok = max(len(ok), 1)
     generated = sum(len(turn.token_ids) for t in trajs for turn in t.turns)
+    turns = [turn for t in trajs for turn in t.turns]
     out = {
         M.REWARD: sum(t.reward for t in ok) / n_ok,
         M.ACCURACY: sum(episode_accuracy(t) for t in ok) / n_ok,
@@ -25,6 +26,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, 
         "rollout/response_tokens": generated / max(len(trajs), 1),
         "rollout/failed": float(len(trajs) - len(ok)),
         "rollout/episodes": float(len(trajs)),
+        M.CROSSED_UPDATE_TURNS: sum(turn.crossed_update for turn in turns) / max(len(turns), 1),
         "timing/rollout_s": rollout_s,
     }
     for reason, count in Counter(str(t.stop_reason) for t in trajs).items():
@@ -39,8 +41,9 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
     ``rows``: ``(trajectory, sample_version)`` pairs. Each line records ``sample_version`` (engine
     policy version when its group started), ``trained_at_version`` (the trainer's version when
     the step trained), ``trained`` (it entered the gradient: trainable with a non-zero
-    advantage) and ``dropped_stale`` (its group finished too late for ``max_staleness`` and was
-    not trained).
+    advantage), ``dropped_stale`` (its group finished too late for ``max_staleness`` and was
+    not trained) and, per turn, ``token_versions`` (each token's policy version where a weight
+    update landed inside the turn, else empty).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -50,6 +53,7 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
                 "reward_status": str(t.reward_status), "metrics": t.metrics, "stop_reason": str(t.stop_reason),
                 "error": t.error, "policy_versions": t.policy_versions,
                 "response": [decode(turn.token_ids) for turn in t.turns],
+                "token_versions": [list(turn.token_versions) for turn in t.turns],
                 "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
                 "dropped_stale": t.sample_id in dropped,
             }) + "\n")

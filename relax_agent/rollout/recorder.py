@@ -42,9 +42,11 @@ class TrajectoryRecorder:
         self.messages.extend(messages)
 
     def add_turn(self, gen: Generation) -> None:
-        """One sampled turn: its [n] token ids (masked in), log-probs, version and routes, as generated."""
+        """One sampled turn: its [n] token ids (masked in), log-probs, versions and routes, as generated
+        (per-token versions are kept only when a weight update landed inside the turn)."""
+        versions = gen.token_versions if len(set(gen.token_versions)) > 1 else ()
         self.turns.append(Turn(len(self.token_ids), gen.token_ids, gen.logprobs, gen.policy_version,
-                               gen.finish_reason, gen.routed_experts))
+                               gen.finish_reason, gen.routed_experts, versions))
         self.token_ids += gen.token_ids
         self.loss_mask += [1] * len(gen.token_ids)
         self.logprobs += list(gen.logprobs)

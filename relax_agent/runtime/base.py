@@ -93,6 +93,11 @@ class RolloutService(Protocol):
         """
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """The service's own metrics since the previous call (the engine's prefix-cache hit rate;
+        under Ray, replicas, restarts and heartbeats), merged into each step's row."""
+        ...
+
     def close(self) -> None: ...
 
 

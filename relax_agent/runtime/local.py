@@ -64,6 +64,10 @@ class LocalRolloutService:
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         return await self.runner.run(specs, params, on_done)
 
+    def metrics(self) -> dict[str, float]:
+        engine_metrics = getattr(self.runner.engine, "metrics", None)  # a user's engine may have none
+        return dict(engine_metrics()) if callable(engine_metrics) else {}
+
     def close(self) -> None:
         self.runner.engine.close()
 

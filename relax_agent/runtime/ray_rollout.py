@@ -339,8 +339,10 @@ class RayRolloutService:
         return [t for t in out if t is not None]
 
     def metrics(self) -> dict[str, float]:
-        """Per-role runtime metrics (replicas, restarts, in flight, heartbeat ages, queue depth)."""
-        return self.supervisor.metrics() if self.supervisor is not None else {}
+        """Nothing of its own: the supervisor's gauges (replicas, restarts, in flight, heartbeat
+        ages, queue depth) come with the trainer service's step metrics, and the replicas' engine
+        counters (prefix-cache hit rate) stay in the replicas' processes."""
+        return {}
 
     def close(self) -> None:
         """Nothing here: the supervisor stops the replicas (a closer of the runtime)."""

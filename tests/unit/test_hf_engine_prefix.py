@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from relax_agent import metrics as M
 from relax_agent.config import EngineConfig, ModelConfig
 from relax_agent.models import load_policy
 from relax_agent.rollout.engines.base import Generation, SamplingParams
@@ -74,13 +75,17 @@ def test_a_later_turn_prefills_only_its_new_tokens(policy):
         # all earlier tokens have KV but the previous turn's last sampled token (never fed)
         new = len(prompt) - (len(prev_prompt) + len(prev.token_ids) - 1)
         assert prefilled[k] - prefilled[k - 1] == new < len(prompt) // 2
-    assert engine.stats.prefix_hit_tokens == sum(len(p) for p, _ in turns) - prefilled[-1]
+    hit = engine.stats.prefix_hit_tokens
+    assert hit == sum(len(p) for p, _ in turns) - prefilled[-1]
+    assert engine.metrics() == {M.PREFIX_CACHE_HIT_RATE: pytest.approx(hit / sum(len(p) for p, _ in turns))}
+    assert engine.metrics() == {M.PREFIX_CACHE_HIT_RATE: 0.0}  # nothing prefilled since the previous call
     for prompt, gen in turns:
         torch.testing.assert_close(torch.tensor(gen.logprobs), reference_logprobs(model, prompt, gen.token_ids),
                                    atol=1e-4, rtol=0)
     with make_engine(policy, prefix_cache=False) as plain:
         again = run_turns(plain, tok, 3)
     assert plain.stats.prefix_hit_tokens == 0 and plain.stats.prefill_tokens == sum(len(p) for p, _ in again)
+    assert plain.metrics() == {}  # no prefix cache, no hit rate to report
     assert [g.token_ids for _, g in again] == [g.token_ids for _, g in turns]  # same seeds, same tokens
 
 

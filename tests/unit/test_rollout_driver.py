@@ -7,6 +7,8 @@ import asyncio
 
 from transformers import AutoTokenizer
 
+from relax_agent import metrics as M
+from relax_agent.control.reporting import rollout_metrics
 from relax_agent.records import StopReason
 from relax_agent.reward_services import FakeReward
 from relax_agent.rollout.chat import ChatRenderer
@@ -81,6 +83,17 @@ def test_the_recorder_builds_finished_and_failed_records():
     assert timed_out.reward_status == "timeout" and timed_out.stop_reason == "env_error" and timed_out.reward == 0.0
     assert timed_out.error == "episode exceeded episode_timeout_s=1.0 during env.step 1"
     assert timed_out.token_ids == done.token_ids and timed_out.messages == done.messages
+
+
+def test_a_turn_keeps_per_token_versions_only_when_a_weight_update_landed_inside_it():
+    rec = TrajectoryRecorder(SPEC)
+    rec.add_prompt([1, 2], [{"role": "user", "content": "q"}])
+    rec.add_turn(Generation((5, 6), (-1.0, -2.0), "stop", 3, token_versions=(3, 3)))  # one version: dropped
+    rec.add_turn(Generation((7, 8, 9), (-1.0, -1.0, -1.0), "stop", 3, token_versions=(3, 4, 4)))
+    done = rec.finish(1.0, {}, StopReason.TERMINATED)
+    assert [t.token_versions for t in done.turns] == [(), (3, 4, 4)]
+    assert [t.crossed_update for t in done.turns] == [False, True] and done.policy_versions == (3, 3)
+    assert rollout_metrics([done], 1.0)[M.CROSSED_UPDATE_TURNS] == 0.5
 
 
 def test_a_failed_start_names_the_call():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from relax_agent import metrics as M
 from relax_agent.config import validate_config
 from relax_agent.control import build_controller
 from relax_agent.control.schedule import DROPPED_GROUPS, STALENESS_MAX, StalenessGate
@@ -261,3 +262,13 @@ def test_non_finite_weights_stop_the_run_and_are_neither_published_nor_saved(tmp
     assert all(torch.isfinite(sd["w"]).all() for _, sd in engine.loaded)
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert saved == ["step_000001"]  # no checkpoint of the diverged weights
+
+
+def test_each_step_row_carries_the_rollout_engines_own_metrics(tmp_path):
+    ctrl = make_controller(tmp_path, 0, lambda spec: 0.0, steps=3, mode="colocate")
+    engine = ctrl.runtime.rollout.runner.engine
+    calls = []
+    engine.metrics = lambda: calls.append(1) or {M.PREFIX_CACHE_HIT_RATE: 0.25 * len(calls)}  # since the last call
+    run(ctrl)
+    assert [m[M.PREFIX_CACHE_HIT_RATE] for m in metrics(tmp_path)] == [0.25, 0.5, 0.75]
+    assert all(m[M.CROSSED_UPDATE_TURNS] == 0.0 for m in metrics(tmp_path))

