@@ -42,12 +42,12 @@ class MediaTrainBatch(TrainBatch):
                 moved[name] = value.to(device)
         return MediaTrainBatch(**moved)
 
-    def split(self, micro_batch_size: int) -> list["MediaTrainBatch"]:
+    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list["MediaTrainBatch"]:
         """:meth:`TrainBatch.split` keeping each micro-batch's rows' media."""
         out = []
-        for start, micro in zip(range(0, self.size, max(micro_batch_size, 1)), super().split(micro_batch_size)):
+        for rows, micro in zip(self.micro_slices(micro_batch_size, max_tokens), super().split(micro_batch_size, max_tokens)):
             parts = {f.name: getattr(micro, f.name) for f in fields(TrainBatch)}
-            out.append(MediaTrainBatch(**parts, media=self.media[start:start + micro.size]))
+            out.append(MediaTrainBatch(**parts, media=self.media[rows]))
         return out
 
 

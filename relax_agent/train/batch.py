@@ -75,20 +75,40 @@ class TrainBatch:
         """The same batch with every tensor on ``device``."""
         return TrainBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
-    def split(self, micro_batch_size: int) -> list["TrainBatch"]:
-        """Consecutive micro-batches of at most ``micro_batch_size`` sequences.
-
-        Each micro-batch is trimmed to its own longest sequence, so short sequences batched
-        together cost no padding compute.
+    def micro_slices(self, micro_batch_size: int, max_tokens: int | None = None) -> list[slice]:
+        """Row ranges of consecutive micro-batches: at most ``micro_batch_size`` sequences each
+        and, with ``max_tokens``, at most that many padded tokens (rows x the longest row) each;
+        a single row longer than ``max_tokens`` is a micro-batch of its own. The token cap bounds
+        activation memory whatever the prompts' lengths (verl's dynamic batch size does the same).
 
         Raises:
-            DataError: ``micro_batch_size`` < 1.
+            DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
         """
         if micro_batch_size < 1:
             raise DataError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
+        if max_tokens is not None and max_tokens < 1:
+            raise DataError(f"micro_batch_tokens must be >= 1 (or None for no cap); got {max_tokens}")
+        lengths = [max(int(n), 1) for n in self.attention_mask.sum(dim=1).tolist()]
+        out, start, longest = [], 0, 0
+        for row, length in enumerate(lengths):
+            rows, wider = row - start, max(longest, length)
+            if rows and (rows == micro_batch_size or (max_tokens is not None and (rows + 1) * wider > max_tokens)):
+                out.append(slice(start, row))
+                start, wider = row, length
+            longest = wider
+        if start < len(lengths):
+            out.append(slice(start, len(lengths)))
+        return out
+
+    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list["TrainBatch"]:
+        """The micro-batches of :meth:`micro_slices`, each trimmed to its own longest sequence,
+        so short sequences batched together cost no padding compute.
+
+        Raises:
+            DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
+        """
         out = []
-        for start in range(0, self.size, micro_batch_size):
-            rows = slice(start, start + micro_batch_size)
+        for rows in self.micro_slices(micro_batch_size, max_tokens):
             length = max(int(self.attention_mask[rows].sum(dim=1).max()), 1)
             out.append(
                 TrainBatch(

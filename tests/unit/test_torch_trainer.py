@@ -116,6 +116,18 @@ def test_split_trims_each_micro_batch_to_its_own_length():
         batch.split(0)
 
 
+def test_a_token_cap_splits_where_rows_times_the_longest_would_exceed_it():
+    rows = [make_traj(i, "g", [5] * n, [7], [-1.0], 1.0) for i, n in enumerate([1, 1, 1, 5, 1, 9, 2])]
+    batch = collate(rows, [1.0] * 7, PAD)  # lengths 2 2 2 6 2 10 3
+    micro = batch.split(8, max_tokens=8)
+    assert [m.input_ids.shape for m in micro] == [torch.Size([3, 2]), torch.Size([1, 6]), torch.Size([1, 2]),
+                                                  torch.Size([1, 10]), torch.Size([1, 3])]  # 10 > 8 alone
+    assert [m.size for m in batch.split(2, max_tokens=100)] == [2, 2, 2, 1]  # the row cap still holds
+    assert [m.size for m in batch.split(8)] == [7]
+    with pytest.raises(DataError, match="micro_batch_tokens must be >= 1 .*got 0"):
+        batch.split(8, max_tokens=0)
+
+
 def test_collate_rejects_bad_input():
     a = make_traj(0, "g", [5], [7], [-0.5], 1.0)
     with pytest.raises(DataError, match="2 advantages for 1 rows"):
@@ -199,14 +211,18 @@ def grads(model) -> dict[str, torch.Tensor]:
 def test_micro_batches_give_the_full_batch_gradient(base_model, agg):
     batch = make_batch(rollout_batch(base_model, n=8, noise=0.3, invalid=(2,)))
     full = TorchTrainer(copy.deepcopy(base_model), cfg(micro_batch_size=8, loss_agg=agg))
-    micro = TorchTrainer(copy.deepcopy(base_model), cfg(micro_batch_size=3, loss_agg=agg))
-    m_full, m_micro = full.compute_gradients(batch), micro.compute_gradients(batch)
-    g_full, g_micro = grads(full.model), grads(micro.model)
-    assert g_full.keys() == g_micro.keys() and len(g_full) > 0
-    for name in g_full:
-        torch.testing.assert_close(g_micro[name], g_full[name], rtol=0, atol=1e-5, msg=name)
-    for key in (tb.LOSS, CLIP_FRAC, RATIO_MEAN, tb.ENTROPY, MISMATCH_ABS_DIFF_MAX):
-        assert m_micro[key] == pytest.approx(m_full[key], abs=1e-5), key
+    m_full, g_full = full.compute_gradients(batch), grads(full.model)
+    assert len(g_full) > 0
+    longest = int(batch.attention_mask.sum(dim=1).max())
+    for split in ({"micro_batch_size": 3}, {"micro_batch_tokens": 2 * longest}):  # by rows, by a token cap
+        micro = TorchTrainer(copy.deepcopy(base_model), cfg(**split, loss_agg=agg))
+        assert len(batch.split(micro.cfg.micro_batch_size, micro.cfg.micro_batch_tokens)) > 2
+        m_micro, g_micro = micro.compute_gradients(batch), grads(micro.model)
+        assert g_full.keys() == g_micro.keys()
+        for name in g_full:
+            torch.testing.assert_close(g_micro[name], g_full[name], rtol=0, atol=1e-5, msg=name)
+        for key in (tb.LOSS, CLIP_FRAC, RATIO_MEAN, tb.ENTROPY, MISMATCH_ABS_DIFF_MAX):
+            assert m_micro[key] == pytest.approx(m_full[key], abs=1e-5), key
 
 
 @pytest.mark.parametrize("agg,kl_coef", [("token_mean", 0.0), ("seq_mean", 0.0), ("token_mean", 0.5)])

@@ -329,7 +329,7 @@ class TorchTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = _Totals()
-        for micro in batch.split(self.cfg.micro_batch_size):
+        for micro in batch.split(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             micro = micro.to(self.device)
             with replaying(self.routing_replay, micro):  # R3: the rollout's experts, forward and backward
                 self._backward_micro_batch(micro, normalizer, totals)
@@ -433,7 +433,7 @@ class TorchTrainer:
         self.model.train()
         self._sft_optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for micro in batch.split(self.cfg.micro_batch_size):
+        for micro in batch.split(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             micro = micro.to(self.device)
             with self._autocast():
                 logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0,
