@@ -21,6 +21,12 @@ from relax_agent.reward_services.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_M
 
 APP_NAME = "relax-reward"
 
+# Serve's defaults give its HTTP proxy 5 s to report ready and 10 s per health check; on a busy
+# CPU machine (the trainer and the rollout engine share the cores) the proxy misses them and Serve
+# restarts it in a loop. These apply when this process starts Ray; a user's own values win.
+PATIENT_PROXY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+                     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
 
 @serve.ingress()
 class RewardDeployment:
@@ -64,7 +70,8 @@ def serve_ray(target: str, *, host: str = "127.0.0.1", port: int = 8001, replica
     """Start Ray (``num_cpus``, default ``replicas``), deploy the reward service, and block.
 
     With ``blocking=False`` it returns once the replicas are up; stop it with
-    :func:`shutdown`. ``options`` are those of :func:`build_app`.
+    :func:`shutdown`. ``options`` are those of :func:`build_app`. When it starts Ray itself it
+    gives Serve's HTTP proxy 30 s to report ready (:data:`PATIENT_PROXY_ENV`, unless set already).
 
     Raises:
         ConfigError: bad target (checked in this process first) or missing token variable.
@@ -74,6 +81,8 @@ def serve_ray(target: str, *, host: str = "127.0.0.1", port: int = 8001, replica
     token = read_token(token_env) if token_env else None
     LocalReward.from_target(resolve_target(target), options.get("kwargs"))  # fail fast, before Ray starts
     if not ray.is_initialized():
+        for name, value in PATIENT_PROXY_ENV.items():  # read by the Serve controller Ray starts below
+            os.environ.setdefault(name, value)
         ray.init(num_cpus=num_cpus if num_cpus is not None else replicas, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(target, replicas=replicas, token=token, **options), name=APP_NAME, route_prefix="/")

@@ -166,9 +166,13 @@ def test_bad_target_fails_before_binding(tmp_path):
 @pytest.mark.slow
 def test_ray_serve_deployment_with_replicas(monkeypatch):
     pytest.importorskip("ray")
-    from relax_agent.reward_services.ray_serve import serve_ray, shutdown
+    import ray
+
+    from relax_agent.reward_services.ray_serve import PATIENT_PROXY_ENV, serve_ray, shutdown
 
     monkeypatch.setenv("CONTRACT_TOKEN", TOKEN)
+    for name in PATIENT_PROXY_ENV:  # unset here, so serve_ray's default applies and is undone after
+        monkeypatch.delenv(name, raising=False)
     port = free_port()
     try:
         serve_ray(f"{THIS}:contract_score", port=port, replicas=2, num_cpus=2, token_env="CONTRACT_TOKEN",
@@ -189,5 +193,7 @@ def test_ray_serve_deployment_with_replicas(monkeypatch):
         assert len({o[0].extra["pid"] for o in out}) == 2  # both replicas served
         assert [r.status for r in errs] == [RewardStatus.ERROR, RewardStatus.TIMEOUT]
         assert post(url, {"items": []}, "wrong").status_code == 401
+        seen = ray.get(ray.remote(lambda: {n: os.environ.get(n) for n in PATIENT_PROXY_ENV}).remote())
+        assert seen == PATIENT_PROXY_ENV  # Ray's workers (the Serve controller's kind) got the patient proxy checks
     finally:
         shutdown()
