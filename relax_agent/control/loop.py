@@ -224,12 +224,17 @@ class Controller:
 
     # -- evaluation and plots ---------------------------------------------------------------
     def run_eval(self, run: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
-        """Evaluate on the held-out tasks; ``run`` drives the coroutines (default: Ctrl-C cancels them)."""
+        """Evaluate on the held-out tasks; ``run`` drives the coroutines (default: Ctrl-C cancels them).
+
+        Every sample goes to ``eval/step_NNNNNN.samples.jsonl`` in the run folder (task, prompt,
+        response, parsed calls, verdict with reason; see :func:`relax_agent.evaluation.sample_record`).
+        """
         e = self.cfg.eval
         tasks = self.runtime.heldout_tasks[: e.num_tasks]
         self._report("eval_start", {"total": len(tasks) * len(e.seeds)})
         result = evaluate(self.runtime.rollout, tasks, e.seeds, self.params(e.temperature),
-                          on_done=lambda t: self._report("episode", {}), run=run or self.stop.run)
+                          on_done=lambda t: self._report("episode", {}), run=run or self.stop.run,
+                          samples_path=self.out / "eval" / f"step_{self.step:06d}.samples.jsonl")
         self.logger.log(self.step, {k: v for k, v in result.items() if not isinstance(v, list)})
         self._report("eval", result)
         return result

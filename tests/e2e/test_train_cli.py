@@ -70,6 +70,10 @@ def test_two_steps_change_the_weights(runs, tiny_model_dir):
     assert list((a / "tensorboard").glob("events.out.tfevents.*"))
     summary = json.loads((a / "summary.json").read_text())
     assert "eval/accuracy" in summary["eval_end"]
+    samples = [json.loads(l) for l in (a / "eval" / "step_000003.samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * len(summary["eval_end"]["eval/seeds"])  # eval.num_tasks=2, every seed
+    correct = [s["verdict"]["correct"] for s in samples]
+    assert sum(correct) / len(correct) == pytest.approx(summary["eval_end"]["eval/accuracy"])
 
 
 def test_resume_continues_at_the_right_step_with_identical_data(runs):
