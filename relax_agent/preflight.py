@@ -111,8 +111,10 @@ def check_env_prompt(env: Any, task: dict[str, Any], seed: int, accepts_media: b
 
 
 def check_vllm_engine(cfg: RelaxConfig) -> None:
-    """``engine.kind: vllm``: its venv exists (``engine.vllm.python``), routing replay is off, and
-    ``engine.vllm.weights_dir`` is a writable folder; ConfigError naming the key otherwise."""
+    """``engine.kind: vllm``: its venv exists (``engine.vllm.python``) and ``engine.vllm.weights_dir``
+    is a writable folder; ConfigError naming the key otherwise. Routing replay
+    (``moe.routing_replay: rollout``) is checked when the server starts: the model's routers and
+    whether this vLLM can capture routes (:class:`~relax_agent.rollout.engines.vllm.VLLMEngine`)."""
     if cfg.engine.kind != "vllm":
         return
     import os
@@ -120,9 +122,6 @@ def check_vllm_engine(cfg: RelaxConfig) -> None:
     from relax_agent.rollout.engines.vllm import find_vllm_python
 
     find_vllm_python(cfg.engine.vllm.python)
-    if cfg.moe.replay:
-        raise ConfigError("moe.routing_replay=rollout with engine.kind=vllm: the vLLM engine does not return routed "
-                          "experts yet; use engine.kind=hf for routing replay")
     folder = cfg.engine.vllm.weights_dir
     if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         raise ConfigError(f"engine.vllm.weights_dir={folder!r} is not a writable folder; the vLLM engine writes "

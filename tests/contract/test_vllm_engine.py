@@ -135,12 +135,6 @@ def test_cpu_head_size_is_checked_before_a_server_starts(tiny_model_dir):
         check_vllm_model(AutoConfig.from_pretrained(tiny_model_dir), "cpu")
 
 
-def test_routing_replay_is_refused_by_name(policy):
-    model, tok = policy
-    with pytest.raises(ConfigError, match="moe.routing_replay"):
-        engine_config().build(model=model, tokenizer=tok, record_routes=True)
-
-
 def test_unknown_update_policy_is_a_config_error():
     with pytest.raises(ValueError, match="update_policy"):
         VLLMConfig(update_policy="drop")

