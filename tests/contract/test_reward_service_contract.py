@@ -193,7 +193,7 @@ def test_ray_serve_deployment_with_replicas(monkeypatch):
         assert len({o[0].extra["pid"] for o in out}) == 2  # both replicas served
         assert [r.status for r in errs] == [RewardStatus.ERROR, RewardStatus.TIMEOUT]
         assert post(url, {"items": []}, "wrong").status_code == 401
-        seen = ray.get(ray.remote(lambda: {n: os.environ.get(n) for n in PATIENT_PROXY_ENV}).remote())
+        seen = ray.get(ray.remote(num_cpus=0)(lambda: {n: os.environ.get(n) for n in PATIENT_PROXY_ENV}).remote())
         assert seen == PATIENT_PROXY_ENV  # Ray's workers (the Serve controller's kind) got the patient proxy checks
     finally:
         shutdown()
