@@ -8,7 +8,9 @@ Cases (stop tokens disabled on both engines, so both sample exactly the same num
 - **multi-turn:** ``--mt-episodes`` (8) concurrent episodes of ``--turns`` (4) turns; after each
   reply the episode appends a tool result of ``--obs-tokens`` tokens (token-in/token-out: each
   prompt extends the previous one's ids), so each engine's prefix cache serves the earlier turns.
-  The vLLM side also reports the share of prompt tokens its prefix cache served.
+  The vLLM side also reports the share of prompt tokens its prefix cache served, and the same
+  episodes run on the HF engine with ``prefix_cache=False`` (every turn re-prefills the whole
+  conversation, as the HF engine did before it gained prefix reuse).
 - **weight update:** the full fp32 state dict through ``VLLMEngine.load_weights`` (write the
   version file to /dev/shm, the server reloads it between steps, resets the prefix cache)
   against a raw 127.0.0.1 socket copy of the same bytes (``benchmarks/weight_sync.py``'s
@@ -96,7 +98,8 @@ def ratio_line(name: str, vllm_value: float, hf_value: float, unit: str, target:
     return f"{name:<28} vLLM {vllm_value:8.1f} {unit}   HF {hf_value:8.1f} {unit}   ratio {ratio:5.2f}x{goal}"
 
 
-def run_generation(args, model, tok, vllm_engine: VLLMEngine, hf_engine: HFEngine) -> list[str]:
+def run_generation(args, model, tok, vllm_engine: VLLMEngine, hf_engine: HFEngine,
+                   hf_reprefill: HFEngine | None = None) -> list[str]:
     lines = []
     for n in args.episodes:
         prompts = chat_prompts(tok, n, seed=n)
@@ -120,6 +123,10 @@ def run_generation(args, model, tok, vllm_engine: VLLMEngine, hf_engine: HFEngin
                                 v_tok / v_s, h_tok / h_s, "tok/s", 2.0))
         lines.append(f"{'':<28} vLLM prefix cache served {cached_d}/{prompt_d} prompt tokens "
                      f"({cached_d / max(prompt_d, 1):.0%})")
+        if hf_reprefill is not None:  # the engine the issue measured: every turn re-prefills the conversation
+            r_s, r_tok, _ = asyncio.run(multi_turn(hf_reprefill, prompts, args.turns, obs, args.max_new_tokens))
+            assert r_tok == v_tok
+            lines.append(ratio_line("  vs HF, prefix cache off", v_tok / v_s, r_tok / r_s, "tok/s", 2.0))
     return lines
 
 
@@ -174,17 +181,19 @@ def main() -> None:
                              stop_token_ids=())
     print(f"vLLM server started in {time.perf_counter() - start:.1f} s", flush=True)
     hf_engine = HFEngine(model, tok, EngineConfig(max_batch_size=64), stop_token_ids=())
+    hf_reprefill = HFEngine(model, tok, EngineConfig(max_batch_size=64, prefix_cache=False), stop_token_ids=())
     lines = []
     try:
         if args.case in ("all", "single", "multi"):
             if args.case == "multi":
                 args.episodes = []
-            lines += run_generation(args, model, tok, vllm_engine, hf_engine)
+            lines += run_generation(args, model, tok, vllm_engine, hf_engine, hf_reprefill)
         if args.case in ("all", "weights"):
             lines += run_weights(args, model, vllm_engine, hf_engine)
     finally:
         vllm_engine.close()
         hf_engine.close()
+        hf_reprefill.close()
     print("\n".join(lines))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
