@@ -383,6 +383,7 @@ def test_linear_warmup_and_metrics(base_model):
     m = trainer.train_step(batch)
     assert m[tb.TOKENS] == batch.num_tokens and m[tb.POLICY_TOKENS] == batch.num_policy_tokens
     assert m[tb.SEQUENCES] == 4 and m[tb.STEP] == 6 and m[tb.GRAD_NORM] > 0 and m[tb.ENTROPY] > 0
+    assert 0.05 < m[tb.RESIDENT_GB] < 1000  # this process's resident memory after the step, in GB
 
 
 def test_freeze_embeddings_keeps_them_fixed(base_model):

@@ -37,6 +37,7 @@ from relax_agent.train.algorithms import (
     tis_weights,
 )
 from relax_agent.train.batch import TrainBatch
+from relax_agent.train.memory import release_free_heap, resident_gb
 
 LOSS = "train/loss"
 PG_LOSS = "train/pg_loss"
@@ -51,6 +52,7 @@ LOSS_SCALE = "train/loss_scale"
 SKIPPED_STEP = "train/skipped_step"
 STEP = "train/step"
 STEP_TIME_S = "timing/train_step_s"
+RESIDENT_GB = "memory/trainer_resident_gb"
 
 _CHUNK_ELEMENTS = 1 << 24
 """Logit elements (64 MiB in fp32) processed at once by :func:`token_logprobs`."""
@@ -311,7 +313,9 @@ class TorchTrainer:
         weights pi_old / pi_rollout: mean, max, fraction above ``tis_cap``), ``train/lr`` (the lr of
         this update), ``train/tokens``, ``train/policy_tokens``, ``train/sequences``,
         ``train/skipped_step`` (1 when gradients were non-finite and no update was made),
-        ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``; with routing
+        ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``,
+        ``memory/trainer_resident_gb`` (the trainer process's resident memory after the step, its
+        free heap returned to the OS: :func:`~relax_agent.train.memory.release_free_heap`); with routing
         replay ``moe/replayed_tokens`` and ``moe/route_flip_frac`` (see :mod:`relax_agent.moe.replay`).
 
         Raises:
@@ -327,6 +331,8 @@ class TorchTrainer:
             metrics[LOSS_SCALE] = float(self.scaler.get_scale())
         metrics[STEP] = float(self.step)
         metrics[STEP_TIME_S] = time.perf_counter() - start
+        release_free_heap()  # the step's activations: back to the OS before the next rollout
+        metrics[RESIDENT_GB] = resident_gb()
         return metrics
 
     def _clip_and_step(self) -> float:
@@ -478,6 +484,7 @@ class TorchTrainer:
         if math.isfinite(grad_norm):
             self._sft_optimizer.step()
         self._sft_optimizer.zero_grad(set_to_none=True)
+        release_free_heap()
         return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/tokens": float(n_tokens)}
 
     def _clip_sft_grads(self) -> float:
