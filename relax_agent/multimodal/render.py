@@ -52,6 +52,7 @@ class MediaRenderer:
 
     Attributes:
         tokenizer: ``chat.tokenizer`` (the driver decodes sampled turns with it).
+        end_of_turn_ids: ``chat.end_of_turn_ids``.
     """
 
     def __init__(self, chat: ChatRenderer, processor: MediaProcessor) -> None:
@@ -62,6 +63,11 @@ class MediaRenderer:
         self.processor = processor
         self.family = processor.family
         self._kind_of = self.family.kind_of_token()
+
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """[k] tokens that close an assistant turn (the chat renderer's: media change no template token)."""
+        return self.chat.end_of_turn_ids
 
     def render_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()) -> MediaSegment:
         """The opening messages rendered once (see :meth:`ChatRenderer.render_prompt`), media expanded.

@@ -85,8 +85,8 @@ class RolloutService(Protocol):
 
     def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
         """Rendered reference replies of ``tasks`` for the supervised warm-up: fields
-        ``token_ids``, ``loss_mask``, ``rollout_logprobs`` (B ragged rows [T_i]) and ``task_id``
-        (see :func:`relax_agent.rollout.demonstrations.demonstration_fields`).
+        ``token_ids``, ``loss_mask``, ``rollout_logprobs`` (B ragged rows [T_i]), ``media`` (B
+        :class:`~relax_agent.records.MediaInputs` or None; optional) and ``task_id`` (see :func:`relax_agent.rollout.demonstrations.demonstration_fields`).
 
         Raises:
             ConfigError: the env offers no demonstrations.

@@ -99,7 +99,8 @@ class TrainerConfig(Section):
     sft_warmup_steps: int = Field(default=0, ge=0)
     """Supervised updates on the env's demonstrations (the train split's reference answers)
     before the first RL step: a cold start for a policy that never samples the task's format.
-    0: none. Needs an env with ``demonstration(task)`` (the BFCL single-turn envs)."""
+    0: none. Needs an env with ``demonstration(task)`` (the BFCL single-turn envs, the built-in media
+    envs; a multimodal policy's demonstrations carry their prompt's media)."""
     sft_batch_size: int = Field(default=16, ge=1)
     """Demonstrations per warm-up update (tasks cycle in a seeded order, epoch after epoch)."""
     sft_lr: float = Field(default=1e-4, gt=0.0)

@@ -1,5 +1,6 @@
 """The media examples train through the CLI (tiny-vl / tiny-omni, 2 steps each), and media go the
-whole way: rollout -> data bus -> trainer (the encoder's weights change) -> weight sync -> engine."""
+whole way: rollout -> data bus -> trainer (the encoder's weights change) -> weight sync -> engine;
+a supervised warm-up on VisualCount's demonstrations (with their images) runs before RL."""
 
 from __future__ import annotations
 
@@ -73,3 +74,33 @@ def test_media_travel_from_rollout_through_the_bus_to_the_trainer_and_back(media
         assert all(torch.equal(engine_state[k], after[k]) for k in visual)  # the engine sees the new encoder
     finally:
         runtime.close()
+
+
+def test_visual_count_warms_up_on_demonstrations_with_their_images_through_the_cli(media_models, tmp_path):
+    import gymnasium
+
+    import relax_agent.envs  # noqa: F401
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_tokenizer
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "relax_agent.cli", "train", "examples/visual_count.yaml",
+           f"model.path={media_models['tiny-vl']}", f"run.output_dir={out}", "trainer.steps=1",
+           "trainer.sft_warmup_steps=2", "trainer.sft_batch_size=8", "trainer.sft_lr=3e-3", "logging.tensorboard=false"]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tok = load_tokenizer(ModelConfig(path=str(media_models["tiny-vl"])))
+    reply = len(tok("Answer: 1", add_special_tokens=False)["input_ids"]) + 1  # "Answer: N" then <|im_end|>
+    sft = [json.loads(line) for line in (out / "sft.jsonl").read_text().splitlines()]
+    assert [r["sft/step"] for r in sft] == [1, 2]
+    assert [r["sft/tokens"] for r in sft] == [8 * reply, 8 * reply]
+    assert sft[1]["sft/loss"] < sft[0]["sft/loss"] and sft[0]["sft/grad_norm"] > 0, sft
+    summary = json.loads((out / "summary.json").read_text())
+    train_tasks = gymnasium.make("relax/VisualCount-v0", difficulty=1).unwrapped.tasks("train")
+    assert summary["sft"]["sft/demonstrations"] == len(train_tasks)  # every train task has one
+    assert summary["sft"]["policy_version"] == 1 and summary["sft"]["sft/loss_last"] == sft[1]["sft/loss"]
+    rows = [json.loads(line) for line in (out / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 and all(r["error"] is None for r in rows)
+    assert {r["sample_version"] for r in rows} == {1}  # the first RL rollout ran on the warm-up's weights
+    assert "eval_end" in summary

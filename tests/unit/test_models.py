@@ -100,6 +100,24 @@ def test_tiny_model_overrides_and_errors(tmp_path):
         make_tiny_model(tmp_path, num_layerz=3)
 
 
+def test_tiny_media_model_overrides_from_the_function_and_the_command_line(tmp_path, capsys):
+    import json
+
+    from relax_agent.models import main, make_tiny_media_model
+
+    make_tiny_media_model(tmp_path / "a", vision={"initializer_range": 0.1}, text={"num_hidden_layers": 3})
+    assert main(["tiny-vl", str(tmp_path / "b"), "--vision", "initializer_range=0.1", "--text", "num_hidden_layers=3"]) == 0
+    for folder in ("a", "b"):
+        cfg = json.loads((tmp_path / folder / "config.json").read_text())
+        assert cfg["vision_config"]["initializer_range"] == 0.1 and cfg["vision_config"]["depth"] == 2
+        assert cfg["text_config"]["num_hidden_layers"] == 3 and cfg["text_config"]["initializer_range"] == 0.02
+    assert load_file(tmp_path / "a" / "model.safetensors").keys() == load_file(tmp_path / "b" / "model.safetensors").keys()
+    with pytest.raises(ConfigError, match=r"vision overrides \['depht'\]"):
+        make_tiny_media_model(tmp_path / "c", vision={"depht": 4})
+    assert main(["tiny-vl", str(tmp_path / "d"), "--vision", "depth"]) == 2
+    assert "expected KEY=VALUE, got 'depth'" in capsys.readouterr().err
+
+
 def test_gradient_checkpointing_is_applied(tiny_model_dir):
     model, _ = load_policy(ModelConfig(path=str(tiny_model_dir), gradient_checkpointing=True))
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing

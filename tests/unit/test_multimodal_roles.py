@@ -28,7 +28,6 @@ def test_a_media_prompt_is_refused_for_a_text_policy_and_accepted_for_a_media_on
 
 
 @pytest.mark.parametrize("override, key", [("engine.kind=fake", "engine.kind"), ("rollout.driver=agent", "rollout.driver"),
-                                           ("trainer.sft_warmup_steps=2", "trainer.sft_warmup_steps"),
                                            ("trainer.backend=megatron", "trainer.backend"),
                                            ("trainer.backend=fake", "trainer.backend")])
 def test_settings_that_cannot_serve_a_media_policy_are_refused_by_key(vl_dir, override, key):
@@ -36,6 +35,11 @@ def test_settings_that_cannot_serve_a_media_policy_are_refused_by_key(vl_dir, ov
     cfg = load_config("examples/visual_count.yaml", [f"model.path={vl_dir}", override, *extra])
     with pytest.raises(ConfigError, match=key):
         _media_policy(cfg, cfg.model)
+
+
+def test_a_supervised_warm_up_serves_a_media_policy(vl_dir):
+    cfg = load_config("examples/visual_count.yaml", [f"model.path={vl_dir}", "trainer.sft_warmup_steps=2"])
+    assert _media_policy(cfg, cfg.model) is True  # its demonstrations carry their prompt's media
 
 
 def test_a_text_policy_is_not_a_media_one(tiny_model_dir):

@@ -178,6 +178,41 @@ def test_token_logprobs_equal_plain_log_softmax_gather(base_model):
     torch.testing.assert_close(lp[0], naive_logprobs(base_model, seqs[0], 0.7), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("first", [1, 3, 4, 6, 99])
+def test_logits_from_the_first_scored_position_on_give_the_same_logprobs_and_gradient(base_model, first):
+    seqs = [[3, 17, 99, 4, 5, 6, 7], [8, 9, 10, 21, 22], [11, 12, 13, 14, 15, 16]]
+    batch = collate([make_traj(i, "g", s[:4], s[4:], [0.0] * (len(s) - 4), 0.0) for i, s in enumerate(seqs)],
+                    [0.0] * 3, PAD)
+    assert tb.first_scored_position(batch.loss_mask) == 4 and tb.first_scored_position(batch.loss_mask * 0) == 1
+    mask = batch.loss_mask.float()
+
+    def run(first_position):
+        base_model.zero_grad(set_to_none=True)
+        lp, ent = token_logprobs_and_entropy(base_model, batch.input_ids, batch.attention_mask, 0.7,
+                                             first_position=first_position)
+        if lp.requires_grad:
+            (lp * mask).sum().backward()
+        return lp.detach(), ent, {n: p.grad for n, p in base_model.named_parameters()}
+
+    shapes = []
+    hook = base_model.lm_head.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape)))
+    try:
+        full_lp, full_ent, full_grad = run(1)
+        lp, ent, grad = run(first)
+    finally:
+        hook.remove()
+        base_model.zero_grad(set_to_none=True)
+    start = min(first, 7) - 1
+    assert shapes == [(3, 7, VOCAB), (3, 7 - start, VOCAB)]  # the vocabulary projection of the kept positions only
+    keep = torch.arange(7) >= first
+    torch.testing.assert_close(lp[:, keep], full_lp[:, keep], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent[:, keep], full_ent[:, keep], rtol=0, atol=1e-6)
+    assert lp[:, ~keep].abs().sum() == 0 and ent[:, ~keep].abs().sum() == 0
+    if first <= 4:  # every position under the loss mask kept: the same loss gradient
+        for n, g in full_grad.items():
+            torch.testing.assert_close(grad[n], g, rtol=1e-5, atol=1e-7)
+
+
 def test_token_logprob_gradient_is_exact():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(7, 5, dtype=torch.float64, generator=g, requires_grad=True)

@@ -115,6 +115,7 @@ def token_logprobs_and_entropy(
     with_entropy: bool = True,
     chunk_tokens: int | None = None,
     media: Any = None,
+    first_position: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (with gradient) and entropies (without) of a causal LM.
 
@@ -130,11 +131,16 @@ def token_logprobs_and_entropy(
         media: multimodal policies: [B] each row's :class:`~relax_agent.records.MediaInputs` (or
             None); their arrays are fed to the forward so the log-probs see the media (see
             :func:`relax_agent.multimodal.batch.checked_media_kwargs`).
+        first_position: the first position whose log-prob is wanted (see
+            :func:`first_scored_position`); the logits are computed from the position before it on
+            only (the model's ``logits_to_keep`` when its forward takes it), which spares the
+            vocabulary projection and log-softmax of a long prompt.
 
     Returns:
         ``(logprobs, entropy)``, both [B, T] float32 (float64 for a float64 model): position ``t`` holds
         ``log p(token t | tokens < t)`` and the entropy (nats) of that distribution;
-        position 0 and padding hold 0. ``entropy`` is None when ``with_entropy`` is False.
+        position 0, positions before ``first_position`` and padding hold 0. ``entropy`` is None
+        when ``with_entropy`` is False.
 
     Raises:
         ConfigError: ``temperature`` <= 0.
@@ -152,17 +158,41 @@ def token_logprobs_and_entropy(
         from relax_agent.multimodal.batch import checked_media_kwargs
 
         extra = checked_media_kwargs(model, input_ids, attention_mask, media)
+    b, t = input_ids.shape
+    start = min(max(first_position, 1), t) - 1  # logits from here on: position p predicts token p + 1
+    if start and _takes_logits_to_keep(model):
+        extra["logits_to_keep"] = t - start
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-    b, t, v = logits.shape
-    # Row (b, t) of the flat logits predicts token t + 1; the last row of each sequence
+    if logits.shape[1] != t - start:
+        logits = logits[:, start:]
+    k, v = logits.shape[1], logits.shape[2]
+    # Row (b, p) of the flat logits predicts token start + p + 1; the last row of each sequence
     # predicts nothing and is dropped after the fact (cheaper than copying a shifted view).
-    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
+    targets = torch.cat([input_ids[:, start + 1:], input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
     rows = chunk_tokens or max(1, _CHUNK_ELEMENTS // v)
-    logp, entropy = _TokenLogprob.apply(logits.reshape(b * t, v), targets, float(temperature), rows, with_entropy)
+    logp, entropy = _TokenLogprob.apply(logits.reshape(b * k, v), targets, float(temperature), rows, with_entropy)
     real = attention_mask.bool()
-    logp = _shift_right(logp.view(b, t), real)
-    entropy = _shift_right(entropy.view(b, t), real) if with_entropy else None
+    logp = _shift_right(_left_pad(logp.view(b, k), start), real)
+    entropy = _shift_right(_left_pad(entropy.view(b, k), start), real) if with_entropy else None
     return logp, entropy
+
+
+def first_scored_position(loss_mask: torch.Tensor) -> int:
+    """The first position (over all rows) under ``loss_mask`` [B, T]; 1 when none is: the
+    ``first_position`` of :func:`token_logprobs_and_entropy` that keeps every log-prob the loss reads."""
+    cols = loss_mask.bool().any(dim=0).nonzero()
+    return int(cols[0]) if len(cols) else 1
+
+
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _left_pad(values: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, K] -> [B, n + K] with zeros in front."""
+    return torch.cat([values.new_zeros(values.shape[0], n), values], dim=1) if n else values
 
 
 def _shift_right(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -173,14 +203,15 @@ def _shift_right(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    media: Any = None,
+    media: Any = None, first_position: int = 1,
 ) -> torch.Tensor:
     """[B, T] float32 (at least) ``log p(token t | tokens < t)`` of ``softmax(logits / temperature)``.
 
-    Position 0 and padding hold 0. Differentiable; see :func:`token_logprobs_and_entropy`.
+    Position 0, positions before ``first_position`` and padding hold 0. Differentiable; see
+    :func:`token_logprobs_and_entropy`.
     """
     return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, with_entropy=False,
-                                      media=media)[0]
+                                      media=media, first_position=first_position)[0]
 
 
 class _Totals:
@@ -340,7 +371,8 @@ class TorchTrainer:
         cfg = self.cfg
         with self._autocast():
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                                           media=getattr(mb, "media", None))
+                                                           media=getattr(mb, "media", None),
+                                                           first_position=first_scored_position(mb.loss_mask))
         old, weights = mb.rollout_logprobs, None
         if cfg.off_policy == "tis":  # ratio against the pre-update policy, TIS weight against the rollout
             old, weights = logprobs.detach(), tis_weights(logprobs.detach(), mb.rollout_logprobs, cfg.tis_cap)
@@ -366,7 +398,7 @@ class TorchTrainer:
     def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
         with torch.no_grad(), self._autocast():
             return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature,
-                                  media=getattr(mb, "media", None))
+                                  media=getattr(mb, "media", None), first_position=first_scored_position(mb.loss_mask))
 
     def _summarize(self, totals: _Totals, batch: TrainBatch) -> dict[str, float]:
         n_policy = float(batch.num_policy_tokens)
@@ -437,7 +469,8 @@ class TorchTrainer:
             micro = micro.to(self.device)
             with self._autocast():
                 logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0,
-                                      media=getattr(micro, "media", None))
+                                      media=getattr(micro, "media", None),
+                                      first_position=first_scored_position(micro.loss_mask))
             nll = -(logp * micro.loss_mask).sum() / n_tokens
             nll.backward()
             total += float(nll.detach())
