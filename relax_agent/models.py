@@ -494,9 +494,13 @@ MEDIA_TEMPLATE = (
 """ChatML that renders every role's content parts (images, videos, audio clips in user and tool
 messages alike) as the family's placeholder structure; the upper-case names are filled per family."""
 
+_QWEN_VL_TOKENS = {"VISION_START": "<|vision_start|>", "VISION_END": "<|vision_end|>", "IMAGE": "<|image_pad|>",
+                   "VIDEO": "<|video_pad|>"}
+
 _MEDIA_TOKENS = {
-    "tiny-vl": {"VISION_START": "<|vision_start|>", "VISION_END": "<|vision_end|>", "IMAGE": "<|image_pad|>",
-                "VIDEO": "<|video_pad|>"},
+    "tiny-vl": _QWEN_VL_TOKENS,
+    "tiny-vl3": _QWEN_VL_TOKENS,
+    "tiny-vl3-moe": _QWEN_VL_TOKENS,
     "tiny-omni": {"VISION_START": "<|vision_bos|>", "VISION_END": "<|vision_eos|>", "IMAGE": "<|IMAGE|>",
                   "VIDEO": "<|VIDEO|>", "AUDIO_START": "<|audio_bos|>", "AUDIO_END": "<|audio_eos|>",
                   "AUDIO": "<|AUDIO|>"},
@@ -512,6 +516,8 @@ def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int], text_over
                 pad_token_id=tokenizer.pad_token_id)
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                   fullatt_block_indexes=[1], window_size=56, patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+    if kind in ("tiny-vl3", "tiny-vl3-moe"):
+        return _tiny_qwen3_vl_config(kind, text, ids, text_overrides, vision_overrides)
     text.update(text_overrides or {})
     vision.update(vision_overrides or {})
     if kind == "tiny-vl":
@@ -533,16 +539,41 @@ def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int], text_over
     return config
 
 
+def _tiny_qwen3_vl_config(kind: str, text: dict[str, Any], ids: dict[str, int], text_overrides: dict[str, Any] | None,
+                          vision_overrides: dict[str, Any] | None) -> Any:
+    """Qwen3-VL (``tiny-vl3``) or Qwen3-VL-MoE (``tiny-vl3-moe``: 8 experts, top-2, in both layers):
+    16-px patches, interleaved M-RoPE (sections sum to head_dim / 2), DeepStack from the last vision block."""
+    text.update(head_dim=16, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                              "mrope_interleaved": True, "rope_theta": 10000.0})
+    if kind == "tiny-vl3-moe":
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                    output_router_logits=False)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64, deepstack_visual_indexes=[1])
+    text.update(text_overrides or {})
+    vision.update(vision_overrides or {})
+    if kind == "tiny-vl3":
+        from transformers import Qwen3VLConfig as Config
+    else:
+        from transformers import Qwen3VLMoeConfig as Config
+    return Config(text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["IMAGE"],
+                  video_token_id=ids["VIDEO"], vision_start_token_id=ids["VISION_START"],
+                  vision_end_token_id=ids["VISION_END"])
+
+
 def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int = 0,
                           text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> Path:
     """Save a tiny randomly initialised multimodal policy with the SmolLM2 tokenizer plus media tokens.
 
-    ``tiny-vl``: Qwen2.5-VL (images, videos; ~3.3 M parameters). ``tiny-omni``: the Qwen2.5-Omni
-    thinker (images, videos, audio; ~6.5 M). Text decoder as :func:`make_tiny_model` (hidden 64, 2
-    layers, tied embeddings), a 2-layer vision encoder (14-px patches, 2x2 merge), for the omni a
-    2-layer Whisper-style audio encoder (128 mel bins). The tokenizer gets the family's media
-    tokens added (vocabulary 49152 + 4 or 7) and :data:`MEDIA_TEMPLATE` as its chat template;
-    ``preprocessor_config.json`` holds the image processor (and the omni's feature extractor).
+    ``tiny-vl``: Qwen2.5-VL (images, videos; ~3.3 M parameters). ``tiny-vl3``: Qwen3-VL (images,
+    videos; 16-px patches, DeepStack, timestamped videos). ``tiny-vl3-moe``: Qwen3-VL-MoE (the same
+    with 8 experts, top-2, in both decoder layers). ``tiny-omni``: the Qwen2.5-Omni thinker (images,
+    videos, audio; ~6.5 M). Text decoder as :func:`make_tiny_model` (hidden 64, 2 layers, tied
+    embeddings), a 2-layer vision encoder (14-px patches for Qwen2.5, 16-px for Qwen3; 2x2 merge),
+    for the omni a 2-layer Whisper-style audio encoder (128 mel bins). The tokenizer gets the
+    family's media tokens added (vocabulary 49152 + 4 or 7) and :data:`MEDIA_TEMPLATE` as its chat
+    template; ``preprocessor_config.json`` holds the image processor with the model's patching (and
+    the omni's feature extractor).
 
     Args:
         text / vision: fields of the text / vision config to change, e.g. ``vision={"initializer_range": 0.1}``
@@ -584,6 +615,14 @@ def _check_media_overrides(kind: str, text: dict[str, Any], vision: dict[str, An
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
             Qwen2_5_VLTextConfig as TextConfig, Qwen2_5_VLVisionConfig as VisionConfig,
         )
+    elif kind == "tiny-vl3":
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import (
+            Qwen3VLTextConfig as TextConfig, Qwen3VLVisionConfig as VisionConfig,
+        )
+    elif kind == "tiny-vl3-moe":
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+            Qwen3VLMoeTextConfig as TextConfig, Qwen3VLMoeVisionConfig as VisionConfig,
+        )
     else:
         from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
             Qwen2_5OmniTextConfig as TextConfig, Qwen2_5OmniVisionEncoderConfig as VisionConfig,
@@ -614,7 +653,8 @@ def _save_preprocessor(out: Path, config: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m relax_agent.models tiny DIR [--arch llama] [--seed 0]``: write a tiny random
     model (see :func:`make_tiny_model`) for smoke runs such as ``examples/tiny.yaml``;
-    ``tiny-vl DIR`` / ``tiny-omni DIR``: a tiny multimodal one (:func:`make_tiny_media_model`)."""
+    ``tiny-vl DIR`` / ``tiny-vl3 DIR`` / ``tiny-vl3-moe DIR`` / ``tiny-omni DIR``: a tiny multimodal
+    one (:func:`make_tiny_media_model`)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m relax_agent.models", description="Model utilities.")
@@ -623,7 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("out_dir", type=Path, help="Folder to write (created; existing files are overwritten).")
     tiny.add_argument("--arch", default="llama", choices=sorted(TINY_ARCHS), help="Architecture (default: llama).")
     tiny.add_argument("--seed", type=int, default=0, help="Weight initialisation seed (default: 0).")
-    for kind, what in (("tiny-vl", "Qwen2.5-VL (images, videos)"), ("tiny-omni", "Qwen2.5-Omni thinker (images, videos, audio)")):
+    media_kinds = (("tiny-vl", "Qwen2.5-VL (images, videos)"), ("tiny-vl3", "Qwen3-VL (images, videos)"),
+                   ("tiny-vl3-moe", "Qwen3-VL-MoE (images, videos; 8 experts, top-2)"),
+                   ("tiny-omni", "Qwen2.5-Omni thinker (images, videos, audio)"))
+    for kind, what in media_kinds:
         media = sub.add_parser(kind, help=f"Save a tiny random {what} policy with the SmolLM2 tokenizer plus media tokens.")
         media.add_argument("out_dir", type=Path, help="Folder to write (created; existing files are overwritten).")
         media.add_argument("--seed", type=int, default=0, help="Weight initialisation seed (default: 0).")

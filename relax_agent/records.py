@@ -73,6 +73,12 @@ class Turn:
             per MoE layer, by the forward pass that scored each sampled token; None otherwise.
         token_versions: [n] policy version of each token when a weight update landed inside
             this turn (``policy_version`` is then the oldest); empty when one version sampled it all.
+        context_routed_experts: MoE routing replay from an engine that reports its prefill's routes
+            (the multimodal engine): [d, layers, top_k] experts for the d context tokens right
+            before this turn that no earlier turn routed (prompt, observation deltas, their media
+            tokens): row i is token ``start - d + i``, routed at position ``start - d + i - 1``
+            by this turn's prefill. The first token of an episode has none (no position scores it).
+            None otherwise.
     """
 
     start: int
@@ -82,6 +88,12 @@ class Turn:
     finish_reason: str
     routed_experts: Any = None
     token_versions: tuple[int, ...] = ()
+    context_routed_experts: Any = None
+
+    @property
+    def context_start(self) -> int:
+        """Index of the first token :attr:`context_routed_experts` covers (``start`` when it has none)."""
+        return self.start - (0 if self.context_routed_experts is None else len(self.context_routed_experts))
 
     @property
     def crossed_update(self) -> bool:
@@ -157,7 +169,8 @@ class Trajectory:
             (prompt and observations, in order); None for text-only episodes.
 
     MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
-    assemble the turns' routes at the turns' token positions.
+    assemble the turns' routes at the turns' token positions, and their context routes
+    (``Turn.context_routed_experts``) at the context tokens before each turn.
     """
 
     sample_id: str
@@ -198,16 +211,18 @@ class Trajectory:
 
     @property
     def routes_mask(self) -> np.ndarray:
-        """[T] bool, True on the tokens of turns that carry ``routed_experts``."""
+        """[T] bool, True on the tokens of turns that carry ``routed_experts`` and on the context
+        tokens their ``context_routed_experts`` cover."""
         mask = np.zeros(len(self.token_ids), dtype=bool)
         for turn in self.turns:
             if turn.routed_experts is not None:
-                mask[turn.start:turn.start + len(turn.token_ids)] = True
+                mask[turn.context_start:turn.start + len(turn.token_ids)] = True
         return mask
 
     @property
     def routed_experts(self) -> np.ndarray | None:
-        """[T, layers, top_k] the turns' routes at their token positions, 0 elsewhere; None without routes."""
+        """[T, layers, top_k] the turns' routes (and context routes) at their token positions, 0
+        elsewhere; None without routes."""
         routed = [t for t in self.turns if t.routed_experts is not None]
         if not routed:
             return None
@@ -215,6 +230,8 @@ class Trajectory:
         out = np.zeros((len(self.token_ids), *first.shape[1:]), dtype=first.dtype)
         for turn in routed:
             out[turn.start:turn.start + len(turn.token_ids)] = turn.routed_experts
+            if turn.context_routed_experts is not None:
+                out[turn.context_start:turn.start] = turn.context_routed_experts
         return out
 
 

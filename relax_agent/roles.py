@@ -194,7 +194,8 @@ def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bo
     if media:
         from relax_agent.multimodal.engine import MediaEngine
 
-        engine: Any = MediaEngine(engine_model, tokenizer, device=device, seed=cfg.run.seed)
+        engine: Any = MediaEngine(engine_model, tokenizer, device=device, seed=cfg.run.seed,
+                                  record_routes=cfg.moe.replay)
     else:
         engine = cfg.engine.build(model=engine_model, tokenizer=tokenizer, device=device, seed=cfg.run.seed,
                                   record_routes=cfg.moe.replay)

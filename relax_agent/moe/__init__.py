@@ -4,7 +4,8 @@ The rollout engine records, per policy token and MoE layer, the top-k experts it
 chose (:class:`RouteRecorder`, turned on by ``moe.routing_replay: rollout``); they travel
 with the trajectory (``Turn.routed_experts``, ``TrainBatch.routed_experts``); the trainer
 forces its routers to them (:class:`RoutingReplay`). Supported families: Qwen3-MoE,
-Mixtral, OLMoE (:data:`FAMILIES`).
+Mixtral, OLMoE and the text decoder of Qwen3-VL-MoE (:data:`FAMILIES`); a multimodal policy's
+engine also records the routes of its prefill, media tokens included (``Turn.context_routed_experts``).
 
 Only :class:`MoEConfig` loads eagerly; the rest (torch) loads on first use.
 """

@@ -5,7 +5,10 @@ last prompt position for the first token of a turn, then each decode step). The 
 recorded for token ``t`` are those of *that* forward position, in every MoE layer, so the
 trainer, which scores token ``t`` from position ``t - 1`` too, can replay exactly the
 computation that produced the token's rollout log-prob (see :mod:`relax_agent.moe.replay`).
-Prompt and observation positions are not recorded (they are only context).
+The text engine records only those positions (prompt and observations are context). The
+multimodal engine, which prefills the whole episode for every turn, also keeps its prefill's routes
+(:meth:`RouteRecorder.start_collecting`): they go on the turn as ``context_routed_experts``, so
+the context tokens, media tokens included, are replayed too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class RouteRecorder:
 
     Forward hooks on the routers store each layer's ``indices`` [N, k] (N = rows x positions
     of that forward); :meth:`last_position` returns the routes of each row's last position.
+    Between :meth:`start_collecting` and :meth:`stop_collecting` the hooks also keep every
+    forward's indices (a one-row ``generate``: the prefill, then each decode step).
     Only the thread that runs the model's forward passes may use it.
 
     Args:
@@ -36,13 +41,30 @@ class RouteRecorder:
         self.dtype = route_dtype(max(r.num_experts for r in self.routers))
         self._torch_dtype = torch.from_numpy(np.empty(0, dtype=self.dtype)).dtype
         self._latest: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._history: list[list[torch.Tensor]] | None = None
         self._handles = [r.module.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
 
     def _hook(self, layer: int) -> Any:
         def record(_module: nn.Module, _args: Any, output: tuple[torch.Tensor, ...]) -> None:
             self._latest[layer] = output[2]
+            if self._history is not None:
+                self._history[layer].append(output[2].detach().to(self._torch_dtype))
 
         return record
+
+    def start_collecting(self) -> None:
+        """Keep the routes of every forward pass from now until :meth:`stop_collecting`."""
+        self._history = [[] for _ in self.routers]
+
+    def stop_collecting(self) -> np.ndarray | None:
+        """[N, layers, top_k] the routes of every router row of every forward pass since
+        :meth:`start_collecting`, in order (for one-row forwards: one row per sequence position,
+        the prefill's positions first, then one per decode step); None when no forward ran.
+        Stops collecting."""
+        history, self._history = self._history, None
+        if not history or not all(history):
+            return None
+        return torch.stack([torch.cat(layer) for layer in history], dim=1).cpu().numpy()
 
     def last_position(self, rows: int) -> np.ndarray:
         """[rows, layers, top_k] experts of each row's last position in the latest forward pass.

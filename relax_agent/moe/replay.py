@@ -15,11 +15,12 @@ is exactly the model's computation.
 
 Which positions are replayed: the batch carries ``routed_experts`` [B, T, layers, k] and
 ``routes_mask`` [B, T], where row ``t`` holds the routes of the forward position ``t - 1``
-that scored policy token ``t`` (see :mod:`relax_agent.moe.record`). Forward position
-``q`` is replayed when token ``q + 1`` has recorded routes. Every other position (prompt,
-observations, the last token) is routed by the trainer itself: those positions only feed
-the replayed ones through attention, and were routed by the engine's prefill, which
-recording skips to keep the trajectory small.
+that scored token ``t`` (see :mod:`relax_agent.moe.record`). Forward position ``q`` is
+replayed when token ``q + 1`` has recorded routes. From the text engine those are the policy
+tokens only; prompt and observation positions are routed by the trainer itself (they feed the
+replayed ones only through attention, and recording skips the engine's prefill to keep the
+trajectory small). The multimodal engine also records its prefill (``Turn.context_routed_experts``),
+so there every position before the last sampled token is replayed, media tokens included.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Finding the top-k routers of a Hugging Face MoE model, one small adapter per family.
 
-In transformers 5 the MoE block of Qwen3-MoE, Mixtral and OLMoE calls its router as
-``model.layers[i].mlp.gate(hidden [N, H]) -> (logits [N, E], weights [N, k], indices [N, k])``
-and hands ``indices`` and ``weights`` to ``mlp.experts``. The families differ only in how
-the top-k weights are formed from ``p = softmax(logits)`` (computed in fp32):
+In transformers 5 the MoE block of Qwen3-MoE, Mixtral, OLMoE and the text decoder of Qwen3-VL-MoE
+calls its router as ``...layers[i].mlp.gate(hidden [N, H]) -> (logits [N, E], weights [N, k],
+indices [N, k])`` and hands ``indices`` and ``weights`` to ``mlp.experts`` (Qwen3-VL-MoE:
+``model.language_model.layers[i].mlp.gate``; its vision tower has no experts). The families
+differ only in how the top-k weights are formed from ``p = softmax(logits)`` (computed in fp32):
 
 - Qwen3-MoE, OLMoE: ``p`` at the top-k experts, divided by their sum when the config's
   ``norm_topk_prob`` is true; the weights are cast back to the logits' dtype.
+- Qwen3-VL-MoE (text config ``qwen3_vl_moe_text``): always renormalised over the top-k experts
+  (its router has no ``norm_topk_prob``); the weights are cast back to the logits' dtype.
 - Mixtral: always renormalised over the top-k experts; the weights stay fp32.
 
 Routing replay (:mod:`relax_agent.moe.replay`) recomputes the weights the same way at the
@@ -47,8 +50,9 @@ FAMILIES: dict[str, RouterFamily] = {
     "qwen3_moe": RouterFamily(renormalize=_norm_topk_prob, weights_in_logits_dtype=True),
     "olmoe": RouterFamily(renormalize=_norm_topk_prob, weights_in_logits_dtype=True),
     "mixtral": RouterFamily(renormalize=lambda _router: True, weights_in_logits_dtype=False),
+    "qwen3_vl_moe_text": RouterFamily(renormalize=lambda _router: True, weights_in_logits_dtype=True),
 }
-"""``config.model_type`` -> its router family (transformers >= 5 module layout)."""
+"""The (text) config's ``model_type`` -> its router family (transformers >= 5 module layout)."""
 
 
 @dataclass(frozen=True)

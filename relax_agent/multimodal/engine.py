@@ -12,6 +12,11 @@ Log-probs: ``log_softmax(logits.float() / T)`` at each sampled token, from the r
 the same forward pass that sampled it (before top-p), as the text engine and the trainer compute
 them. Sampling is reproducible per request: ``generate`` runs under a forked torch RNG seeded
 with the request's seed.
+
+Routing replay (``record_routes``, MoE policies such as Qwen3-VL-MoE): every router's choice in
+every forward of ``generate`` is kept, the prefill's and each decode step's, so a generation
+carries the routes of its sampled tokens (``routed_experts``) and of its whole prompt, media
+tokens included (``prompt_routed_experts``); see :mod:`relax_agent.moe.record`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.moe.record import build_route_recorder
 from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.processor import MediaFamily, check_placeholders
 from relax_agent.records import MediaInputs
@@ -55,10 +61,16 @@ class MediaEngine:
         device: torch device.
         seed: draws a sampling seed for each request without ``params.seed``.
         stop_token_ids: replaces the default stop ids (EOS, ``<|im_end|>``); ``params.stop_token_ids`` add to them.
+        record_routes: MoE policies: record the experts of every prompt and sampled token
+            (``Generation.prompt_routed_experts`` / ``routed_experts``) for routing replay; a dense
+            policy records nothing (with a warning).
+
+    Raises:
+        ConfigError: ``record_routes`` for an MoE family without a router adapter.
     """
 
     def __init__(self, model: Any, tokenizer: Any, device: str = "cpu", seed: int = 0,
-                 stop_token_ids: Sequence[int] | None = None) -> None:
+                 stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
         self._model = model.to(device).eval()
         self._tokenizer = tokenizer
         self._device = torch.device(device)
@@ -71,7 +83,15 @@ class MediaEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="media-engine")
         self._version = 0
         self._closed = False
+        self._routes = build_route_recorder(self._model) if record_routes else None
         self.stats = MediaEngineStats()
+
+    @property
+    def route_layout(self) -> tuple[tuple[int, int], str] | None:
+        """``((moe_layers, top_k), dtype name)`` of the routes this engine records; None when it records none."""
+        if self._routes is None:
+            return None
+        return (len(self._routes.routers), self._routes.routers[0].top_k), self._routes.dtype.name
 
     @property
     def model_config(self) -> Any:
@@ -123,11 +143,15 @@ class MediaEngine:
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             version = self._version
+            if self._routes is not None:
+                self._routes.start_collecting()
             try:
                 kwargs = media_model_kwargs(self._model, self.family, input_ids, [media])
                 out = self._model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, **kwargs)
             except Exception as exc:
                 raise EngineError(f"media engine forward failed: {type(exc).__name__}: {exc}") from exc  # noqa
+            finally:
+                routes = self._routes.stop_collecting() if self._routes is not None else None
         tokens = out.sequences[0, len(prompt_ids):].tolist()
         n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
         tokens = tokens[:n]
@@ -137,7 +161,12 @@ class MediaEngine:
         self.stats.new_tokens += len(tokens)
         self.stats.media_items += 0 if media is None else len(media)
         finish = "stop" if tokens and tokens[-1] in stop else "length"
-        return Generation(tuple(tokens), tuple(logprobs), finish, version)
+        if routes is None:
+            return Generation(tuple(tokens), tuple(logprobs), finish, version)
+        p = len(prompt_ids)  # routes row q: forward position q (prefill 0 .. p-1, then one per decode step)
+        assert len(routes) >= p - 1 + len(tokens), "one route row per forward position"
+        return Generation(tuple(tokens), tuple(logprobs), finish, version, routed_experts=routes[p - 1:p - 1 + len(tokens)],
+                          prompt_routed_experts=routes[:p - 1])
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Copy ``state_dict`` (a subset of the model's keys; cast to its dtypes) between requests.

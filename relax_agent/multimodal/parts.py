@@ -132,6 +132,12 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
     return pcm
 
 
+def video_frame_count(value: Any) -> int:
+    """Frames of a ``video`` part (or a list / [n, H, W, 3] array of frames), without decoding them."""
+    frames = value.get("video", value.get("video_url")) if isinstance(value, dict) else value
+    return len(frames)
+
+
 def decode_video(value: Any, where: str = "video") -> list[Any]:
     """The frames (PIL RGB images) of a ``video`` part or a list of frames.
 

@@ -6,11 +6,17 @@ content part into a :class:`~relax_agent.records.MediaInputs` of one item, whose
 is the number of feature vectors the model's encoder produces for it (so the number of
 placeholder tokens the renderer writes).
 
-Families: the Qwen vision-language line (``qwen2_vl``, ``qwen2_5_vl``) and the Qwen2.5-Omni
-thinker (``qwen2_5_omni_thinker``: image, video, audio). One placeholder token per kind is
-repeated ``num_tokens`` times; images use the PIL backend of the Qwen2-VL image processor, audio
-Whisper log-mel features, and video frames are patched here with the same layout as
-transformers' Qwen2-VL video processor (which needs torchvision, see FIELD_NOTES).
+Families: the Qwen vision-language line (``qwen2_vl``, ``qwen2_5_vl``, and Qwen3-VL: ``qwen3_vl``
+and its MoE ``qwen3_vl_moe``), and the Qwen2.5-Omni thinker (``qwen2_5_omni_thinker``: image,
+video, audio). One placeholder token per kind is repeated ``num_tokens`` times; images use the PIL
+backend of the Qwen2-VL image processor (Qwen3-VL uses it too, with 16-px patches), audio Whisper
+log-mel features, and video frames are patched here with the same layout as transformers' Qwen2-VL
+and Qwen3-VL video processors (which need torchvision, see FIELD_NOTES).
+
+Qwen3-VL writes a video frame by frame (:data:`TIMESTAMPED_VIDEO`): each temporal grid step is
+``<{t:.1f} seconds><|vision_start|>`` + its ``h*w/merge²`` placeholders + ``<|vision_end|>``, the
+text timestamp standing in for the temporal rope index of Qwen2.5-VL; :meth:`MediaProcessor.video_timestamps_s`
+gives the timestamps and the renderer writes them (:mod:`relax_agent.multimodal.render`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,13 @@ from relax_agent.errors import ConfigError, DataError
 from relax_agent.multimodal.parts import AUDIO_RATE_HZ, decode_audio, decode_image, decode_video, part_kind
 from relax_agent.records import MEDIA_KINDS, MediaInputs
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker")
 """``model_type`` values whose media this module processes."""
+
+TIMESTAMPED_VIDEO = ("qwen3_vl", "qwen3_vl_moe")
+"""Families whose videos are written frame by frame with text timestamps (see the module docstring);
+their rope indices split ``video_grid_thw`` into one grid per temporal step, so the placeholders of
+each step must form their own run of tokens."""
 
 IMAGE_MIN_PIXELS = 56 * 56
 IMAGE_MAX_PIXELS = 224 * 224
@@ -61,8 +72,11 @@ class MediaFamily:
         model_type: the config's ``model_type`` (one of :data:`FAMILIES`).
         token_ids: media kind -> the placeholder token id the model replaces with that kind's
             features (only the kinds the model takes).
-        patch_size / temporal_patch_size / merge_size: vision patching (Qwen-VL: 14, 2, 2).
+        patch_size / temporal_patch_size / merge_size: vision patching (Qwen2/2.5-VL: 14, 2, 2;
+            Qwen3-VL: 16, 2, 2).
         num_mel_bins: audio features per frame (0 without an audio encoder).
+        vision_start_id / vision_end_id: the tokens around a vision item (None when the config has none).
+        timestamped_video: videos are written frame by frame with text timestamps (:data:`TIMESTAMPED_VIDEO`).
     """
 
     model_type: str
@@ -71,6 +85,9 @@ class MediaFamily:
     temporal_patch_size: int = 2
     merge_size: int = 2
     num_mel_bins: int = 0
+    vision_start_id: int | None = None
+    vision_end_id: int | None = None
+    timestamped_video: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> "MediaFamily":
@@ -85,12 +102,15 @@ class MediaFamily:
                               f"supported: {list(FAMILIES)}")
         ids = {k: getattr(config, f"{k}_token_id", None) for k in MEDIA_KINDS}
         vision, audio = getattr(config, "vision_config", None), getattr(config, "audio_config", None)
+        start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
         return cls(
             model_type=kind, token_ids={k: int(v) for k, v in ids.items() if v is not None and (k != "audio" or audio)},
             patch_size=int(getattr(vision, "patch_size", 14)),
             temporal_patch_size=int(getattr(vision, "temporal_patch_size", 2)),
             merge_size=int(getattr(vision, "spatial_merge_size", 2)),
             num_mel_bins=int(getattr(audio, "num_mel_bins", 0) or 0),
+            vision_start_id=None if start is None else int(start), vision_end_id=None if end is None else int(end),
+            timestamped_video=kind in TIMESTAMPED_VIDEO,
         )
 
     def kind_of_token(self) -> dict[int, str]:
@@ -126,6 +146,12 @@ class MediaProcessor:
         video_fps: frames per second of a video part's frames.
         image_processor: the folder's image processor when it has one (``preprocessor_config.json``);
             else the Qwen2-VL PIL image processor with the family's patching.
+
+    Raises:
+        ConfigError: the image processor's patching (``patch_size``, ``merge_size``,
+            ``temporal_patch_size``) differs from the model's vision config: its pixel rows would not
+            fit the vision tower's patch embedding (Qwen3-VL takes 16-px patches, the Qwen2-VL
+            processor's default is 14).
     """
 
     family: MediaFamily
@@ -144,6 +170,8 @@ class MediaProcessor:
             self.image_processor = Qwen2VLImageProcessorPil(
                 patch_size=f.patch_size, temporal_patch_size=f.temporal_patch_size, merge_size=f.merge_size,
                 min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        if self.image_processor is not None:
+            self._check_patching()
         if self.feature_extractor is None and "audio" in f.token_ids:
             from transformers import WhisperFeatureExtractor
 
@@ -151,11 +179,36 @@ class MediaProcessor:
                 feature_size=f.num_mel_bins, sampling_rate=AUDIO_RATE_HZ, chunk_length=self.audio_clip_s,
                 n_samples=self.audio_clip_s * AUDIO_RATE_HZ)
 
+    def _check_patching(self) -> None:
+        f, ip = self.family, self.image_processor
+        for name, want in (("patch_size", f.patch_size), ("merge_size", f.merge_size),
+                           ("temporal_patch_size", f.temporal_patch_size)):
+            got = getattr(ip, name, None)
+            if got is not None and int(got) != want:
+                model_key = "spatial_merge_size" if name == "merge_size" else name
+                raise ConfigError(
+                    f"the image processor (preprocessor_config.json) has {name}={got} but the {f.model_type} model's "
+                    f"vision_config.{model_key}={want}: its pixel rows would not fit the vision tower; set {name} "
+                    f"to {want} in preprocessor_config.json")
+
+    def video_timestamps_s(self, num_frames: int) -> list[float]:
+        """[t] seconds of each temporal grid step of a video of ``num_frames`` frames at ``video_fps``:
+        the mean time of the step's first and last frame, the last frame repeated to fill the last step
+        (transformers' ``Qwen3VLProcessor._calculate_timestamps``)."""
+        tp = self.family.temporal_patch_size
+        indices = list(range(num_frames)) + [num_frames - 1] * (-num_frames % tp)
+        return [(indices[i] + indices[i + tp - 1]) / 2 / self.video_fps for i in range(0, len(indices), tp)]
+
     @classmethod
     def from_pretrained(cls, folder: str | Path, config: Any) -> "MediaProcessor":
         """The processor of a model folder: its ``preprocessor_config.json`` when present (image
         processor and Whisper feature extractor both read it, as in Qwen2.5-Omni checkpoints), else
-        class defaults with the config's patching."""
+        class defaults with the config's patching. A Qwen3-VL folder's ``video_preprocessor_config.json``
+        is not read: video frames use the image processor's pixel budget and normalisation.
+
+        Raises:
+            ConfigError: the folder's patching differs from the model's vision config (names the key).
+        """
         family = MediaFamily.from_config(config)
         path = Path(folder) / "preprocessor_config.json"
         if not path.is_file():

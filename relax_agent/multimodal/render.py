@@ -11,6 +11,11 @@ the renderer then
    features were recorded when they were new);
 3. expands each part's placeholder token into ``num_tokens`` copies, the feature vectors its
    encoder makes, and returns the expanded ids with the parts' :class:`~relax_agent.records.MediaInputs`.
+   Qwen3-VL videos (:data:`~relax_agent.multimodal.processor.TIMESTAMPED_VIDEO`) are written frame
+   by frame instead: ``<{t:.1f} seconds><|vision_start|>`` + the step's placeholders +
+   ``<|vision_end|>`` per temporal grid step, replacing the template's
+   ``<|vision_start|><|video_pad|><|vision_end|>`` as Qwen3-VL's own processor did (transformers
+   5.24's ``Qwen3VLProcessor`` replaces only the ``<|video_pad|>`` and keeps that outer pair).
 
 So the trajectory's token ids are exactly what the model sees, media tokens included, and the
 trainer's forward gets the same features the engine saw.
@@ -21,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from relax_agent.errors import EnvError
-from relax_agent.multimodal.parts import part_kind
+from relax_agent.errors import ConfigError, EnvError
+from relax_agent.multimodal.parts import part_kind, video_frame_count
 from relax_agent.multimodal.processor import MediaProcessor, check_placeholders
 from relax_agent.records import MediaInputs
 from relax_agent.rollout.chat import ChatRenderer
@@ -53,6 +58,9 @@ class MediaRenderer:
     Attributes:
         tokenizer: ``chat.tokenizer`` (the driver decodes sampled turns with it).
         end_of_turn_ids: ``chat.end_of_turn_ids``.
+
+    Raises:
+        ConfigError: a family that writes timestamped videos without vision start / end token ids.
     """
 
     def __init__(self, chat: ChatRenderer, processor: MediaProcessor) -> None:
@@ -63,6 +71,9 @@ class MediaRenderer:
         self.processor = processor
         self.family = processor.family
         self._kind_of = self.family.kind_of_token()
+        if self.family.timestamped_video and None in (self.family.vision_start_id, self.family.vision_end_id):
+            raise ConfigError(f"the {self.family.model_type} config needs vision_start_token_id and vision_end_token_id "
+                              "(its videos are written frame by frame between them)")
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
@@ -98,16 +109,42 @@ class MediaRenderer:
         if not parts:
             return ids, None
         items = [self.processor.process(p, f"{where}[{i}]") for i, p in parts]
-        queues: dict[str, list[int]] = {}
-        for item in items:
-            queues.setdefault(item.kinds[0], []).append(item.num_tokens[0])
+        queues: dict[str, list[tuple[MediaInputs, Any]]] = {}
+        for item, (_, part) in zip(items, parts):
+            queues.setdefault(item.kinds[0], []).append((item, part))
+        f = self.family
         out: list[int] = []
-        for tok in ids:
+        i = 0
+        while i < len(ids):
+            tok = ids[i]
             kind = self._kind_of.get(tok)
-            out += [tok] * queues[kind].pop(0) if kind is not None else [tok]
+            if kind is None:
+                out.append(tok)
+            elif kind == "video" and f.timestamped_video:
+                item, part = queues[kind].pop(0)
+                if out and out[-1] == f.vision_start_id and i + 1 < len(ids) and ids[i + 1] == f.vision_end_id:
+                    out.pop()  # the frames bring their own start / end tokens: the template's pair is replaced
+                    i += 1
+                out += self._video_frames(tok, item, video_frame_count(part))
+            else:
+                out += [tok] * queues[kind].pop(0)[0].num_tokens[0]
+            i += 1
         media = MediaInputs.concat(items)
         check_placeholders(out, media, self.family, where)
         return out, media
+
+    def _video_frames(self, pad: int, item: MediaInputs, num_frames: int) -> list[int]:
+        """A timestamped video's tokens: per temporal grid step ``<{t:.1f} seconds>``, vision start,
+        ``h*w/merge²`` placeholders ``pad``, vision end (``item``'s grid; ``num_frames`` sets the times)."""
+        t, h, w = (int(x) for x in item.arrays["video_grid_thw"][0])
+        per_step = h * w // self.family.merge_size ** 2
+        times = self.processor.video_timestamps_s(num_frames)
+        assert len(times) == t, "one timestamp per temporal grid step"
+        out: list[int] = []
+        for seconds in times:
+            out += self.tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"]
+            out += [self.family.vision_start_id, *[pad] * per_step, self.family.vision_end_id]
+        return out
 
     def _check_rendered(self, ids: list[int], messages: list[dict[str, Any]], parts: list[tuple[int, Any]],
                         where: str) -> None:

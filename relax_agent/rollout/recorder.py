@@ -43,13 +43,25 @@ class TrajectoryRecorder:
 
     def add_turn(self, gen: Generation) -> None:
         """One sampled turn: its [n] token ids (masked in), log-probs, versions and routes, as generated
-        (per-token versions are kept only when a weight update landed inside the turn)."""
+        (per-token versions are kept only when a weight update landed inside the turn). With the
+        prefill's routes (``gen.prompt_routed_experts``, for a prompt that was the whole stream so
+        far) the turn keeps those of the context tokens no earlier turn routed."""
         versions = gen.token_versions if len(set(gen.token_versions)) > 1 else ()
-        self.turns.append(Turn(len(self.token_ids), gen.token_ids, gen.logprobs, gen.policy_version,
-                               gen.finish_reason, gen.routed_experts, versions))
+        start = len(self.token_ids)
+        self.turns.append(Turn(start, gen.token_ids, gen.logprobs, gen.policy_version,
+                               gen.finish_reason, gen.routed_experts, versions, self._context_routes(gen, start)))
         self.token_ids += gen.token_ids
         self.loss_mask += [1] * len(gen.token_ids)
         self.logprobs += list(gen.logprobs)
+
+    def _context_routes(self, gen: Generation, start: int) -> Any:
+        """[d, layers, top_k] prefill routes of tokens ``start - d .. start - 1`` not routed before; None without."""
+        if gen.prompt_routed_experts is None:
+            return None
+        assert len(gen.prompt_routed_experts) == start - 1, "the prompt was the episode's stream so far"
+        last = self.turns[-1] if self.turns else None
+        covered = last.start + len(last.token_ids) if last is not None else 1  # token 0: no position scores it
+        return gen.prompt_routed_experts[covered - 1:] if covered < start else None
 
     def add_context(self, token_ids: Sequence[int]) -> None:
         """[d] tokens the policy did not sample (an observation delta): masked out, log-prob 0."""

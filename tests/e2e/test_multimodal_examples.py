@@ -1,6 +1,7 @@
-"""The media examples train through the CLI (tiny-vl / tiny-omni, 2 steps each), and media go the
-whole way: rollout -> data bus -> trainer (the encoder's weights change) -> weight sync -> engine;
-a supervised warm-up on VisualCount's demonstrations (with their images) runs before RL."""
+"""The media examples train through the CLI (tiny-vl / tiny-omni / tiny-vl3-moe, 2 steps each), and
+media go the whole way: rollout -> data bus -> trainer (the encoder's weights change) -> weight sync
+-> engine; the Qwen3-VL-MoE example replays every token's routes (on-policy: no flips, the rollout's
+log-probs); a supervised warm-up on VisualCount's demonstrations (with their images) runs before RL."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import pytest
 import torch
 
 from relax_agent import records as R
+from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MAX
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = {"visual_count": "tiny-vl", "audio_tones": "tiny-omni", "video_motion": "tiny-vl"}
+EXAMPLES = {"visual_count": "tiny-vl", "audio_tones": "tiny-omni", "video_motion": "tiny-vl",
+            "visual_count_qwen3": "tiny-vl3-moe"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,41 @@ def test_media_travel_from_rollout_through_the_bus_to_the_trainer_and_back(media
         engine_state = roles.engine._model.state_dict()
         assert roles.engine.policy_version == 1
         assert all(torch.equal(engine_state[k], after[k]) for k in visual)  # the engine sees the new encoder
+    finally:
+        runtime.close()
+
+
+def test_routes_travel_with_the_media_and_replay_the_rollout(media_models, tmp_path):
+    """visual_count_qwen3 (Qwen3-VL-MoE, routing replay on): the roles' media engine records every
+    token's experts, they reach the trainer through the bus beside the media, and the replayed forward
+    reproduces the rollout's log-probs (fp32, on-policy) with no route flip."""
+    from relax_agent.config import load_config
+    from relax_agent.data import DataConfig, build_transfer_queue
+    from relax_agent.roles import build_roles
+    from relax_agent.rollout.engines.base import SamplingParams
+    from relax_agent.runtime.base import PARTITION, GroupJob
+    from relax_agent.runtime.local import build_local_runtime
+
+    cfg = load_config(REPO / "examples/visual_count_qwen3.yaml", [f"model.path={media_models['tiny-vl3-moe']}",
+                                                                  f"run.output_dir={tmp_path}"])
+    roles = build_roles(cfg)
+    bus = build_transfer_queue(DataConfig(backend="local"))
+    runtime = build_local_runtime(cfg, roles, bus)
+    try:
+        layout = roles.engine.route_layout
+        assert layout == ((2, 2), "uint8")
+        bus.create_partition(PARTITION, capacity_rows=4, schema=R.rollout_schema(*layout))
+        job = GroupJob(0, "g0", roles.train_tasks[0], 0, 4)
+        asyncio.run(runtime.rollout.play_group(job, SamplingParams(max_new_tokens=8)))
+        bus.put(PARTITION, [f"g0/{i}" for i in range(4)], {R.ADVANTAGE: np.asarray([1, -1, 1, -1], np.float32)})
+        batch = bus.get(PARTITION, [*R.TRAIN_FIELDS, R.TRAINABLE, *R.ROUTE_FIELDS], consumer="trainer", batch_size=4,
+                        timeout_s=60)
+        ends = [int(np.flatnonzero(m)[-1]) + 1 for m in batch.fields[R.LOSS_MASK]]  # past each row's last policy token
+        for end, mask, media in zip(ends, batch.fields[R.ROUTES_MASK], batch.fields[R.MEDIA]):
+            assert media is not None and mask[:end].tolist() == [False] + [True] * (end - 1)  # image tokens too
+        metrics = runtime.trainer.train(batch.fields, 1)
+        assert metrics["moe/route_flip_frac"] == 0.0 and metrics[MISMATCH_ABS_DIFF_MAX] < 1e-5, metrics
+        assert metrics["moe/replayed_tokens"] == sum(int(m.sum()) for m in batch.fields[R.ROUTES_MASK])
     finally:
         runtime.close()
 

@@ -22,9 +22,9 @@ from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.parsers import HermesParser
 
 
-@pytest.fixture(scope="module")
-def renderer(tmp_path_factory):
-    folder = make_tiny_media_model(tmp_path_factory.mktemp("vl"), kind="tiny-vl")
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-vl3"])
+def renderer(request, tmp_path_factory):
+    folder = make_tiny_media_model(tmp_path_factory.mktemp(request.param), kind=request.param)
     tok = AutoTokenizer.from_pretrained(folder)
     proc = load_media_processor(ModelConfig(path=str(folder)), AutoConfig.from_pretrained(folder))
     return MediaRenderer(ChatRenderer(tok, accepts_media=True), proc)

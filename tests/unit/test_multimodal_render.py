@@ -1,11 +1,14 @@
-"""Rendering with media, token-in/token-out: per family (tiny Qwen2.5-VL, tiny Qwen2.5-Omni thinker),
-placeholders expand into exactly the features the processor made, on multi-turn conversations with
-media in user and tool messages; each message's media is processed once; sampled tokens are never
-re-rendered; mismatches are errors naming the message."""
+"""Rendering with media, token-in/token-out: per family (tiny Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE,
+Qwen2.5-Omni thinker), placeholders expand into exactly the features the processor made, on
+multi-turn conversations with media in user and tool messages (Qwen3-VL videos frame by frame with
+the timestamps transformers' Qwen3-VL processor writes); each message's media is processed once;
+sampled tokens are never re-rendered; mismatches are errors naming the message."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import types
 
 import numpy as np
 import pytest
@@ -24,7 +27,7 @@ def _image(seed: int, h: int = 60, w: int = 80) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module", params=["tiny-vl", "tiny-omni"])
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-vl3", "tiny-vl3-moe", "tiny-omni"])
 def family_dir(request, tmp_path_factory):
     return request.param, make_tiny_media_model(tmp_path_factory.mktemp(request.param), kind=request.param)
 
@@ -81,16 +84,41 @@ def test_placeholders_equal_features_over_a_multi_turn_episode_with_media_in_use
     rendered = r.chat.tokenizer.apply_chat_template(
         [*prompt.messages, {"role": "assistant", "content": "Let me zoom."}, *tool.messages,
          {"role": "assistant", "content": "Let me zoom."}, *user.messages], tokenize=False, add_generation_prompt=True)
-    assert conversation and text == _expanded(rendered, r, media)
+    assert conversation and text == _expanded(rendered, r, media, video_frames=[3, 2])
+    if r.family.timestamped_video:  # one run of placeholders per temporal step, each between start and end
+        assert "<0.2 seconds><|vision_start|><|video_pad|>" in text and "<1.0 seconds><|vision_start|>" in text
+        assert "<|vision_start|><0.2 seconds>" not in text  # the template's own pair was replaced
 
 
-def _expanded(text: str, r: MediaRenderer, media) -> str:
-    """The template's text with each placeholder repeated as often as its item's features."""
+def _qwen3_video_text(grid, num_frames: int) -> str:
+    """A video's text as transformers' ``Qwen3VLProcessor.replace_video_token`` writes it (frames at 2 fps)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    proc = types.SimpleNamespace(video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                                 vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                                 video_token="<|video_pad|>")
+    proc._calculate_timestamps = functools.partial(Qwen3VLProcessor._calculate_timestamps, proc)
+    meta = VideoMetadata(total_num_frames=num_frames, fps=2.0, frames_indices=list(range(num_frames)))
+    return Qwen3VLProcessor.replace_video_token(proc, {"video_grid_thw": grid[None], "video_metadata": [meta]}, 0)
+
+
+def _expanded(text: str, r: MediaRenderer, media, video_frames: list[int]) -> str:
+    """The template's text with each placeholder repeated as often as its item's features; a Qwen3-VL
+    video's ``<|vision_start|><|video_pad|><|vision_end|>`` replaced by its per-frame text (as the
+    Qwen3-VL processor did before transformers 5, which keeps that outer pair)."""
     tok = r.tokenizer
     names = {k: tok.convert_ids_to_tokens(v) for k, v in r.family.token_ids.items()}
     queues = {k: [n for kk, n in zip(media.kinds, media.num_tokens) if kk == k] for k in names}
+    grids, frames = list(media.arrays.get("video_grid_thw", [])), list(video_frames)
+    wrapped = "<|vision_start|><|video_pad|><|vision_end|>"
     out, i = [], 0
     while i < len(text):
+        if r.family.timestamped_video and text.startswith(wrapped, i):
+            queues["video"].pop(0)
+            out.append(_qwen3_video_text(grids.pop(0), frames.pop(0)))
+            i += len(wrapped)
+            continue
         for k, name in names.items():
             if text.startswith(name, i):
                 out.append(name * queues[k].pop(0))

@@ -1,6 +1,7 @@
 """The policy is not blind: with media on the batch the trainer's forward runs the encoders
 (non-zero vision / audio encoder gradients), changing the image or the clip changes the
-log-probs, the media engine's log-probs are the trainer's, and micro-batching keeps each row's media."""
+log-probs, the media engine's log-probs are the trainer's, and micro-batching keeps each row's media;
+per family (tiny Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-Omni thinker)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
 
 
-@pytest.fixture(scope="module", params=["tiny-vl", "tiny-omni"])
+@pytest.fixture(scope="module", params=["tiny-vl", "tiny-vl3", "tiny-vl3-moe", "tiny-omni"])
 def policy(request, tmp_path_factory):
     folder = make_tiny_media_model(tmp_path_factory.mktemp(request.param), kind=request.param, seed=1)
     cfg = ModelConfig(path=str(folder))

@@ -35,6 +35,10 @@ class Generation:
         finish_reason: "stop" or "length".
         policy_version: weights version that produced every token of this generation.
         routed_experts: optional [n, layers, top_k] uint8/int16 expert indices (MoE).
+        prompt_routed_experts: optional [P - 1, layers, top_k] experts the prefill chose at prompt
+            positions 0 .. P - 2, i.e. for prompt tokens 1 .. P - 1 (MoE; an engine that prefills
+            the whole prompt each request, as the multimodal engine does); the last prompt position
+            scored the first sampled token and is ``routed_experts[0]``.
         token_versions: [n] policy version of each token, for an engine that can swap weights
             inside a request (vLLM under ``update_policy: abort_resume``); then
             ``policy_version`` is the oldest. Empty: every token is ``policy_version``'s.
@@ -46,6 +50,7 @@ class Generation:
     policy_version: int
     routed_experts: Any = None
     token_versions: tuple[int, ...] = ()
+    prompt_routed_experts: Any = None
 
 
 @runtime_checkable

@@ -492,8 +492,9 @@ class VLLMEngine:
         versions = tuple(int(v) for v in reply["token_versions"])
         routes = self._decode_routes(reply, body["id"]) if self._route_layout is not None else None
         gen = VLLMGeneration(tuple(reply["token_ids"]), tuple(reply["logprobs"]), reply["finish_reason"],
-                             versions[0] if versions else self._version, routes, versions,
-                             int(reply["prompt_tokens"]), int(reply["cached_prompt_tokens"]))
+                             versions[0] if versions else self._version, routed_experts=routes,
+                             token_versions=versions, prompt_tokens=int(reply["prompt_tokens"]),
+                             cached_prompt_tokens=int(reply["cached_prompt_tokens"]))
         self.stats.sequences += 1
         self.stats.new_tokens += len(gen.token_ids)
         self.stats.prompt_tokens += gen.prompt_tokens
