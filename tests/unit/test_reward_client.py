@@ -114,14 +114,11 @@ def test_exhausted_retries_mask_items_and_count_them():
 def test_max_elapsed_bounds_the_retries():
     policy = RetryPolicy(max_attempts=100, backoff_initial_s=0.05, backoff_max_s=0.05, max_elapsed_s=0.3)
     script = Script(*[httpx.Response(503)] * 100)
-    started = time.monotonic()
     out = run(score_and_close(client(script, retry=policy), items(1)))
     assert out[0].status is RewardStatus.ERROR
     # No retry starts after 0.3 s and each waits >= 0.025 s (equal jitter on 0.05 s): at most 12 retries,
-    # however slow the machine (on busy cores fewer fit; the 100 allowed attempts would take >= 2.475 s
-    # of backoff alone).
+    # however slow the machine (on busy cores fewer fit); without the bound all 100 attempts are made.
     assert 1 <= len(script.requests) <= 13
-    assert time.monotonic() - started < 2.4
 
 
 def test_missing_and_unexpected_results():
