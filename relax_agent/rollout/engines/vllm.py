@@ -261,6 +261,7 @@ class VLLMEngine:
         self._weights_file = self._dir / "model" / "model.safetensors"
         self._version = 0
         self._closed = False
+        self._in_flight: set[str] = set()  # ids of /generate requests awaiting a reply; io loop only
         self._ids = itertools.count()
         self._load_lock = threading.Lock()
         self.stats = VLLMEngineStats()
@@ -420,6 +421,10 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
+        try:  # the server drains requests on SIGTERM: abort them first so close is prompt
+            self._call(self._abort_in_flight(), 10.0)
+        except EngineError:
+            pass
         self._server.stop()
         try:
             self._call(self._client.aclose(), 10.0)
@@ -485,7 +490,13 @@ class VLLMEngine:
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def _post_generate(self, body: dict[str, Any]) -> VLLMGeneration:
-        reply = await self._post("/generate", body)
+        self._in_flight.add(body["id"])
+        try:
+            reply = await self._post("/generate", body)
+        finally:
+            self._in_flight.discard(body["id"])
+        if self._closed:  # a reply that raced close(): the contract fails every request in flight
+            raise EngineError(f"the engine was closed while request {body['id']} was in flight")
         if reply["finish_reason"] not in ("stop", "length"):
             raise EngineError(f"the vLLM server ended request {body['id']} with finish_reason="
                               f"{reply['finish_reason']!r}")
@@ -517,6 +528,9 @@ class VLLMEngine:
                               f"expected {expected} (tokens, MoE layers, top_k)")
         raw = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.dtype(packed["dtype"]))
         return raw.reshape(shape).astype(dtype)
+
+    async def _abort_in_flight(self) -> None:
+        await asyncio.gather(*(self._post_abort(i) for i in list(self._in_flight)))
 
     async def _post_abort(self, request_id: str) -> None:
         try:
