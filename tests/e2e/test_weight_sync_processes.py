@@ -96,7 +96,9 @@ def test_tcp_replica_in_another_process_joins_late_and_follows(tiny_model_dir):
         sync.publish(perturbed_state(tiny_model_dir, 1), 1)  # before the replica exists
         child = start_child(tiny_model_dir, sync, cfg, target=2)
         subs = wait_for_subscribers(sync, 1, child)
-        sync.coordinator.wait_applied(1, subs, 120.0)  # the late joiner pulled version 1 first
+        reports = sync.coordinator.wait_applied(1, subs, 120.0)  # the late joiner pulled version 1 first
+        # a replica whose first pull fails reports the error and unregisters (connect_subscriber raises)
+        assert [r.error for r in reports.values()] == [None], (reports, child.poll())
         state = perturbed_state(tiny_model_dir, 2)
         before = sync.coordinator.describe()
         stats = sync.publish(state, 2)
