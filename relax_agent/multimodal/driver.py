@@ -19,9 +19,7 @@ from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.multimodal.render import MediaRenderer, MediaSegment
 from relax_agent.records import MediaInputs, StopReason, Trajectory
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
-from relax_agent.rollout.env_driver import (
-    _check_reset, _check_step, _close, _ended, _EnvCalls, _numeric, _step_cause,
-)
+from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.parsers import ToolCallParser
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
@@ -71,22 +69,22 @@ class MediaEnvDriver:
         """Build the env and play ``spec``; a constructor that raises or hangs gives a failed record."""
         deadline = Deadline(spec.episode_timeout_s)
         try:
-            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, _step_cause(spec))
+            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, step_timeout_cause(spec))
         except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
             return failed_episode(spec, exc, during="make_env")
         rec = MediaRecorder(spec)
-        calls = _EnvCalls(env, spec, deadline)
+        calls = EnvCalls(env, spec, deadline)
         try:
-            obs, info = _check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
+            obs, info = check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
             rec.add_segment(self.renderer.render_prompt(obs, info.get("tools", ())), prompt=True)
             reward, metrics, stop = await self._turns(rec, calls, spec, params, deadline)
         except Exception as exc:  # env bugs, timeouts, template and media refusals become data
             return rec.fail_with(exc)
         finally:
-            await _close(env, spec.step_timeout_s)
+            await close_env(env, spec.step_timeout_s)
         return rec.finish(reward, metrics, stop)
 
-    async def _turns(self, rec: MediaRecorder, calls: _EnvCalls, spec: EpisodeSpec, params: Any,
+    async def _turns(self, rec: MediaRecorder, calls: EnvCalls, spec: EpisodeSpec, params: Any,
                      deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
         reward, metrics = 0.0, {}
         for turn in range(spec.max_turns):
@@ -103,14 +101,14 @@ class MediaEnvDriver:
             text = self.renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             action = self.parser.parse(text).message()
             rec.add_messages([{**action, "content": text}])
-            new_obs, step_reward, terminated, truncated, step_info = _check_step(await calls.step(action))
+            new_obs, step_reward, terminated, truncated, step_info = check_step(await calls.step(action))
             reward += step_reward
-            metrics.update(_numeric(step_info))
+            metrics.update(numeric_info(step_info))
             rec.add_messages(new_obs)
             if terminated or truncated:
-                return reward, metrics, _ended(rec, StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
+                return reward, metrics, rec.ended(StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
             seg = self.renderer.observation_delta(new_obs, closed=gen.finish_reason != "length")
             if rec.num_tokens + len(seg.token_ids) >= spec.max_total_tokens:
                 return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # media are never cut: the whole delta or none
             rec.add_segment(seg)
-        return reward, metrics, _ended(rec, StopReason.MAX_TURNS)
+        return reward, metrics, rec.ended(StopReason.MAX_TURNS)

@@ -49,7 +49,7 @@ from relax_agent.records import StopReason, Trajectory
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
-from relax_agent.rollout.env_driver import _check_reset, _check_step, _close, _EnvCalls, _numeric, _step_cause
+from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.parsers import ToolCallParser
 from relax_agent.rollout.proxy.server import EndpointServer
 from relax_agent.rollout.proxy.session import AgentSession
@@ -94,18 +94,18 @@ class AgentDriver:
         first (a failed episode: one failed record)."""
         deadline = Deadline(min(spec.episode_timeout_s, self.cfg.timeout_s))
         try:
-            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, _step_cause(spec))
+            env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, step_timeout_cause(spec))
         except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
             return [failed_episode(spec, exc, during="make_env")]
         try:
             return await self._play_in(env, spec, params, deadline)
         finally:
-            await _close(env, spec.step_timeout_s)
+            await close_env(env, spec.step_timeout_s)
 
     async def _play_in(self, env: Any, spec: EpisodeSpec, params: SamplingParams, deadline: Deadline) -> list[Trajectory]:
-        calls = _EnvCalls(env, spec, deadline)
+        calls = EnvCalls(env, spec, deadline)
         try:
-            obs, info = _check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
+            obs, info = check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
         except Exception as exc:
             return [TrajectoryRecorder(spec).fail_with(exc)]
         session = AgentSession(spec, f"relax-{secrets.token_urlsafe(24)}", self.engine, self.renderer, self.parser,
@@ -182,7 +182,7 @@ class AgentDriver:
         _kill_group(proc.pid, signal.SIGKILL)
         await proc.wait()
 
-    async def _finish(self, session: AgentSession, calls: _EnvCalls, spec: EpisodeSpec,
+    async def _finish(self, session: AgentSession, calls: EnvCalls, spec: EpisodeSpec,
                       output: dict[str, Any]) -> list[Trajectory]:
         recs = session.recorders()
         if not recs:
@@ -201,7 +201,7 @@ class AgentDriver:
             out.append(rec.finish(reward, dict(metrics), stop))
         return out
 
-    async def _reward(self, calls: _EnvCalls, primary: TrajectoryRecorder,
+    async def _reward(self, calls: EnvCalls, primary: TrajectoryRecorder,
                       output: dict[str, Any]) -> tuple[float, dict[str, float]]:
         if self.cfg.reward == "agent":
             reward = output.get("reward")
@@ -217,8 +217,8 @@ class AgentDriver:
         else:
             action = next(m for m in reversed(primary.messages) if m.get("role") == "assistant")
             action = {k: v for k, v in action.items() if k != "parse_errors"}
-        _, reward, _, _, info = _check_step(await calls.step(action))
-        return reward, _numeric(info)
+        _, reward, _, _, info = check_step(await calls.step(action))
+        return reward, numeric_info(info)
 
 
 def _output_metrics(output: dict[str, Any]) -> dict[str, float]:

@@ -73,6 +73,10 @@ class TrajectoryRecorder:
         """Messages of the conversation (the assistant's, the env's) for logs and rewards."""
         self.messages.extend(messages)
 
+    def ended(self, stop: StopReason) -> StopReason:
+        """``stop``, or "length" when the last response was cut off by ``max_new_tokens``."""
+        return StopReason.LENGTH if self.turns and self.turns[-1].finish_reason == "length" else stop
+
     def finish(self, reward: float, metrics: dict[str, float], stop: StopReason) -> Trajectory:
         """The record of a played episode."""
         return self._record(reward=reward, metrics=metrics, stop_reason=stop)
