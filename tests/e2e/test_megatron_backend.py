@@ -277,15 +277,22 @@ def test_bf16_on_one_gpu_with_nccl(llama):
 
 
 def test_the_sft_warm_up_step_is_the_torch_backends_on_the_shards(llama):
-    """The warm-up's NLL and AdamW step at TP=2 give the torch backend's loss and weights (clipping
-    off: the two backends' gradient norms of this tied-embedding model differ, a known gap)."""
+    """The warm-up's NLL, gradient norm and clipped AdamW step at TP=2 give the torch backend's loss,
+    norm and weights; the RL step after it has the torch backend's gradient norm too (the norm counts
+    every rank's shards: Megatron tags sharded weights only when it initialises them)."""
     batch = text_batch(4)
-    torch_trainer = TorchTrainer(copy.deepcopy(llama), TrainerConfig(micro_batch_size=2, lr=1e-4, grad_clip=1e9))
+    torch_trainer = TorchTrainer(copy.deepcopy(llama), TrainerConfig(micro_batch_size=2, lr=1e-4, grad_clip=1.0))
     want = torch_trainer.sft_step(batch, lr=1e-4)
-    with cfg(2, grad_clip=1e9).build(model=llama) as megatron:
+    after_sft = {k: v.clone() for k, v in torch_trainer.model.state_dict().items()}
+    with cfg(2, grad_clip=1.0).build(model=llama) as megatron:
         got = megatron.sft_step(batch, lr=1e-4)
         megatron.end_sft()
         exported = megatron.policy_state_dict()
+        rl = megatron.train_step(batch)
+    want_rl = torch_trainer.train_step(batch)
+    assert want["sft/grad_norm"] > 1.0  # the clip is active
     assert abs(got["sft/loss"] - want["sft/loss"]) <= 1e-5 and got["sft/tokens"] == want["sft/tokens"]
-    for name, value in torch_trainer.model.state_dict().items():
+    assert got["sft/grad_norm"] == pytest.approx(want["sft/grad_norm"], rel=1e-4)
+    for name, value in after_sft.items():
         assert (exported[name] - value).abs().max() <= 1e-6, name
+    assert rl["train/grad_norm"] == pytest.approx(want_rl["train/grad_norm"], rel=1e-4)

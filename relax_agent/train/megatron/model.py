@@ -83,9 +83,35 @@ def build_gpt_model(spec: ModelSpec, tp: int, ep: int, sequence_parallel: bool, 
         layer.submodules.self_attention.submodules.q_layernorm = QKNorm
         layer.submodules.self_attention.submodules.k_layernorm = QKNorm
     block = TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=RMSNorm)
-    return GPTModel(config, block, vocab_size=spec.padded_vocab(tp), max_sequence_length=spec.max_positions,
-                    parallel_output=False, share_embeddings_and_output_weights=spec.tied,
-                    position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=1.0)
+    gpt = GPTModel(config, block, vocab_size=spec.padded_vocab(tp), max_sequence_length=spec.max_positions,
+                   parallel_output=False, share_embeddings_and_output_weights=spec.tied,
+                   position_embedding_type="rope", rotary_base=int(spec.rope_theta), rotary_percent=1.0)
+    tag_sharded_weights(gpt)
+    return gpt
+
+
+def tag_sharded_weights(gpt: nn.Module) -> None:
+    """Mark the weights of Megatron's tensor-parallel layers as sharded (``tensor_model_parallel``).
+
+    Megatron tags them only when it initialises them (``perform_initialization``); the weights here
+    are loaded instead, so without this every rank but 0 would leave its shards out of the global
+    gradient norm (clipping at TP > 1 would see a smaller norm than the torch backend's).
+    Column-parallel and vocab-parallel weights are split along dim 0, row-parallel along dim 1.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    )
+
+    for module in gpt.modules():
+        if isinstance(module, RowParallelLinear):
+            dim = 1
+        elif isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 class MegatronCausalLM(nn.Module):
