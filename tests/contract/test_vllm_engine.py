@@ -106,6 +106,17 @@ async def wait_for_tokens(engine, at_least: int, timeout_s: float = 120.0) -> No
         await asyncio.sleep(0.02)
 
 
+async def wait_for_pending_load(engine, loads_before: int, timeout_s: float = 120.0) -> None:
+    """Until the server holds a weight load (or has applied it already)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.server_stats()
+        if stats["load_pending"] or stats["weight_loads"] > loads_before:
+            return
+        assert time.monotonic() < deadline, "the weight load never reached the server"
+        await asyncio.sleep(0.01)
+
+
 # ---------------------------------------------------------------------------- no server needed
 
 def test_write_safetensors_takes_views_of_one_buffer(tmp_path):
@@ -378,8 +389,9 @@ def test_finish_old_keeps_each_generation_on_one_version_then_close_fails_in_fli
         async def main():
             running = asyncio.create_task(eng.generate(prompt, SamplingParams(max_new_tokens=1000, seed=7)))
             await wait_for_tokens(eng, 20)
+            loads = eng.server_stats()["weight_loads"]
             loader = asyncio.create_task(asyncio.to_thread(eng.load_weights, new, 1))
-            await asyncio.sleep(0.2)
+            await wait_for_pending_load(eng, loads)  # the next request arrives while the load waits for the old one
             later = asyncio.create_task(eng.generate(prompt, SamplingParams(max_new_tokens=5, seed=8)))
             old_gen = await running
             await loader

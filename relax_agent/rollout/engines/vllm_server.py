@@ -558,7 +558,7 @@ def build_app(engine: EngineLoop, token: str) -> Any:
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {**engine.stats, "version": engine.version, "running": len(engine.running),
-                "parked": len(engine.parked)}
+                "parked": len(engine.parked), "load_pending": engine.pending_load is not None}
 
     @app.post("/generate")
     async def generate(body: dict[str, Any]) -> dict[str, Any]:
