@@ -111,5 +111,8 @@ def test_every_generation_comes_from_one_version_while_publishing(tiny_model_dir
     for i, gen in enumerate(gens):
         own = errors[gen.policy_version][i]
         others = [errors[v][i] for v in states if v != gen.policy_version]
-        assert own < 1e-4, (i, gen.policy_version, own)  # every token scored by the version it claims
-        assert min(others) > 1e-2, (i, others)  # and the check could tell the versions apart
+        # every token scored by the version it claims: within float noise, which grows with the
+        # perturbed weights' large logits and depends on which requests shared a batch (1.8e-4 seen
+        # under two CPU burners) ...
+        assert own < 1e-3, (i, gen.policy_version, own)
+        assert min(others) > 1e-2 and min(others) > 10 * own, (i, own, others)  # ... and far from every other version
