@@ -84,7 +84,7 @@ class EngineSubscriber:
         """Newest version this subscriber refused or failed to apply (that commit is not retried)."""
         self._refused: VersionMeta | None = None
         self.last_report: ApplyReport | None = None
-        self._apply_lock = threading.Lock()
+        self._apply_lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -195,11 +195,19 @@ class EngineSubscriber:
                 self._stop.wait(1.0)
 
     def close(self, join_timeout_s: float = 5.0) -> None:
-        """Stop following and unregister. The receiver is closed too."""
+        """Stop following and unregister. The receiver is closed too.
+
+        A version being applied is reported first (waiting up to ``join_timeout_s`` for it): the
+        engine may already serve it, and a report that arrives after the unregistration is
+        dropped, so the publisher would not count this subscriber for that version.
+        """
         self._stop.set()
+        applying_done = self._apply_lock.acquire(timeout=join_timeout_s)
         try:
             self._coordinator.unregister_subscriber(self.id)
         finally:
+            if applying_done:
+                self._apply_lock.release()
             self._receiver.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_timeout_s)

@@ -301,3 +301,44 @@ def test_snapshot_buffers_are_reused_once_no_connection_reads_them():
         assert ptrs[0] != ptrs[1] and ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1]
     finally:
         sender.close()
+
+
+class SlowReportingCoordinator:
+    """Wraps a coordinator so that reports reach it only after ``release`` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.release = inner, threading.Event()
+
+    def report(self, report) -> None:
+        self.release.wait(10)
+        self.inner.report(report)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_close_while_a_version_is_applied_reports_it_before_unregistering():
+    """A replica that closes as soon as its engine serves a version (it reached its target) must not
+    unregister before that version's report arrives: the publisher would count no subscriber."""
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), [])
+    engine = TensorEngine(make_state(0))
+    coordinator = SlowReportingCoordinator(sync.coordinator)
+    sub = EngineSubscriber(engine, TcpReceiver(WeightSyncConfig(transport="tcp")), coordinator, "leaver").start()
+    try:
+        box: list[SyncStats] = []
+        publishing = threading.Thread(target=lambda: box.append(sync.publish(make_state(1), 1)))
+        publishing.start()
+        while engine.policy_version != 1:  # the engine serves version 1; its report is still on the way
+            threading.Event().wait(0.005)
+        closing = threading.Thread(target=sub.close)
+        closing.start()
+        threading.Event().wait(0.1)
+        assert sync.coordinator.subscribers() == [sub.id]  # close waits for the report
+        coordinator.release.set()
+        closing.join(10)
+        publishing.join(10)
+        assert box and box[0].subscribers == 1 and sync.coordinator.subscribers() == []
+    finally:
+        coordinator.release.set()
+        sub.close()
+        sync.close()
