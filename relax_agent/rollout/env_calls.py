@@ -138,7 +138,6 @@ def numeric_info(info: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in info.items() if isinstance(v, (int, float, bool)) and not isinstance(v, str)}
 
 
-
 async def close_env(env: Any, timeout_s: float) -> None:
     """``env.close()`` in a thread, abandoned after ``timeout_s``; never raises."""
     try:
