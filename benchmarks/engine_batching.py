@@ -21,8 +21,9 @@ and the tokens/s ratios compare equal work.
     python benchmarks/engine_batching.py --tiny          # tiny random llama (seconds)
     python benchmarks/engine_batching.py --model PATH --device cuda --dtype bf16
 
-The vLLM engine (``engine.kind: vllm``) against this engine, on the same cases plus its weight
-update against a raw loopback copy: ``benchmarks/vllm_engine.py`` (it needs the vLLM venv, which
+The vLLM engine (``engine.kind: vllm``) against this engine, on cases of the same shape (its
+multi-turn tool results default to 600 tokens, not 850) plus its weight update against a raw
+loopback copy: ``benchmarks/vllm_engine.py`` (it needs the vLLM venv, which
 this benchmark does not).
 """
 
