@@ -163,7 +163,9 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False,
+    from relax_agent.data.ray import LOCAL_RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(BENCH)])}})
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -214,10 +214,19 @@ class MetadataActor:
         return True
 
 
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+"""Ray system config of a local Ray this project starts. Ray runs its worker processes at nice 15 by
+default; every role of a run (trainer, rollout replicas, data bus, weight coordinator, heartbeats)
+is a Ray worker, so at nice 15 any other busy process on the machine starves the run: a nice-0 busy
+loop on each core leaves each worker about 3% of a core, heartbeats lag past
+``runtime.heartbeat_timeout_s`` and healthy replicas are replaced as hung. At nice 0 they get a fair
+share. (A cluster joined through ``data.ray_address`` keeps its own setting.)"""
+
+
 def start_ray(cfg: DataConfig) -> bool:
     """Make sure Ray runs for the data bus: connect to ``cfg.ray_address`` when set, else start a
-    local Ray with ``cfg.ray_num_cpus`` CPUs and no dashboard. Nothing happens when Ray is
-    already initialised in this process.
+    local Ray with ``cfg.ray_num_cpus`` CPUs, no dashboard and :data:`LOCAL_RAY_SYSTEM_CONFIG`.
+    Nothing happens when Ray is already initialised in this process.
 
     Returns:
         True when this call started (or connected) Ray: the caller ``ray.shutdown()``\ s it.
@@ -231,7 +240,7 @@ def start_ray(cfg: DataConfig) -> bool:
         if cfg.ray_address is not None:
             ray.init(address=cfg.ray_address, include_dashboard=False)
         else:
-            ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False)
+            ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = (f"connect to data.ray_address={cfg.ray_address!r}" if cfg.ray_address is not None
                  else f"start a local Ray with data.ray_num_cpus={cfg.ray_num_cpus}")

@@ -19,7 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from relax_agent.data import DataConfig, FieldSpec, build_transfer_queue  # noqa: E402
-from relax_agent.data.ray import RayTransferQueue  # noqa: E402
+from relax_agent.data.ray import LOCAL_RAY_SYSTEM_CONFIG, RayTransferQueue  # noqa: E402
 from relax_agent.errors import DataError, LeaseError, QueueTimeoutError  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ LEASE_S = 1.0
 
 @pytest.fixture(scope="module")
 def tq():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     bus = build_transfer_queue(DataConfig(backend="ray", lease_timeout_s=LEASE_S, ray_inline_max_bytes=1024))
     assert isinstance(bus, RayTransferQueue)

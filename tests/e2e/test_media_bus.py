@@ -77,7 +77,9 @@ def test_media_survive_the_ray_bus():
         def put(self, bus, ids, fields):
             bus.put("p", ids, fields, group_ids=["g"] * len(ids), versions=[0] * len(ids))
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from relax_agent.data.ray import LOCAL_RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         bus = build_transfer_queue(DataConfig(backend="ray", ray_inline_max_bytes=256))

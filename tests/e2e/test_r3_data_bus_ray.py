@@ -32,7 +32,9 @@ class Producer:
 
 
 def test_routes_survive_the_ray_data_bus():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from relax_agent.data.ray import LOCAL_RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         # Small inline limit: the larger rows travel through the Ray object store.

@@ -1,8 +1,8 @@
 """``runtime: ray`` on a local Ray (CPU, tiny model): rollout replicas and the trainer as actors.
 
-One Ray session for the module (``ray.init(num_cpus=2)``); every run gets its own actor names
-(``data.ray_actor_name``). Kill tests count every sample id through the rollout dumps and the
-trainer's acks on the bus: none lost, none trained twice.
+One Ray session for the module (``ray.init(num_cpus=2)``, workers at nice 0 as the runtime starts
+them); every run gets its own actor names (``data.ray_actor_name``). Kill tests count every sample
+id through the rollout dumps and the trainer's acks on the bus: none lost, none trained twice.
 """
 
 from __future__ import annotations
@@ -19,14 +19,18 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+"""Each test bounds its own waits (a named ``wait_for`` or ``join`` per phase, up to 1620 s in all for the
+scale test); the suite's 600 s hang guard would cut a run that is only slow (a loaded machine) short."""
 REPO = Path(__file__).resolve().parents[2]
 STEPS, B, G = 4, 2, 4
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False)
+    from relax_agent.data.ray import LOCAL_RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=2, include_dashboard=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     yield
     ray.shutdown()
 
