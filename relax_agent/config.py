@@ -104,6 +104,30 @@ class AgentConfig(Section):
     True: requests sample at their own values (evaluation, or when you correct for it)."""
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (Yu et al., arXiv 2503.14476, §3.2): a group whose rewards do not vary
+    (every trainable sample has advantage 0, e.g. all correct or all wrong) carries no GRPO signal,
+    so it is not trained; the producers draw more tasks until the step holds
+    ``rollout.tasks_per_step`` informative groups, or ``max_draws_per_step`` groups were taken for it.
+
+    Filtered groups are retired untrained and written to the step's rollout dump with
+    ``"filtered": true``; the step row counts them (``dynamic_sampling/filtered_groups``,
+    ``dynamic_sampling/drawn_groups``, ``dynamic_sampling/cap_reached``).
+    """
+
+    enabled: bool = False
+    """Filter zero-variance groups and draw replacements."""
+    max_draws_per_step: int | None = Field(default=None, ge=1)
+    """Most groups the trainer takes for one step (informative, filtered and too stale together);
+    None: 3 x ``rollout.tasks_per_step``. When reaching ``tasks_per_step`` informative groups would
+    take more, the step keeps the uniform groups it gets (they add no gradient), trains what it has
+    and says so (``dynamic_sampling/cap_reached``). Must be >= ``tasks_per_step``."""
+
+    def draw_cap(self, tasks_per_step: int) -> int:
+        """Groups the trainer may take for one step."""
+        return self.max_draws_per_step if self.max_draws_per_step is not None else 3 * tasks_per_step
+
+
 class RolloutConfig(Section):
     """How episodes are sampled: groups, lengths and sampling parameters."""
 
@@ -118,6 +142,8 @@ class RolloutConfig(Section):
     """Distinct tasks (GRPO groups) per training step."""
     group_size: int = Field(default=8, ge=1)
     """Samples per task (G in GRPO); advantages are normalised within a group."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """Skip groups whose rewards do not vary and draw others in their place (DAPO)."""
     max_new_tokens: int = Field(default=128, ge=1)
     """Tokens the policy may sample in one assistant turn."""
     max_total_tokens: int = Field(default=2048, ge=16)
@@ -142,6 +168,10 @@ class RolloutConfig(Section):
         if self.driver == "agent" and not self.agent.command:
             raise ValueError("rollout.driver=agent needs rollout.agent.command (the agent's argv, e.g. "
                              "[\"{python}\", \"examples/agents/openai_sdk_agent.py\"])")
+        cap = self.dynamic_sampling.max_draws_per_step
+        if cap is not None and cap < self.tasks_per_step:
+            raise ValueError(f"rollout.dynamic_sampling.max_draws_per_step={cap} must be >= rollout.tasks_per_step="
+                             f"{self.tasks_per_step} (a step trains tasks_per_step groups)")
         return self
 
 

@@ -19,7 +19,16 @@ def format_step(step: int, row: dict[str, Any]) -> str:
         f"format {row.get(M.FORMAT_RATE, 0):.3f}  {row.get(M.TOKENS_PER_S, 0):.0f} tok/s  "
         f"{_update_text(row, failed, episodes)}  {row.get(M.STEP_TIME, 0):.1f} s"
         + (f"  failed {failed:.0f}/{episodes:.0f} episodes" if failed > 0 else "")
+        + _filtered_text(row)
     )
+
+
+def _filtered_text(row: dict[str, Any]) -> str:
+    filtered = row.get("dynamic_sampling/filtered_groups")
+    if filtered is None:
+        return ""
+    cap = "  (draw cap reached: uniform groups kept)" if row.get("dynamic_sampling/cap_reached") else ""
+    return f"  filtered {filtered:.0f} uniform groups{cap}"
 
 
 def _update_text(row: dict[str, Any], failed: float, episodes: float) -> str:

@@ -6,8 +6,9 @@ partition ``rollouts`` (token ids, loss mask, rollout log-probs, reward, trainab
 experts for replay, the trajectory as a dump-only field). The advantage consumer reads each
 complete group's rewards and writes its ``advantage`` field. The trainer side takes whole
 groups as they complete (one long-tail episode holds only its own group), drops those that
-would exceed ``max_staleness``, and once it has ``rollout.tasks_per_step`` groups hands their
-fields to the trainer service, which trains one step and publishes the new weights through
+would exceed ``max_staleness``, with dynamic sampling (``rollout.dynamic_sampling``) retires
+those whose rewards do not vary and lets the producers draw others in their place, and once it
+has ``rollout.tasks_per_step`` groups hands their fields to the trainer service, which trains one step and publishes the new weights through
 the weight sync (the engine applies them between decode batches); then the groups are acked.
 
 The schedule (:mod:`relax_agent.control.schedule`) is the only difference between modes:
@@ -42,7 +43,10 @@ from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
 from relax_agent.control.reporting import rollout_metrics, write_rollout_dump
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.schedule import (
+    DRAWN_GROUPS,
+    DS_CAP_REACHED,
     DROPPED_GROUPS,
+    FILTERED_GROUPS,
     LIVE_GROUPS,
     STALENESS_HIST,
     StalenessGate,
@@ -268,6 +272,14 @@ class _Run:
         self.dropped: list[_Group] = []
         """Groups dropped as too stale since the last step; dumped (untrained) with the next step."""
         self.dropped_this_step = 0
+        self.filtered: list[_Group] = []
+        """Groups retired untrained by dynamic sampling since the last step; dumped with the next step."""
+        self.filtered_this_step = 0
+        self.cap_reached = False
+        """Dynamic sampling hit ``max_draws_per_step`` this step and kept a uniform group."""
+        ds = cfg.rollout.dynamic_sampling
+        self.draw_cap = ds.draw_cap(ctrl.B) if ds.enabled else None
+        """Groups the trainer may take for one step under dynamic sampling; None: no filtering."""
         self.advantages = AdvantageConsumer(ctrl.bus, PARTITION, ctrl.G, cfg.trainer.adv_std_normalize)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self.last_row: dict[str, Any] = {}
@@ -341,10 +353,13 @@ class _Run:
                 self.gate.step_done()
 
     async def _collect(self) -> tuple[list[_Group], float]:
-        """Take B complete groups as they come; drop those that would exceed max_staleness."""
+        """Take B complete groups as they come; drop those that would exceed max_staleness and,
+        under dynamic sampling, filter those without signal while the draw cap allows."""
         groups: list[_Group] = []
         wait_s = 0.0
         self.dropped_this_step = 0
+        self.filtered_this_step = 0
+        self.cap_reached = False
         while len(groups) < self.ctrl.B:
             if self.failure is not None:
                 raise self.failure
@@ -361,9 +376,28 @@ class _Run:
                 continue
             if self.gate.too_stale(self.ctrl.version, group.version):
                 self._drop(group)
+            elif self.draw_cap is not None and not _informative(group):
+                if self._may_filter(len(groups)):
+                    self._filter(group)
+                else:
+                    self.cap_reached = True
+                    groups.append(group)
             else:
                 groups.append(group)
         return groups, wait_s
+
+    def _may_filter(self, kept: int) -> bool:
+        """True when filtering one more group still lets the step fill its ``B - kept`` places
+        within the draw cap (every group taken so far, this one and the places left)."""
+        taken = kept + self.dropped_this_step + self.filtered_this_step
+        return taken + 1 + (self.ctrl.B - kept) <= self.draw_cap
+
+    def _filter(self, group: _Group) -> None:
+        """Dynamic sampling: retire a group without signal untrained and free its place for a new draw."""
+        self.filtered.append(group)
+        self._retire(group)
+        self.gate.drop()
+        self.filtered_this_step += 1
 
     def _take(self, batch: Any, held: list[_Group]) -> _Group | None:
         """The group of ``batch``; None when it is a re-delivery of a group already trained or
@@ -417,11 +451,14 @@ class _Run:
         ctrl.groups_drawn = self.next_seq
         ctrl.sampler.load_state_dict(self.draws.state_dict())
         dropped, self.dropped = self.dropped, []
-        rows = list(zip(trajs, versions)) + [(t, grp.version) for grp in dropped for t in grp.trajs]
+        filtered, self.filtered = self.filtered, []
+        rows = list(zip(trajs, versions)) + [(t, grp.version) for grp in dropped + filtered for t in grp.trajs]
         write_rollout_dump(ctrl.out / "rollouts" / f"step_{ctrl.step:06d}.jsonl", rows, trained_at, kept,
-                           {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode)
+                           {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode,
+                           filtered={t.sample_id for grp in filtered for t in grp.trajs})
         t_end = time.perf_counter()
-        row = self._row(trajs, versions, trained_at, train_metrics, wait_s, t_end - t_last)
+        sampled = trajs + [t for grp in filtered for t in grp.trajs]
+        row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last)
         ctrl.logger.log(ctrl.step, row)
         ctrl.logger.log_histogram(ctrl.step, STALENESS_HIST, [trained_at - v for v in versions])
         ctrl._report("step", row)
@@ -446,15 +483,24 @@ class _Run:
         ctrl.version += 1
         return out, kept
 
-    def _row(self, trajs: list[Trajectory], versions: list[int], trained_at: int, train_metrics: dict[str, float],
-             wait_s: float, step_s: float) -> dict[str, Any]:
+    def _row(self, trajs: list[Trajectory], sampled: list[Trajectory], versions: list[int], trained_at: int,
+             train_metrics: dict[str, float], wait_s: float, step_s: float) -> dict[str, Any]:
+        """The step's metric row. ``trajs``: the step's groups (trained or not), ``versions`` theirs;
+        ``sampled``: those and the groups dynamic sampling filtered (the rollout metrics describe
+        every episode the step's rollouts played, not only the informative ones)."""
         ctrl = self.ctrl
         live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
-        return {**rollout_metrics(trajs, step_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
-                **staleness_metrics([trained_at - v for v in versions], ctrl.s),
-                M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
-                DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),
-                "policy_version": ctrl.version}
+        row = {**rollout_metrics(sampled, step_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
+               **staleness_metrics([trained_at - v for v in versions], ctrl.s),
+               M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
+               DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),
+               "policy_version": ctrl.version}
+        if self.draw_cap is not None:
+            n_groups = len(trajs) // max(ctrl.G, 1)
+            row.update({FILTERED_GROUPS: float(self.filtered_this_step),
+                        DRAWN_GROUPS: float(n_groups + self.filtered_this_step + self.dropped_this_step),
+                        DS_CAP_REACHED: float(self.cap_reached)})
+        return row
 
     async def _in_trainer(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the trainer thread; when cancelled, let it finish before re-raising."""
@@ -464,3 +510,10 @@ class _Run:
         except asyncio.CancelledError:
             concurrent.futures.wait([fut])
             raise
+
+
+def _informative(group: _Group) -> bool:
+    """A group carries a GRPO signal: some trainable sample has a non-zero advantage (its valid
+    rewards differ; DAPO's ``0 < #correct < G`` for a binary reward)."""
+    adv, ok = group.fields[R.ADVANTAGE], group.fields[R.TRAINABLE]
+    return any(bool(ok[i]) and float(adv[i]) != 0.0 for i in range(len(adv)))

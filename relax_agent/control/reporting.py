@@ -35,14 +35,16 @@ def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, 
 
 
 def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], trained_at: int, kept: set[str],
-                       dropped: set[str], decode: Callable[[Sequence[int]], str]) -> None:
+                       dropped: set[str], decode: Callable[[Sequence[int]], str],
+                       filtered: set[str] = frozenset()) -> None:
     """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
 
     ``rows``: ``(trajectory, sample_version)`` pairs. Each line records ``sample_version`` (engine
     policy version when its group started), ``trained_at_version`` (the trainer's version when
     the step trained), ``trained`` (it entered the gradient: trainable with a non-zero
     advantage), ``dropped_stale`` (its group finished too late for ``max_staleness`` and was
-    not trained) and, per turn, ``token_versions`` (each token's policy version where a weight
+    not trained), ``filtered`` (dynamic sampling retired its group untrained: its rewards did not
+    vary) and, per turn, ``token_versions`` (each token's policy version where a weight
     update landed inside the turn, else empty).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,5 +57,5 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
                 "response": [decode(turn.token_ids) for turn in t.turns],
                 "token_versions": [list(turn.token_versions) for turn in t.turns],
                 "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
-                "dropped_stale": t.sample_id in dropped,
+                "dropped_stale": t.sample_id in dropped, "filtered": t.sample_id in filtered,
             }) + "\n")

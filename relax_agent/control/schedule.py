@@ -29,6 +29,12 @@ STALENESS_MAX = "async/staleness_max"
 STALENESS_HIST = "async/staleness"
 DROPPED_GROUPS = "async/dropped_groups"
 LIVE_GROUPS = "async/live_groups"
+FILTERED_GROUPS = "dynamic_sampling/filtered_groups"
+"""Groups of the step retired untrained because their rewards did not vary."""
+DRAWN_GROUPS = "dynamic_sampling/drawn_groups"
+"""Groups the trainer took for the step: trained, filtered and dropped as too stale."""
+DS_CAP_REACHED = "dynamic_sampling/cap_reached"
+"""1 when the step hit ``max_draws_per_step`` and kept a uniform group, else 0."""
 
 
 class StalenessGate:
@@ -66,6 +72,8 @@ class StalenessGate:
         self._changed.set()
 
     def drop(self) -> None:
+        """A started group was retired untrained (too stale, or filtered by dynamic sampling): its
+        place goes to a new group."""
         self.dropped += 1
         self._changed.set()
 
