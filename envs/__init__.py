@@ -94,12 +94,13 @@ def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
 
 def register_envs() -> None:
     """Register every built-in environment (gymnasium's ``gymnasium.envs`` entry point)."""
-    from relax_agent.envs import bfcl, calculator, dataset_tools, python_exec, reasoning_gym
+    from relax_agent.envs import bfcl, calculator, data_file, dataset_tools, python_exec, reasoning_gym
     from relax_agent.envs import audio, video, visual
 
     bfcl.register_all()
     dataset_tools.register()
     python_exec.register()
+    data_file.register()
     calculator.register()
     reasoning_gym.register()
     visual.register()

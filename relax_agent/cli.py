@@ -100,7 +100,7 @@ def train(
         _fail(exc)
         return
     _write_summary(Path(cfg.run.output_dir) / "summary.json", summary)
-    for key in ("eval_start", "eval_end"):
+    for key in ("eval_start", "eval_warmup", "eval_end"):
         if key in summary:
             console.print(f"{key.replace('_', ' ')}: {format_eval(summary[key])}")
     console.print(f"checkpoint: {summary['checkpoint']}")

@@ -186,6 +186,10 @@ class EvalConfig(Section):
     """Evaluate every N steps during training (0: only before and after)."""
     at_start: bool = True
     at_end: bool = True
+    after_warmup: bool = False
+    """Also evaluate right after the supervised warm-up (``trainer.sft_warmup_steps``), before RL:
+    the warm-up's own share, measured like the others (``eval/warmup.samples.jsonl``,
+    ``eval_warmup/*`` metrics, ``eval_warmup`` in ``summary.json``)."""
 
 
 class CheckpointConfig(Section):

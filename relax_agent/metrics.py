@@ -84,16 +84,24 @@ def _clean(v: Any) -> Any:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Rows of ``metrics.jsonl`` ordered by step, the last row written for each (step, kind) kept."""
-    rows: dict[tuple[int, bool], dict[str, Any]] = {}
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
     p = Path(path)
     if not p.exists():
         return []
     for line in p.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            is_eval = any(k.startswith("eval/") for k in row)
-            rows[(row["step"], is_eval)] = row
+            rows[(row["step"], _row_kind(row))] = row
     return [rows[k] for k in sorted(rows)]
+
+
+def _row_kind(row: dict[str, Any]) -> str:
+    """"eval" for a step's evaluation, "eval_<name>" for a named one (``eval_warmup/*``), else ""."""
+    for key in row:
+        head, sep, _ = key.partition("/")
+        if sep and (head == "eval" or head.startswith("eval_")):
+            return head
+    return ""
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
@@ -121,6 +129,12 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
         if pts:
             s, m, e = zip(*pts)
             axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label, color=colors[label])
+    warm = [(r["step"], r["eval_warmup/accuracy"], r.get("eval_warmup/accuracy_std") or 0.0)
+            for r in rows if r.get("eval_warmup/accuracy") is not None]
+    if warm:  # the supervised warm-up's own share, evaluated before RL
+        s, m, e = zip(*warm)
+        axes[1].errorbar(s, m, yerr=e, marker="x", capsize=3, linestyle="none", color="black",
+                         label="accuracy after warm-up")
     axes[1].set_title("held-out evaluation (mean ± std over seeds)")
     if stale:  # async mode: how many policy versions the trained samples lagged
         s, mean, high = zip(*stale)

@@ -150,6 +150,8 @@ class Controller:
                     summary["eval_start"] = self.run_eval()
                 if not self.sft_done:
                     summary["sft"] = self.sft_warmup()
+                    if self.cfg.eval.after_warmup:
+                        summary["eval_warmup"] = self.run_eval(name="warmup")
                 if self.step < self.cfg.trainer.steps:
                     summary.update(self._pipeline())
                 if self.cfg.eval.at_end:
@@ -228,19 +230,26 @@ class Controller:
         return out
 
     # -- evaluation and plots ---------------------------------------------------------------
-    def run_eval(self, run: Callable[[Callable[[], Any]], Any] | None = None) -> dict[str, Any]:
+    def run_eval(self, run: Callable[[Callable[[], Any]], Any] | None = None, name: str | None = None) -> dict[str, Any]:
         """Evaluate on the held-out tasks; ``run`` drives the coroutines (default: Ctrl-C cancels them).
 
         Every sample goes to ``eval/step_NNNNNN.samples.jsonl`` in the run folder (task, prompt,
         response, parsed calls, verdict with reason; see :func:`relax_agent.evaluation.sample_record`).
+        ``name`` (e.g. "warmup") evaluates off the step cadence: the samples go to
+        ``eval/<name>.samples.jsonl`` and the metrics row's ``eval/*`` keys become ``eval_<name>/*``,
+        so it supersedes no step's evaluation.
         """
         e = self.cfg.eval
         tasks = self.runtime.heldout_tasks[: e.num_tasks]
         self._report("eval_start", {"total": len(tasks) * len(e.seeds)})
+        stem = name or f"step_{self.step:06d}"
         result = evaluate(self.runtime.rollout, tasks, e.seeds, self.params(e.temperature),
                           on_done=lambda t: self._report("episode", {}), run=run or self.stop.run,
-                          samples_path=self.out / "eval" / f"step_{self.step:06d}.samples.jsonl")
-        self.logger.log(self.step, {k: v for k, v in result.items() if not isinstance(v, list)})
+                          samples_path=self.out / "eval" / f"{stem}.samples.jsonl")
+        row = {k: v for k, v in result.items() if not isinstance(v, list)}
+        if name:
+            row = {k.replace("eval/", f"eval_{name}/", 1): v for k, v in row.items()}
+        self.logger.log(self.step, row)
         self._report("eval", result)
         return result
 

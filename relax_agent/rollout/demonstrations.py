@@ -3,7 +3,10 @@
 Each sample is the task's prompt exactly as an episode renders it, followed by the reference
 reply written the way the policy's tool parser reads it back and the turn's stop token, with
 ``loss_mask`` on the reply: the same fields a rollout puts on the data bus, so the trainer
-collates them the same way. With a multimodal policy's renderer
+collates them the same way. A multi-turn demonstration (the env returns the messages after the
+prompt: assistant replies and the observations between them) is laid out as an episode is: each
+reply and its stop token under the loss mask, each observation appended as the chat template's
+delta (:meth:`~relax_agent.rollout.chat.ChatRenderer.observation_delta`) outside it. With a multimodal policy's renderer
 (:class:`~relax_agent.multimodal.render.MediaRenderer`) the prompt's media placeholders are
 expanded exactly as in an episode and each row carries its ``media``
 (:class:`~relax_agent.records.MediaInputs`), so the warm-up's forward sees the images.
@@ -25,7 +28,8 @@ def demonstration_fields(make_env: Callable[[], Any], renderer: Any, parser: Any
                          tasks: Sequence[dict[str, Any]], seed: int) -> dict[str, list[Any]]:
     """Fields ``token_ids`` [T], ``loss_mask`` [T] int8, ``rollout_logprobs`` [T] (zeros), ``media``
     (the prompt's :class:`~relax_agent.records.MediaInputs`, None without media) and ``task_id``
-    of one demonstration per task that has one (``env.unwrapped.demonstration(task)``).
+    of one demonstration per task that has one (``env.unwrapped.demonstration(task)``: one
+    assistant message, or the list of messages after the prompt for a multi-turn one).
 
     Args:
         renderer: the episode driver's renderer: a :class:`~relax_agent.rollout.chat.ChatRenderer`, or a media renderer
@@ -50,12 +54,11 @@ def demonstration_fields(make_env: Callable[[], Any], renderer: Any, parser: Any
                 continue
             obs, info = env.reset(seed=seed, options={"task": task})
             rendered = renderer.render_prompt(obs, (info or {}).get("tools", ()))
-            prompt = list(rendered.token_ids)
-            text = format_message(parser, reply)
-            target = renderer.tokenizer(text, add_special_tokens=False)["input_ids"] + [stop]
-            out[R.TOKEN_IDS].append(np.asarray(prompt + target, dtype=np.int64))
-            out[R.LOSS_MASK].append(np.asarray([0] * len(prompt) + [1] * len(target), dtype=np.int8))
-            out[R.ROLLOUT_LOGPROBS].append(np.zeros(len(prompt) + len(target), dtype=np.float32))
+            tokens, mask = _episode_tokens(renderer, parser, list(rendered.token_ids),
+                                           reply if isinstance(reply, list) else [reply], stop)
+            out[R.TOKEN_IDS].append(np.asarray(tokens, dtype=np.int64))
+            out[R.LOSS_MASK].append(np.asarray(mask, dtype=np.int8))
+            out[R.ROLLOUT_LOGPROBS].append(np.zeros(len(tokens), dtype=np.float32))
             out[R.MEDIA].append(getattr(rendered, "media", None))
             out["task_id"].append(str(task["id"]))
     finally:
@@ -63,6 +66,35 @@ def demonstration_fields(make_env: Callable[[], Any], renderer: Any, parser: Any
     if not out["task_id"]:
         raise ConfigError(f"none of the {len(tasks)} train tasks has a demonstration; set trainer.sft_warmup_steps=0")
     return out
+
+
+def _episode_tokens(renderer: Any, parser: Any, prompt: list[int], messages: list[dict[str, Any]],
+                    stop: int) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask of a demonstrated episode: ``prompt``, then each assistant message as
+    the parser writes it plus ``stop`` (mask 1), each run of other messages as an observation delta
+    (mask 0).
+
+    Raises:
+        ConfigError: the messages do not start with an assistant reply or do not end with one.
+    """
+    roles = [m.get("role") for m in messages]
+    if not roles or roles[0] != "assistant" or roles[-1] != "assistant":
+        raise ConfigError(f"a demonstration must start and end with an assistant message; got roles {roles}")
+    tokens, mask = list(prompt), [0] * len(prompt)
+    pending: list[dict[str, Any]] = []
+    for message in messages:
+        if message.get("role") != "assistant":
+            pending.append(message)
+            continue
+        if pending:
+            delta = renderer.observation_delta(pending, closed=True)
+            tokens += delta
+            mask += [0] * len(delta)
+            pending = []
+        target = renderer.tokenizer(format_message(parser, message), add_special_tokens=False)["input_ids"] + [stop]
+        tokens += target
+        mask += [1] * len(target)
+    return tokens, mask
 
 
 def _stop_token(renderer: Any) -> int:

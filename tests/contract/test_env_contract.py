@@ -34,6 +34,7 @@ def _dataset_tools_file() -> str:
 KWARGS: dict[str, dict] = {
     "relax/DatasetTools-v0": {"data_files": _dataset_tools_file()},  # a small file this module writes
     "relax/PythonExec-v0": {"sandbox": {"backend": "fake"}},  # no Docker needed: in-memory sandbox
+    "relax/DataFile-v0": {"sandbox": {"backend": "fake"}},
     "relax/Calculator-v0": {"num_tasks": 200},
     "relax/ReasoningGym-v0": {"dataset": "leg_counting", "size": 100},
 }
@@ -43,7 +44,7 @@ RELAX_IDS = sorted(i for i in gymnasium.registry if i.startswith("relax/"))
 
 
 def test_builtins_are_registered():
-    expected = {"relax/BFCL-simple-v0", "relax/PythonExec-v0", "relax/Calculator-v0", "relax/ReasoningGym-v0",
+    expected = {"relax/BFCL-simple-v0", "relax/PythonExec-v0", "relax/DataFile-v0", "relax/Calculator-v0", "relax/ReasoningGym-v0",
                 "relax/DatasetTools-v0", "relax/BFCL-live-simple-v0", "relax/BFCL-live-multiple-v0",
                 "relax/BFCL-live-parallel-v0", "relax/BFCL-live-parallel-multiple-v0", "relax/BFCL-live-irrelevance-v0",
                 "relax/BFCL-live-relevance-v0", "relax/BFCL-simple-java-v0", "relax/BFCL-simple-javascript-v0",
