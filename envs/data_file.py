@@ -28,9 +28,9 @@ import json
 import random
 from typing import Any
 
-from relax_agent.envs.python_exec import TOOL_NAME, PythonExecEnv
-from relax_agent.errors import DataError
-from relax_agent.sandboxes import run_sync
+from relax_agent.envs.python_exec import INSTRUCTION, TOOL_NAME, TOOL_SCHEMA, PythonExecEnv
+from relax_agent.errors import DataError, SandboxError
+from relax_agent.sandboxes import Sandbox, run_sync
 
 ENV_ID = "relax/DataFile-v0"
 SPLITS = ("train", "heldout")
@@ -99,8 +99,9 @@ class DataFileEnv(PythonExecEnv):
     """Find-then-compute tasks over a file in the sandbox (see the module docstring).
 
     Takes :class:`~relax_agent.envs.python_exec.PythonExecEnv`'s arguments (sandbox, pool, split,
-    max_tool_calls, exec_timeout_s, max_observation_chars) and its ``step``; the sandbox is
-    reset between episodes, so no file outlives its task.
+    max_tool_calls, exec_timeout_s, max_observation_chars) and its ``step``. The sandbox is taken
+    at the episode's first tool call (a reset or an answer alone needs none) and reset between
+    episodes, so no file outlives its task.
 
     Raises:
         ConfigError: an argument outside the values PythonExecEnv accepts.
@@ -120,10 +121,29 @@ class DataFileEnv(PythonExecEnv):
         missing = {"question", "answer", "file", "content"} - set(task)
         if missing:
             raise DataError(f"DataFile task lacks {sorted(missing)}; got keys {sorted(task)}")
-        messages, info = super()._reset_task(task)
-        assert self.sandbox is not None
-        run_sync(self.sandbox.write_file(task["file"], task["content"]), loop=self._loop())
-        return messages, info
+        self._release()  # the sandbox is taken at the first tool call: a reset alone costs no container
+        self._calls, self._done = 0, False
+        messages = [{"role": "user", "content": f"{task['question']}\n{INSTRUCTION}"}]
+        return messages, {"tools": [json.loads(json.dumps(TOOL_SCHEMA))], "task_id": task.get("id")}
+
+    def _episode_open(self) -> bool:
+        return self.task is not None and not self._done
+
+    def _ready_sandbox(self) -> Sandbox:
+        """The episode's sandbox, taken (and given the task's file) at the first tool call.
+
+        Raises:
+            SandboxError: the sandbox could not be started or the file not written.
+        """
+        if self.sandbox is None:
+            self._acquire()
+            assert self.sandbox is not None and self.task is not None
+            try:
+                run_sync(self.sandbox.write_file(self.task["file"], self.task["content"]), loop=self._loop())
+            except SandboxError:
+                self._release(discard=True)
+                raise
+        return self.sandbox
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         """The reference episode: list the directory, compute with the file's name, answer.

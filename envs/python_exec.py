@@ -233,6 +233,11 @@ class PythonExecEnv(TextEnv):
         else:
             run_sync(sb.close())
 
+    def _ready_sandbox(self) -> Sandbox:
+        """The episode's sandbox, ready for a tool call."""
+        assert self.sandbox is not None
+        return self.sandbox
+
     def close(self) -> None:
         """Give the sandbox back (idempotent)."""
         self._release()
@@ -255,13 +260,17 @@ class PythonExecEnv(TextEnv):
         self._calls += 1
         if self._calls > self.max_tool_calls:
             return {**reply, "content": f"error: tool call limit ({self.max_tool_calls}) reached; give your answer now"}
-        assert self.sandbox is not None
+        sandbox = self._ready_sandbox()
         try:
-            res = run_sync(self.sandbox.run_python(args["code"], timeout_s=self.exec_timeout_s), loop=self._loop())
+            res = run_sync(sandbox.run_python(args["code"], timeout_s=self.exec_timeout_s), loop=self._loop())
         except SandboxError:
             self._release(discard=True)
             raise
         return {**reply, "content": format_result(res, self.exec_timeout_s, self.max_observation_chars)}
+
+    def _episode_open(self) -> bool:
+        """An episode was reset and has not ended (its sandbox is held)."""
+        return self.task is not None and not self._done and self.sandbox is not None
 
     def step(self, action: dict[str, Any]):
         """Run the message's tool calls, or judge its final answer.
@@ -274,8 +283,8 @@ class PythonExecEnv(TextEnv):
             EnvError: ``step`` before ``reset``, after the episode ended, or a non-dict action.
             SandboxError: the sandbox failed (an infrastructure failure, not a wrong answer).
         """
-        if self.task is None or self._done or self.sandbox is None:
-            raise EnvError("PythonExecEnv.step() needs a fresh episode: call reset() first")
+        if not self._episode_open():
+            raise EnvError(f"{type(self).__name__}.step() needs a fresh episode: call reset() first")
         if not isinstance(action, dict):
             raise EnvError(f"action must be an assistant message dict, got {type(action).__name__}")
         calls = [c for c in action.get("tool_calls") or [] if isinstance(c, dict)]
