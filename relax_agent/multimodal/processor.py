@@ -11,7 +11,7 @@ and its MoE ``qwen3_vl_moe``), and the Qwen2.5-Omni thinker (``qwen2_5_omni_thin
 video, audio). One placeholder token per kind is repeated ``num_tokens`` times; images use the PIL
 backend of the Qwen2-VL image processor (Qwen3-VL uses it too, with 16-px patches), audio Whisper
 log-mel features, and video frames are patched here with the same layout as transformers' Qwen2-VL
-and Qwen3-VL video processors (which need torchvision, see FIELD_NOTES).
+and Qwen3-VL video processors (which need torchvision).
 
 Qwen3-VL writes a video frame by frame (:data:`TIMESTAMPED_VIDEO`): each temporal grid step is
 ``<{t:.1f} seconds><|vision_start|>`` + its ``h*w/merge²`` placeholders + ``<|vision_end|>``, the

@@ -3,8 +3,8 @@
 The prompt is rendered through the tokenizer's chat template exactly once per episode.
 After that the trajectory only grows by (a) the token ids the engine sampled and (b) the
 template's token *delta* for each new observation (tool results, user follow-ups), so the
-sampled tokens are never re-rendered or re-tokenized (FIELD_NOTES: "token drift when
-multi-turn history is re-rendered").
+sampled tokens are never re-rendered or re-tokenized (re-rendering multi-turn history drifts: a
+template may tokenize the same text differently than the engine sampled it).
 
 How a delta is found, without assuming how the template closes a turn: the template renders a
 short context conversation twice, once ending with an assistant turn and once with the new

@@ -1,6 +1,6 @@
 """Running megatron-core 0.16 on CPU over gloo: three patches, applied only when CUDA is absent.
 
-Measured on megatron-core 0.16.1 with torch 2.13 CPU (../shared/FIELD_NOTES.md, "R3 and precision"):
+Measured on megatron-core 0.16.1 with torch 2.13 CPU:
 
 1. ``torch.cuda.current_device()`` is called to place buffers and parameters
    (``device=torch.cuda.current_device()``); without CUDA it raises. Patched to return "cpu".
