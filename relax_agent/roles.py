@@ -201,6 +201,10 @@ def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bo
                                   record_routes=cfg.moe.replay)
     trainer = None
     if train:
+        if cfg.trainer.lora.enabled and model_cfg is not cfg.model:
+            # a resume: the engine serves the checkpoint's merged weights; the trainer rebuilds the adapter
+            # (from its state) over the original base, as it was trained
+            model, _ = load_policy(cfg.model, dtype="fp32", device=device)
         trainer = cfg.trainer.build(model=model, device=device, temperature=cfg.rollout.temperature,
                                     routing_replay=cfg.moe.replay)
     return engine, trainer, tokenizer

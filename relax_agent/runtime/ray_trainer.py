@@ -146,6 +146,8 @@ def _build_trainer(cfg: Any, model_path: str | None) -> tuple[Any, Any]:
     from relax_agent.preflight import resolve_device
 
     model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": model_path, "gguf_file": None})
+    if cfg.trainer.lora.enabled:
+        model_cfg = cfg.model  # LoRA resumes its adapter (trainer state) over the original base
     if cfg.trainer.backend == "fake":
         return cfg.trainer.build(), load_tokenizer(cfg.model)
     device = resolve_device(cfg.run.device)

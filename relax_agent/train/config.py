@@ -53,6 +53,29 @@ class MegatronConfig(Section):
         return self.tensor_parallel * self.pipeline_parallel
 
 
+class LoraConfig(Section):
+    """LoRA adapters (``trainer.lora``; torch backend): train low-rank adapters instead of every weight.
+
+    Hu et al. 2021 (arXiv 2106.09685), through `peft`. Weight sync and checkpoints carry the merged
+    weights, so engines and evaluation see a plain model (:mod:`relax_agent.train.lora`)."""
+
+    rank: int = Field(default=0, ge=0)
+    """Adapter rank r; 0: no LoRA (full fine-tuning)."""
+    alpha: float = Field(default=32.0, gt=0.0)
+    """Scale numerator: the update is ``(alpha / rank) * B @ A``."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input; keep 0 for reproducible log-probs (the importance ratio)."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                "gate_proj", "up_proj", "down_proj"])
+    """Names (last path component) of the linear layers that get adapters."""
+    init_seed: int = Field(default=0, ge=0)
+    """Seed of the adapters' random initialisation (``A``; ``B`` starts at 0, so the first policy is the base)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainerConfig(Section):
     """GRPO / PPO-clip optimisation."""
 
@@ -63,6 +86,8 @@ class TrainerConfig(Section):
     "fake": a trainer without a model that records what it was given
     (:class:`~relax_agent.train.backends.fake.FakeTrainer`), for tests."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``rank`` > 0; torch backend only)."""
     """Parallel layout of ``backend: megatron`` (ignored by the other backends)."""
     steps: int = Field(default=20, ge=0)
     lr: float = Field(default=1e-5, gt=0.0)
@@ -113,6 +138,13 @@ class TrainerConfig(Section):
     def _betas_from_list(cls, value: Any) -> Any:
         # YAML has no tuples; strict mode would refuse the list it gives.
         return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _lora_backend(self) -> "TrainerConfig":
+        if self.lora.enabled and self.backend == "megatron":
+            raise ValueError(f"trainer.lora.rank={self.lora.rank}: LoRA runs on trainer.backend=torch only "
+                             "(the megatron backend trains every weight); set trainer.lora.rank=0 or backend=torch")
+        return self
 
     def build(self, model: Any = None, device: str = "cpu", temperature: float = 1.0,
               routing_replay: bool = False) -> Any:

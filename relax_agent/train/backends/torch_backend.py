@@ -269,6 +269,10 @@ class TorchTrainer:
         self.device = torch.device(device)
         self.temperature = float(temperature)
         self.model = _with_master_weights(model.to(self.device))
+        self.lora = None
+        """The ``peft.PeftModel`` wrapper under ``trainer.lora`` (``self.model`` is its base model, adapters in it)."""
+        if cfg.lora.enabled:
+            self.model, self.lora, self.base_fingerprint = _with_lora(self.model, cfg)
         self.model.train()
         _warn_on_dropout(self.model)
         if cfg.freeze_embeddings:
@@ -426,7 +430,16 @@ class TorchTrainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "step": self.step,
+            **self._lora_state(),
         }
+
+    def _lora_state(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {}
+        from relax_agent.train.lora import adapter_state
+
+        return {"lora": {"adapter": adapter_state(self.model), "base_sha256": self.base_fingerprint,
+                         "rank": self.cfg.lora.rank}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (load the model weights first).
@@ -437,6 +450,7 @@ class TorchTrainer:
         missing = {"optimizer", "scheduler", "scaler", "step"} - set(state)
         if missing:
             raise CheckpointError(f"trainer state lacks {sorted(missing)}")
+        self._load_lora_state(state.get("lora"))  # first: a mismatch must refuse before the optimizer loads
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except ValueError as exc:
@@ -447,6 +461,20 @@ class TorchTrainer:
         elif (self.scaler is None) != (not state["scaler"]):
             warnings.warn(f"loss-scaler state ignored or missing: trainer.dtype is now {self.cfg.dtype}", stacklevel=2)
         self.step = int(state["step"])
+
+    def _load_lora_state(self, saved: dict[str, Any] | None) -> None:
+        if (saved is None) != (self.lora is None):
+            raise CheckpointError(f"the checkpoint was trained {'with' if saved else 'without'} LoRA and "
+                                  f"trainer.lora.rank is {self.cfg.lora.rank} now: resume with the same setting")
+        if saved is None:
+            return
+        from relax_agent.train.lora import load_adapter_state
+
+        if saved["base_sha256"] != self.base_fingerprint:
+            raise CheckpointError(f"LoRA resume: the base weights differ from the ones the adapter was trained on "
+                                  f"(sha256 {saved['base_sha256'][:12]}... in the checkpoint, {self.base_fingerprint[:12]}... "
+                                  "from model.path): point model.path at the original base model")
+        load_adapter_state(self.model, saved["adapter"])
 
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
         """One supervised update on demonstrations: mean negative log-likelihood (temperature 1)
@@ -497,7 +525,13 @@ class TorchTrainer:
         self._sft_optimizer = None
 
     def save_model(self, path: Path) -> None:
-        """Save the policy with ``save_pretrained`` (safetensors) into folder ``path``."""
+        """Save the policy with ``save_pretrained`` (safetensors) into folder ``path``; under LoRA the merged
+        model, and the adapter in ``path / "adapter"``."""
+        if self.lora is not None:
+            from relax_agent.train.lora import save_lora_model
+
+            save_lora_model(self.lora, path)
+            return
         self.model.save_pretrained(path, safe_serialization=True)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
@@ -506,7 +540,20 @@ class TorchTrainer:
         These are the live parameter tensors (no copy): they change at the next
         :meth:`train_step`; copy them if they must outlive it.
         """
+        if self.lora is not None:
+            from relax_agent.train.lora import merged_state_dict
+
+            return merged_state_dict(self.model)
         return self.model.state_dict()
+
+
+def _with_lora(model: nn.Module, cfg: TrainerConfig) -> tuple[nn.Module, Any, str]:
+    """(base model with adapters injected, the peft wrapper, sha256 of the base weights)."""
+    from relax_agent.train.lora import apply_lora, base_fingerprint
+
+    fingerprint = base_fingerprint(model)
+    wrapper = apply_lora(model, cfg.lora)
+    return wrapper.get_base_model(), wrapper, fingerprint
 
 
 class _LinearWarmup:
