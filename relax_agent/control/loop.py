@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,9 @@ class _Group:
     fields: dict[str, Any]
     trajs: list[Trajectory]
     lease_id: str
+    played_s: tuple[float, float] = (math.nan, math.nan)
+    """(start, end) of the group's play in perf_counter seconds, set when it is retired; nan: unknown
+    (a group started before a resume)."""
 
 
 class Controller:
@@ -292,6 +296,8 @@ class _Run:
         self.advantages = AdvantageConsumer(ctrl.bus, PARTITION, ctrl.G, cfg.trainer.adv_std_normalize)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self.last_row: dict[str, Any] = {}
+        self.played_s: dict[str, list[float]] = {}
+        """group id -> [start, end] (perf_counter s) of its play, end once it is on the bus."""
         self.failure: BaseException | None = None
         """The first error of a producer (a group the bus refused); ends the run."""
         self.fields = [*R.TRAIN_FIELDS, R.TRAINABLE, R.TRAJECTORY]
@@ -317,7 +323,9 @@ class _Run:
             while True:
                 await self.gate.admit()
                 job = self._next_job()
+                span = self.played_s[job.group_id] = [time.perf_counter(), math.nan]
                 fut = asyncio.ensure_future(self.ctrl.runtime.rollout.play_group(job, self.ctrl.params()))
+                fut.add_done_callback(lambda _f, span=span: span.__setitem__(1, time.perf_counter()))
                 running.add(fut)
                 fut.add_done_callback(running.discard)
                 fut.add_done_callback(self._raise_failed)
@@ -435,6 +443,7 @@ class _Run:
         gid = group.trajs[0].group_id
         self.trained.add(gid)
         self.seq_of.pop(gid, None)
+        group.played_s = tuple(self.played_s.pop(gid, (math.nan, math.nan)))
         self._ack(group.lease_id)
 
     def _ack(self, lease_id: str) -> None:
@@ -467,7 +476,8 @@ class _Run:
                            filtered={t.sample_id for grp in filtered for t in grp.trajs})
         t_end = time.perf_counter()
         sampled = trajs + [t for grp in filtered for t in grp.trajs]
-        row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last)
+        row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last,
+                       self._rollout_s(groups + filtered, t_end - t_last))
         ctrl.logger.log(ctrl.step, row)
         ctrl.logger.log_histogram(ctrl.step, STALENESS_HIST, [trained_at - v for v in versions])
         ctrl._report("step", row)
@@ -493,13 +503,13 @@ class _Run:
         return out, kept
 
     def _row(self, trajs: list[Trajectory], sampled: list[Trajectory], versions: list[int], trained_at: int,
-             train_metrics: dict[str, float], wait_s: float, step_s: float) -> dict[str, Any]:
+             train_metrics: dict[str, float], wait_s: float, step_s: float, rollout_s: float) -> dict[str, Any]:
         """The step's metric row. ``trajs``: the step's groups (trained or not), ``versions`` theirs;
         ``sampled``: those and the groups dynamic sampling filtered (the rollout metrics describe
         every episode the step's rollouts played, not only the informative ones)."""
         ctrl = self.ctrl
         live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
-        row = {**rollout_metrics(sampled, step_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
+        row = {**rollout_metrics(sampled, rollout_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
                **staleness_metrics([trained_at - v for v in versions], ctrl.s),
                M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
                DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),
@@ -510,6 +520,16 @@ class _Run:
                         DRAWN_GROUPS: float(n_groups + self.filtered_this_step + self.dropped_this_step),
                         DS_CAP_REACHED: float(self.cap_reached)})
         return row
+
+    @staticmethod
+    def _rollout_s(groups: list[_Group], step_s: float) -> float:
+        """Wall time the step's rollouts took: from the first of its groups (filtered ones included)
+        starting to the last one reaching the bus. Under colocate the update and the weight sync are
+        outside it; under async it may overlap the previous step. ``step_s`` when no span is known."""
+        spans = [grp.played_s for grp in groups if all(map(math.isfinite, grp.played_s))]
+        if not spans:
+            return step_s
+        return max(end for _, end in spans) - min(start for start, _ in spans)
 
     async def _in_trainer(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in the trainer thread; when cancelled, let it finish before re-raising."""
