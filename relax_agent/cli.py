@@ -205,6 +205,47 @@ def eval_cmd(
 
 
 @app.command()
+def replay(
+    config: Path = typer.Argument(..., help="The run's YAML config."),
+    overrides: Optional[list[str]] = OVERRIDES,
+    step: int = typer.Option(..., "--step", help="Training step to replay (its token record must exist)."),
+    run_dir: Optional[Path] = typer.Option(None, "--run", help="Run folder; default: run.output_dir."),
+    logprobs: bool = typer.Option(True, "--logprobs/--no-logprobs", help="Recompute log-probs with the weights of each sample's version."),
+    atol: float = typer.Option(2e-3, "--atol", help="Largest |recomputed - recorded| log-prob accepted."),
+) -> None:
+    """Replay a trained step: find, per episode, the first token where the record diverges.
+
+    Checks the turns' placement, the loss mask, each observation delta (re-rendered with the chat
+    template) and, with the checkpoint of the version that sampled it, the rollout log-probs.
+    Exit code 1 when any episode diverges.
+    """
+    from relax_agent.replay import replay_step
+
+    try:
+        cfg = _load(config, overrides)
+        run = run_dir or Path(cfg.run.output_dir)
+        reports = replay_step(cfg, run, step, logprobs=logprobs, atol=atol)
+    except RelaxError as exc:
+        _fail(exc)
+        return
+    from relax_agent.models import load_tokenizer
+
+    decode = load_tokenizer(cfg.model).decode
+    bad = 0
+    for rep in reports:
+        if rep.divergence is not None:
+            bad += 1
+            line = "DIVERGED " + rep.divergence.describe(decode)
+        else:
+            line = "ok" + (f" (max |log-prob diff| {rep.max_logprob_diff:.2e})" if rep.max_logprob_diff is not None else "")
+        skipped = "; ".join(f"{k} skipped: {v}" for k, v in rep.skipped.items())
+        typer.echo(f"{rep.sample_id}  v{rep.sample_version}  {rep.turns} turn(s)  {line}" + (f"  [{skipped}]" if skipped else ""))
+    typer.echo(f"step {step}: {len(reports) - bad} of {len(reports)} episodes replay without divergence")
+    if bad:
+        raise typer.Exit(1)
+
+
+@app.command()
 def scale(
     run_dir: Path = typer.Argument(..., help="run.output_dir of a running training with runtime.kind=ray."),
     rollout: int = typer.Option(..., "--rollout", help="Rollout replicas to run from now on (>= 1)."),

@@ -205,6 +205,9 @@ class LoggingConfig(Section):
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+    token_record: bool = True
+    """Write ``rollouts/tokens/step_NNNNNN.jsonl.gz`` each step: every sample's token ids, loss mask,
+    rollout log-probs, turns and messages, as the trainer saw them (what ``relax-agent replay`` checks)."""
 
 
 class RuntimeConfig(Section):

@@ -41,7 +41,7 @@ from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
 from relax_agent.control.advantages import AdvantageConsumer
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
-from relax_agent.control.reporting import rollout_metrics, write_rollout_dump
+from relax_agent.control.reporting import rollout_metrics, write_rollout_dump, write_token_record
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.schedule import (
     DRAWN_GROUPS,
@@ -474,6 +474,8 @@ class _Run:
         write_rollout_dump(ctrl.out / "rollouts" / f"step_{ctrl.step:06d}.jsonl", rows, trained_at, kept,
                            {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode,
                            filtered={t.sample_id for grp in filtered for t in grp.trajs})
+        if ctrl.cfg.logging.token_record:
+            write_token_record(ctrl.out / "rollouts" / "tokens" / f"step_{ctrl.step:06d}.jsonl.gz", rows)
         t_end = time.perf_counter()
         sampled = trajs + [t for grp in filtered for t in grp.trajs]
         row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last,

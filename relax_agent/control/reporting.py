@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter
 from pathlib import Path
@@ -59,3 +60,26 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
                 "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
                 "dropped_stale": t.sample_id in dropped, "filtered": t.sample_id in filtered,
             }) + "\n")
+
+
+def write_token_record(path: Path, rows: Iterable[tuple[Trajectory, int]]) -> None:
+    """``rollouts/tokens/step_NNNNNN.jsonl.gz``: per sample of the step (``(trajectory, sample_version)``
+    pairs), exactly the arrays the trainer was given: ``token_ids`` [T], ``loss_mask`` [T],
+    ``rollout_logprobs`` [T], ``prompt_len``, the ``turns`` (``start``, ``token_ids``, ``logprobs``,
+    ``policy_version``, ``finish_reason``) and the ``messages``; media arrays are not recorded (their
+    ``kinds`` are). Written to a temporary name and renamed: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with gzip.open(tmp, "wt") as f:
+        for t, version in rows:
+            f.write(json.dumps({
+                "sample_id": t.sample_id, "task_id": t.task_id, "sample_version": version,
+                "token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
+                "rollout_logprobs": list(t.rollout_logprobs), "prompt_len": t.prompt_len,
+                "turns": [{"start": turn.start, "token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
+                           "policy_version": turn.policy_version, "finish_reason": turn.finish_reason}
+                          for turn in t.turns],
+                "messages": list(t.messages), "trainable": t.trainable,
+                "media_kinds": list(t.media.kinds) if t.media is not None else [],
+            }, default=str) + "\n")
+    tmp.replace(path)
