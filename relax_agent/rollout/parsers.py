@@ -93,11 +93,14 @@ class HermesParser:
 
     Args:
         strict: when False (``"hermes"``), a complete JSON object is a call even if junk
-            follows it instead of ``</tool_call>`` (the junk is kept as content): a weak policy
-            gets credit for the call itself. When True (``"hermes_strict"``), only whitespace
-            and then ``</tool_call>`` (or the end of the turn) may follow the object; anything
-            else makes the block a parse error. A policy trained with the lenient parser can
-            learn to emit junk after its calls: evaluate with the strict one to see it.
+            follows it instead of ``</tool_call>``, or nothing does (the junk is kept as
+            content): a weak policy gets credit for the call itself. When True
+            (``"hermes_strict"``), only whitespace and then ``</tool_call>`` may follow the
+            object; anything else, the end of the reply included (a block left open, e.g. a
+            reply cut at the token limit or ended right after the JSON), makes the block a parse
+            error. That is how BFCL's own handler reads an unclosed final block (no call). A
+            policy trained with the lenient parser can learn to emit junk after its calls or to
+            drop the closing tag: evaluate with the strict one to see it.
     """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -141,6 +144,9 @@ class HermesParser:
             end = stop + (len(rest) - len(rest.lstrip())) + len(self.CLOSE)
         elif self.strict and rest.strip():
             return None, f"tool call JSON is followed by {rest.strip()[:40]!r} instead of {self.CLOSE}", end
+        elif self.strict:
+            return None, (f"tool call block has no closing {self.CLOSE} (the reply ended inside the block, e.g. "
+                          f"cut at the token limit): {text[i:][:200].strip()!r}"), end
         elif close == -1 or text[stop:close].strip():
             end = stop  # no closing tag right after the object: keep what follows as content
         call, error = self._to_call(obj, index)
