@@ -325,15 +325,20 @@ class ChatRenderer:
         content on: the sampled turn is never re-rendered, so only what follows the content (tool
         calls, the closing token) has to agree with what the policy sampled.
         """
+        ca, ta = closed.rfind(_REF_ASSISTANT), tail.find(_REF_ASSISTANT)
         try:
-            return self._closing_token_from(closed, tail, roles, 0)
+            span = self._closing_token_from(closed, tail, roles, 0)
         except ConfigError:
-            ca, ta = closed.rfind(_REF_ASSISTANT), tail.find(_REF_ASSISTANT)
             if ca <= 0 or ta < 0 or closed[:ca] == tail[:ta]:
                 raise
             span = self._closing_token_from(closed[ca:], tail[ta:], roles, ta)
             self.append_only = False
-            return span
+        if ta >= 0 and span[0] < ta + len(_REF_ASSISTANT):
+            raise ConfigError(
+                f"model.path: the chat template closes an assistant turn with no special token after its content "
+                f"(its last special token, {tail[span[0]:span[1]]!r}, comes before it: {tail[:80]!r}); "
+                "token-in/token-out needs one (the engine stops on it)")
+        return span
 
     def _closing_token_from(self, closed: str, tail: str, roles: list[str], ta: int) -> tuple[int, int]:
         """:meth:`_closing_token` on ``closed`` and ``tail``, where ``tail`` starts at character ``ta`` of

@@ -1,0 +1,37 @@
+"""Qwen3 (and QwQ, Qwen2.5 with thinking): Hermes JSON in ``<tool_call>`` blocks, ``<think>`` reasoning.
+
+Reference: the Qwen3 chat template (``tests/data/chat_templates/Qwen-Qwen3-0.6B.jinja``) and
+vLLM's ``hermes`` tool parser with its ``qwen3`` reasoning parser.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_agent.rollout.parsers import HermesParser, ParsedAction
+from relax_agent.rollout.tool_parsers._common import split_reasoning
+
+
+class Qwen3Parser:
+    """``<think>reasoning</think>`` then text and strict ``<tool_call>{"name", "arguments"}</tool_call>`` blocks.
+
+    The reasoning block is split off first (a call written inside it is not a call); the rest is
+    read by the strict Hermes parser: junk after a call's JSON, or a final block without its
+    ``</tool_call>`` (a reply cut at the token limit), is a parse error.
+    """
+
+    family = "qwen3"
+    keeps_special_tokens = False
+    THINK = ("<think>", "</think>")
+
+    def __init__(self) -> None:
+        self._calls = HermesParser(strict=True)
+
+    def format(self, calls: list[dict[str, Any]]) -> str:
+        """``calls`` (``{"name", "arguments"}``) as ``<tool_call>`` blocks (the template's own layout)."""
+        return self._calls.format(calls)
+
+    def parse(self, text: str) -> ParsedAction:
+        reasoning, rest = split_reasoning(text, *self.THINK)
+        action = self._calls.parse(rest)
+        return ParsedAction(action.content, action.tool_calls, action.errors, reasoning)
