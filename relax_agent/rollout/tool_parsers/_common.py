@@ -64,13 +64,19 @@ def typed_value(raw: str) -> Any:
     """A parameter value written as text (XML-style families): JSON when it decodes, else the string.
 
     Qwen3-Coder and GLM write string values bare and other values as JSON, so ``2`` is the number
-    2 and ``Paris`` the string; a string value that spells a JSON literal (``"2"`` meant as text)
-    cannot be told apart without the tool schema and comes back as the literal.
+    2 and ``Paris`` the string; Qwen3-Coder's template writes booleans and null the Python way
+    (``True``, ``False``, ``None``), read as such too. A string value that spells a literal (``2``
+    meant as text) cannot be told apart without the tool schema and comes back as the literal.
     """
+    if raw in _PYTHON_LITERALS:
+        return _PYTHON_LITERALS[raw]
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
+
+
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
 
 
 def value_text(value: Any) -> str:

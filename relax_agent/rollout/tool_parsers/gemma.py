@@ -18,6 +18,7 @@ from relax_agent.rollout.parsers import ParsedAction
 from relax_agent.rollout.tool_parsers._common import call, split_reasoning, strip_end_tokens
 
 QUOTE = '<|"|>'
+_KEY = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*")
 
 
 def _value(s: str, i: int) -> tuple[Any, int]:
@@ -62,10 +63,10 @@ def _object(s: str, i: int) -> tuple[dict[str, Any], int]:
         if s.startswith(QUOTE, i):
             key, i = _value(s, i)
         else:
-            colon = s.find(":", i)
-            if colon == -1:
-                raise ToolCallParseError(f"key without ':' at {s[i:i + 40]!r}")
-            key, i = s[i:colon].strip(), colon
+            m = _KEY.match(s, i)
+            if m is None:
+                raise ToolCallParseError(f"expected a bare key at {s[i:i + 40]!r}")
+            key, i = m.group(1), m.end()
         if not key or not s.startswith(":", i):
             raise ToolCallParseError(f"expected 'key:' at {s[i:i + 40]!r}")
         out[key], i = _value(s, i + 1)

@@ -14,6 +14,12 @@ from relax_agent.rollout.parsers import ParsedAction
 from relax_agent.rollout.tool_parsers._common import call, only_space, typed_value, value_text
 
 
+def _value_text(value: Any) -> str:
+    """A value as the template writes it: mappings and lists as JSON, anything else with Jinja's ``string``
+    (so ``True``, ``None``: Python spellings, which :func:`typed_value` reads back)."""
+    return str(value) if isinstance(value, bool) or value is None else value_text(value)
+
+
 class Qwen3CoderParser:
     """Strict Qwen3-Coder calls; text outside ``<tool_call>`` blocks is content.
 
@@ -33,7 +39,7 @@ class Qwen3CoderParser:
         """``calls`` (``{"name", "arguments"}``) in the template's layout."""
         blocks = []
         for c in calls:
-            params = "".join(f"<parameter={k}>\n{value_text(v)}\n</parameter>\n" for k, v in c["arguments"].items())
+            params = "".join(f"<parameter={k}>\n{_value_text(v)}\n</parameter>\n" for k, v in c["arguments"].items())
             blocks.append(f"{self.OPEN}\n<function={c['name']}>\n{params}</function>\n{self.CLOSE}")
         return "\n".join(blocks)
 
