@@ -309,3 +309,16 @@ def test_an_episode_reads_special_token_calls_and_keeps_sampled_tokens(family_to
     assert [list(t.token_ids) for t in traj.turns] == sampled
     assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [i for s in sampled for i in s]
     assert json.dumps(env.seen[0]["tool_calls"][0]["function"]["arguments"]) == '{"city": "Paris", "days": 2}'
+
+
+def test_a_run_with_tool_parser_auto_prints_the_choice_and_preflight_lets_it_through(family_tokenizer, capsys):
+    from relax_agent.config import load_config
+    from relax_agent.preflight import preflight
+    from relax_agent.roles import resolved_parser_name
+
+    cfg = load_config(None, ["rollout.tool_parser=auto", "run.device=cpu"])
+    preflight(cfg)  # auto is resolved once the tokenizer is loaded, not refused as an unknown name
+    assert resolved_parser_name(cfg, family_tokenizer("qwen3"), "Qwen/Qwen3-0.6B") == "qwen3"
+    assert capsys.readouterr().err == "tool parser: qwen3 (chat template has <tool_call> JSON calls and <think> reasoning)\n"
+    fixed = load_config(None, ["rollout.tool_parser=mistral"])
+    assert resolved_parser_name(fixed, family_tokenizer("qwen3"), "x") == "mistral" and capsys.readouterr().err == ""
