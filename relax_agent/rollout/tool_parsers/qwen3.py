@@ -6,18 +6,18 @@ vLLM's ``hermes`` tool parser with its ``qwen3`` reasoning parser.
 
 from __future__ import annotations
 
-from typing import Any
-
 from relax_agent.rollout.parsers import HermesParser, ParsedAction
 from relax_agent.rollout.tool_parsers._common import split_reasoning
 
 
-class Qwen3Parser:
+class Qwen3Parser(HermesParser):
     """``<think>reasoning</think>`` then text and strict ``<tool_call>{"name", "arguments"}</tool_call>`` blocks.
 
     The reasoning block is split off first (a call written inside it is not a call); the rest is
     read by the strict Hermes parser: junk after a call's JSON, or a final block without its
-    ``</tool_call>`` (a reply cut at the token limit), is a parse error.
+    ``</tool_call>`` (a reply cut at the token limit), is a parse error. A Hermes parser in every
+    other respect (``format``, and the agent proxy's forced call opening and
+    ``parallel_tool_calls: false``, which key on :class:`HermesParser`).
     """
 
     family = "qwen3"
@@ -25,13 +25,9 @@ class Qwen3Parser:
     THINK = ("<think>", "</think>")
 
     def __init__(self) -> None:
-        self._calls = HermesParser(strict=True)
-
-    def format(self, calls: list[dict[str, Any]]) -> str:
-        """``calls`` (``{"name", "arguments"}``) as ``<tool_call>`` blocks (the template's own layout)."""
-        return self._calls.format(calls)
+        super().__init__(strict=True)
 
     def parse(self, text: str) -> ParsedAction:
         reasoning, rest = split_reasoning(text, *self.THINK)
-        action = self._calls.parse(rest)
+        action = super().parse(rest)
         return ParsedAction(action.content, action.tool_calls, action.errors, reasoning)
