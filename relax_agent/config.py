@@ -154,7 +154,10 @@ class RolloutConfig(Section):
     temperature: float = Field(default=1.0, gt=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     tool_parser: str = "hermes"
-    """Name of a registered tool-call parser (``relax_agent.rollout.parsers``)."""
+    """Name of a registered tool-call parser (``relax_agent.rollout.parsers``; the family parsers
+    ``qwen3``, ``qwen3_coder``, ``llama3``, ``mistral``, ``gpt_oss``, ``deepseek_v3``, ``glm45``,
+    ``kimi_k2``, ``gemma``), or ``auto``: chosen from the policy's chat template, else its name
+    (the run log prints ``tool parser: NAME (why)``; an undecidable policy is refused)."""
     tools_in: Literal["auto", "template", "system"] = "auto"
     """"template": pass tools to the chat template; "system": render them into the system
     prompt (Hermes style); "auto": template when it supports tools, else system."""

@@ -84,7 +84,8 @@ def preflight(cfg: RelaxConfig) -> str:
     """Checks that need no model: parser name, env id, device, dtype per device. Returns the device."""
     from relax_agent.rollout.parsers import build_parser
 
-    build_parser(cfg.rollout.tool_parser)
+    if cfg.rollout.tool_parser != "auto":  # auto is resolved from the tokenizer, once the policy loads
+        build_parser(cfg.rollout.tool_parser)
     check_env_id(cfg.env.id)
     check_env_kwargs(cfg.env.id, cfg.env.kwargs)
     device = resolve_device(cfg.run.device)

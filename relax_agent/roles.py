@@ -132,7 +132,7 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train, media)
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
                             accepts_media=media)
-    parser = build_parser(cfg.rollout.tool_parser)
+    parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
     driver = None
     if media:
         driver = _media_driver(cfg, model_cfg, engine, renderer, parser)
@@ -143,6 +143,25 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     runner = RolloutRunner(make_env_factory(cfg), engine, renderer, parser, rollout_limits(cfg), reward=reward,
                            env_id=cfg.env.id, driver=driver)
     return Roles(cfg, device, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks, owns_ray)
+
+
+def resolved_parser_name(cfg: RelaxConfig, tokenizer: Any, model_name: str) -> str:
+    """``rollout.tool_parser``, with ``auto`` resolved from the tokenizer's chat template (or the model name);
+    an ``auto`` choice is printed as one line, ``tool parser: NAME (why)``, on stderr.
+
+    Raises:
+        ConfigError: ``auto`` cannot tell the format (see
+            :func:`~relax_agent.rollout.tool_parsers.auto.resolve_tool_parser`).
+    """
+    if cfg.rollout.tool_parser != "auto":
+        return cfg.rollout.tool_parser
+    import sys
+
+    from relax_agent.rollout.tool_parsers import resolve_tool_parser
+
+    name, why = resolve_tool_parser(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, model_name)
+    print(f"tool parser: {name} ({why})", file=sys.stderr, flush=True)
+    return name
 
 
 def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:

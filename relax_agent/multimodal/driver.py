@@ -20,7 +20,7 @@ from relax_agent.multimodal.render import MediaRenderer, MediaSegment
 from relax_agent.records import MediaInputs, StopReason, Trajectory
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
-from relax_agent.rollout.parsers import ToolCallParser
+from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
 
@@ -98,7 +98,7 @@ class MediaEnvDriver:
             rec.add_turn(gen)
             if gen.finish_reason == "length" and rec.num_tokens >= spec.max_total_tokens:
                 return reward, metrics, StopReason.MAX_TOTAL_TOKENS
-            text = self.renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            text = self.renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=not decodes_special_tokens(self.parser))
             action = self.parser.parse(text).message()
             rec.add_messages([{**action, "content": text}])
             new_obs, step_reward, terminated, truncated, step_info = check_step(await calls.step(action))

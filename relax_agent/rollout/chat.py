@@ -15,6 +15,15 @@ special token of the assistant turn, is the token that closes the turn (``<|im_e
 follows it. What a template cannot do is refused when the renderer is built, with a
 :class:`~relax_agent.errors.ConfigError` naming the feature.
 
+Templates that are not append-only are supported when the difference lies *before* the content
+of a past assistant turn: Qwen3 (and GLM-4.5+) render ``<think>...</think>`` only for the
+assistant turns after the last user query, so re-rendering a history changes the tokens of
+earlier turns. The engine never re-renders: the two renderings are aligned from the assistant
+content on, the delta is still what the template puts after the closing token, and the sampled
+turn (its reasoning included) stays in the trajectory exactly as sampled; the trained tokens are
+the sampled ones. ``ChatRenderer.append_only`` is False for such a template. A template that
+changes the content itself, or what follows it before the closing token, is still refused.
+
 Observation text is plain text: a tool result or user message that spells a special or added
 token (``<|im_end|>``, ``<tool_call>``) is tokenized as the characters it is, so a tool cannot
 forge turns; special tokens come only from the template's own structure.
@@ -143,6 +152,9 @@ class ChatRenderer:
         tool_role: "tool" when the template renders tool messages, "user" when it refuses that
             role (tool results then go in as user messages wrapped in ``<tool_response>``,
             the Hermes convention). Decided once, here, never per message.
+        append_only: False when the template renders a past assistant turn differently before its
+            content once more messages follow (Qwen3 drops past ``<think>`` blocks); deltas then
+            are aligned from the content on, and sampled turns are kept as sampled (module doc).
 
     Raises:
         ConfigError: the tokenizer has no chat template, or the template lacks a feature
@@ -163,6 +175,7 @@ class ChatRenderer:
         self._added = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}))
         self._special_ids = frozenset(i for i, t in added.items() if t.special) | frozenset(self._eos_ids())
         self._heads: dict[int, str] = {}
+        self.append_only = True
         self.system_role = self._renders([{"role": "system", "content": "s"}, _REF_USER])
         self._gen_prefix = self._probe_generation_prompt()
         self.tool_role = "tool"
@@ -305,7 +318,31 @@ class ChatRenderer:
         return self._heads[num_calls], full[len(self._gen_prefix):]
 
     def _closing_token(self, closed: str, tail: str, roles: list[str]) -> tuple[int, int]:
-        """Character span in ``tail`` of the token closing the assistant turn (see module doc)."""
+        """Character span in ``tail`` of the token closing the assistant turn (see module doc).
+
+        Templates that render a past assistant turn differently *before* its content (Qwen3
+        drops the ``<think>`` block of turns before the last user query) are aligned from the
+        content on: the sampled turn is never re-rendered, so only what follows the content (tool
+        calls, the closing token) has to agree with what the policy sampled.
+        """
+        ca, ta = closed.rfind(_REF_ASSISTANT), tail.find(_REF_ASSISTANT)
+        try:
+            span = self._closing_token_from(closed, tail, roles, 0)
+        except ConfigError:
+            if ca <= 0 or ta < 0 or closed[:ca] == tail[:ta]:
+                raise
+            span = self._closing_token_from(closed[ca:], tail[ta:], roles, ta)
+            self.append_only = False
+        if ta >= 0 and span[0] < ta + len(_REF_ASSISTANT):
+            raise ConfigError(
+                f"model.path: the chat template closes an assistant turn with no special token after its content "
+                f"(its last special token, {tail[span[0]:span[1]]!r}, comes before it: {tail[:80]!r}); "
+                "token-in/token-out needs one (the engine stops on it)")
+        return span
+
+    def _closing_token_from(self, closed: str, tail: str, roles: list[str], ta: int) -> tuple[int, int]:
+        """:meth:`_closing_token` on ``closed`` and ``tail``, where ``tail`` starts at character ``ta`` of
+        the full tail (the returned span is in full-tail characters)."""
         a = self.tokenizer(closed, add_special_tokens=False, return_offsets_mapping=True)
         b = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
         a_ids, b_ids = list(a["input_ids"]), list(b["input_ids"])
@@ -313,11 +350,11 @@ class ChatRenderer:
         special = self._special_ids
         if k < len(a_ids):  # the template closes the turn with another token when `roles` follow
             if k < len(b_ids) and a_ids[k] in special and b_ids[k] in special:
-                return tuple(b["offset_mapping"][k])
+                return _shift(b["offset_mapping"][k], ta)
             raise ConfigError(
                 f"model.path: the chat template renders an assistant turn differently when {roles} follow "
-                f"({closed[:80]!r} vs {tail[:80]!r}), not only by its closing token; token-in/token-out cannot "
-                "append observations to sampled turns with this template"
+                f"({closed[:80]!r} vs {tail[:80]!r}), not only by its closing token or before its content; "
+                "token-in/token-out cannot append observations to sampled turns with this template"
             )
         ends = [j for j in range(len(a_ids)) if a_ids[j] in special]
         j = ends[-1] if ends else k
@@ -326,7 +363,7 @@ class ChatRenderer:
                 f"model.path: the chat template closes an assistant turn with no special token (after the turn it "
                 f"renders {tail[:80]!r}); token-in/token-out needs one (the engine stops on it)"
             )
-        return tuple(b["offset_mapping"][j])
+        return _shift(b["offset_mapping"][j], ta)
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
@@ -443,6 +480,10 @@ class ChatRenderer:
         for lo, hi in zip(bounds, bounds[1:]):
             ids += self.tokenizer(text[lo:hi], add_special_tokens=False)["input_ids"]
         return ids
+
+
+def _shift(span: Any, by: int) -> tuple[int, int]:
+    return span[0] + by, span[1] + by
 
 
 def _find_all(text: str, sub: str) -> list[int]:

@@ -26,7 +26,7 @@ from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
-from relax_agent.rollout.parsers import ToolCallParser
+from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
 
@@ -105,7 +105,7 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
         rec.add_turn(gen)
         if gen.finish_reason == "length" and rec.num_tokens >= spec.max_total_tokens:
             return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # cut by the budget: not an action for the env
-        text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=not decodes_special_tokens(parser))
         action = parser.parse(text).message()
         rec.add_messages([{**action, "content": text}])
         new_obs, step_reward, terminated, truncated, step_info = check_step(await calls.step(action))

@@ -4,8 +4,12 @@ Parsers are registered by name (``rollout.tool_parser`` in the config). A parser
 on bad model output: malformed calls are reported in ``ParsedAction.errors`` so the
 environment can grade them (a malformed call is a wrong answer, not a crash).
 
-Registered formats, each in a lenient and a strict flavour (train with the lenient one if the
-policy needs credit for near-misses; evaluate with the strict one to see them):
+The policy families' own formats (``qwen3``, ``qwen3_coder``, ``llama3``, ``mistral``,
+``gpt_oss``, ``deepseek_v3``, ``glm45``, ``kimi_k2``, ``gemma``) live one per file in
+:mod:`relax_agent.rollout.tool_parsers`, and ``auto`` picks one from the chat template
+(:func:`relax_agent.rollout.tool_parsers.resolve_tool_parser`). The generic formats below come
+in a lenient and a strict flavour (train with the lenient one if the policy needs credit for
+near-misses; evaluate with the strict one to see them):
 
     hermes / hermes_strict              <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     json / json_strict                  bare JSON: {"name": ..., "arguments": {...}} or a list of them
@@ -33,25 +37,41 @@ class ParsedAction:
         content: text outside the tool-call blocks (stripped).
         tool_calls: OpenAI-format calls ``{"id", "type": "function", "function": {"name", "arguments": dict}}``.
         errors: one message per block that looked like a call but did not parse.
+        reasoning: the turn's reasoning text (``<think>`` block, gpt-oss analysis channel), kept
+            out of ``content``; empty when the family has none or the turn wrote none.
     """
 
     content: str
     tool_calls: tuple[dict[str, Any], ...] = ()
     errors: tuple[str, ...] = field(default=())
+    reasoning: str = ""
 
     def message(self) -> dict[str, Any]:
-        """The assistant message handed to ``env.step``."""
+        """The assistant message handed to ``env.step`` (``reasoning_content`` only when there is reasoning)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
         msg["tool_calls"] = [dict(c) for c in self.tool_calls]
         if self.errors:
             msg["parse_errors"] = list(self.errors)
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
         return msg
 
 
 class ToolCallParser(Protocol):
-    """Turns sampled text into a :class:`ParsedAction`."""
+    """Turns sampled text into a :class:`ParsedAction`.
+
+    A parser whose family marks calls with special tokens (``[TOOL_CALLS]``, harmony's
+    ``<|channel|>``) sets a class attribute ``keeps_special_tokens = True``: the rollout drivers
+    then decode the sampled ids with special tokens kept (the turn's closing token included,
+    which such a parser drops). Without the attribute they are skipped.
+    """
 
     def parse(self, text: str) -> ParsedAction: ...
+
+
+def decodes_special_tokens(parser: Any) -> bool:
+    """True when ``parser`` reads special tokens: decode its text with ``skip_special_tokens=False``."""
+    return bool(getattr(parser, "keeps_special_tokens", False))
 
 
 def _plain_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,7 +97,7 @@ def format_message(parser: Any, message: dict[str, Any]) -> str:
         return message.get("content") or ""
     if not hasattr(parser, "format"):
         raise ConfigError(f"tool parser {type(parser).__name__} cannot write calls (no format method); "
-                          "use hermes, json or json_fenced for demonstrations")
+                          "use a built-in parser (hermes, json, json_fenced or a family parser) for demonstrations")
     return parser.format(calls)
 
 
@@ -93,11 +113,14 @@ class HermesParser:
 
     Args:
         strict: when False (``"hermes"``), a complete JSON object is a call even if junk
-            follows it instead of ``</tool_call>`` (the junk is kept as content): a weak policy
-            gets credit for the call itself. When True (``"hermes_strict"``), only whitespace
-            and then ``</tool_call>`` (or the end of the turn) may follow the object; anything
-            else makes the block a parse error. A policy trained with the lenient parser can
-            learn to emit junk after its calls: evaluate with the strict one to see it.
+            follows it instead of ``</tool_call>``, or nothing does (the junk is kept as
+            content): a weak policy gets credit for the call itself. When True
+            (``"hermes_strict"``), only whitespace and then ``</tool_call>`` may follow the
+            object; anything else, the end of the reply included (a block left open, e.g. a
+            reply cut at the token limit or ended right after the JSON), makes the block a parse
+            error. That is how BFCL's own handler reads an unclosed final block (no call). A
+            policy trained with the lenient parser can learn to emit junk after its calls or to
+            drop the closing tag: evaluate with the strict one to see it.
     """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -141,6 +164,9 @@ class HermesParser:
             end = stop + (len(rest) - len(rest.lstrip())) + len(self.CLOSE)
         elif self.strict and rest.strip():
             return None, f"tool call JSON is followed by {rest.strip()[:40]!r} instead of {self.CLOSE}", end
+        elif self.strict:
+            return None, (f"tool call block has no closing {self.CLOSE} (the reply ended inside the block, e.g. "
+                          f"cut at the token limit): {text[i:][:200].strip()!r}"), end
         elif close == -1 or text[stop:close].strip():
             end = stop  # no closing tag right after the object: keep what follows as content
         call, error = self._to_call(obj, index)
@@ -333,12 +359,31 @@ def register_parser(name: str, factory: Callable[[], ToolCallParser]) -> None:
     _PARSERS[name] = factory
 
 
+def _registry() -> dict[str, Callable[[], ToolCallParser]]:
+    """The registered parsers, the family parsers (``relax_agent.rollout.tool_parsers``) included."""
+    from relax_agent.rollout.tool_parsers import FAMILY_PARSERS
+
+    for name, factory in FAMILY_PARSERS.items():
+        _PARSERS.setdefault(name, factory)  # type: ignore[arg-type]
+    return _PARSERS
+
+
+def known_parsers() -> list[str]:
+    """Names ``rollout.tool_parser`` accepts (``auto`` aside), sorted."""
+    return sorted(_registry())
+
+
 def build_parser(name: str) -> ToolCallParser:
     """The parser registered as ``name``.
 
     Raises:
-        ConfigError: no parser has that name.
+        ConfigError: no parser has that name, or ``name`` is ``"auto"`` (resolve it first with
+            :func:`relax_agent.rollout.tool_parsers.resolve_tool_parser`, which needs the tokenizer).
     """
-    if name not in _PARSERS:
-        raise ConfigError(f"rollout.tool_parser={name!r} is not a registered parser; known: {sorted(_PARSERS)}")
-    return _PARSERS[name]()
+    registry = _registry()
+    if name == "auto":
+        raise ConfigError("rollout.tool_parser=auto is resolved from the policy's chat template: call "
+                          "relax_agent.rollout.tool_parsers.resolve_tool_parser(tokenizer) and build that name")
+    if name not in registry:
+        raise ConfigError(f"rollout.tool_parser={name!r} is not a registered parser; known: {sorted(registry)} or 'auto'")
+    return registry[name]()

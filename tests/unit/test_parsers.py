@@ -57,7 +57,18 @@ def test_strict_mode_refuses_junk_after_the_call():
     assert strict.tool_calls == () and "instead of </tool_call>" in strict.errors[0]
     clean = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     assert len(build_parser("hermes_strict").parse(clean).tool_calls) == 1
-    assert len(build_parser("hermes_strict").parse('<tool_call>{"name": "f", "arguments": {}}  ').tool_calls) == 1
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": "f", "arguments": {}}  ',
+                                  '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n',
+                                  '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}'])
+def test_strict_mode_refuses_a_final_block_without_its_closing_tag(text):
+    """BFCL's handler reads an unclosed final block (a reply cut at the token limit) as no call."""
+    strict = build_parser("hermes_strict").parse(text)
+    assert [c["function"]["name"] for c in strict.tool_calls] == (["g"] if '"g"' in text else [])
+    assert len(strict.errors) == 1 and "no closing </tool_call>" in strict.errors[0]
+    assert strict.message()["parse_errors"] == list(strict.errors)
+    assert [c["function"]["name"] for c in build_parser("hermes").parse(text).tool_calls][-1] == "f"
 
 
 # ---------------------------------------------------------------- bare and fenced JSON

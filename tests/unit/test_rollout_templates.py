@@ -184,3 +184,73 @@ def test_the_smollm2_template_deltas_are_unchanged(tiny_model_dir):
         full = tok.apply_chat_template(reference + msgs, tokenize=False, add_generation_prompt=True)
         tail = full[len(tok.apply_chat_template(reference, tokenize=False).rstrip("\n")):]
         assert renderer.observation_delta(msgs) == tok(tail, add_special_tokens=False)["input_ids"]
+
+
+QWEN3_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+"""Added (non-special) tokens of the Qwen3 tokenizer; ``<|im_start|>``/``<|im_end|>`` are SmolLM2's own."""
+THINK_CALL = '<think>\nI should call echo.\n</think>\n\n<tool_call>\n{"name": "echo", "arguments": {"x": 7}}\n</tool_call>'
+
+
+def qwen3_tokenizer(tiny_model_dir):
+    """The SmolLM2 tokenizer with Qwen3's real chat template and its added tokens."""
+    from pathlib import Path
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(QWEN3_TOKENS)
+    tok.chat_template = (Path(__file__).parents[1] / "data/chat_templates/Qwen-Qwen3-0.6B.jinja").read_text()
+    return tok
+
+
+class FollowUpEnv(EchoEnv):
+    """The first turn calls echo, then a user follow-up (a new query), then the answer ends it."""
+
+    def _reset_task(self, task):
+        self.turn = 0
+        return super()._reset_task(task)
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return [{"role": "tool", "content": "echo: 7"}], 0.0, False, False, {}
+        if self.turn == 2:
+            return [{"role": "user", "content": "And x=8?"}], 0.0, False, False, {}
+        return [], 1.0, True, False, {}
+
+
+def test_qwen3_template_that_drops_past_reasoning_is_accepted_and_sampled_turns_are_kept(tiny_model_dir):
+    """Qwen3's real template renders <think> only for assistant turns after the last user query, so it is
+    not append-only; the renderer aligns deltas from the content on and every trained token is a sampled one."""
+    tok = qwen3_tokenizer(tiny_model_dir)
+    renderer = ChatRenderer(tok)
+    assert renderer.append_only is False and renderer.use_template_tools and renderer.end_of_turn_ids == (2,)
+    replies = [(THINK_CALL, "<|im_end|>"), ("<think>\nThe tool said 7.\n</think>\n\nIt is 7.", "<|im_end|>"),
+               ("<think>\nx=8 now.\n</think>\n\nIt is 8.", "<|im_end|>")]
+    engine = ScriptedEngine(tok, list(replies))
+    spec = EpisodeSpec("g/0", "g", "t0", {"id": "t0"}, seed=0, max_turns=4, max_total_tokens=4096)
+    traj = asyncio.run(run_episode(FollowUpEnv(), spec, engine, renderer, HermesParser(), SamplingParams(64)))
+    assert traj.error is None and traj.reward == 1.0 and len(traj.turns) == 3
+    for turn, (text, end) in zip(traj.turns, replies):  # sampled ids kept verbatim, reasoning included
+        sampled = tuple(tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(end)])
+        assert turn.token_ids == sampled == tuple(traj.token_ids[turn.start:turn.start + len(sampled)])
+    trained = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
+    assert trained == [t for turn in traj.turns for t in turn.token_ids]
+    between = [tok.decode(traj.token_ids[a.start + len(a.token_ids):b.start]) for a, b in zip(traj.turns, traj.turns[1:])]
+    assert between == ["\n<|im_start|>user\n<tool_response>\necho: 7\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                       "\n<|im_start|>user\nAnd x=8?<|im_end|>\n<|im_start|>assistant\n"]
+    # re-rendering the history would have dropped the first turns' reasoning: the trajectory is not that
+    prompt = tok.decode(traj.token_ids[:traj.prompt_len])
+    assert prompt.endswith("<|im_start|>user\nCall echo with x=7.<|im_end|>\n<|im_start|>assistant\n")
+    assert "<think>\nI should call echo.\n</think>" in tok.decode(traj.token_ids)
+    history = [{"role": "user", "content": "Call echo with x=7."}, {"role": "assistant", "content": THINK_CALL},
+               {"role": "tool", "content": "echo: 7"}, {"role": "assistant", "content": replies[1][0]},
+               {"role": "user", "content": "And x=8?"}]
+    rerendered = tok.apply_chat_template(history, tools=EchoEnv()._reset_task({})[1]["tools"], tokenize=False)
+    assert "I should call echo." not in rerendered
+
+
+def test_qwen3_length_cut_turn_delta_starts_with_the_closing_token(tiny_model_dir):
+    tok = qwen3_tokenizer(tiny_model_dir)
+    renderer = ChatRenderer(tok)
+    delta = renderer.observation_delta([{"role": "tool", "content": "r"}], closed=False)
+    assert tok.decode(delta) == "<|im_end|>\n<|im_start|>user\n<tool_response>\nr\n</tool_response><|im_end|>\n" \
+                                "<|im_start|>assistant\n"

@@ -75,12 +75,16 @@ class InferenceEngine(Protocol):
     def close(self) -> None: ...
 
 
+TURN_END_TOKENS = ("<|im_end|>", "<|call|>", "<|return|>", "<|eom_id|>")
+"""Tokens that end an assistant turn in some family whatever the tokenizer's EOS says: ChatML's
+``<|im_end|>``, gpt-oss's ``<|call|>`` (a tool call) and ``<|return|>``, Llama 3.1's ``<|eom_id|>``."""
+
+
 def default_stop_ids(tokenizer: Any) -> list[int]:
-    """EOS plus ``<|im_end|>`` (ChatML end of turn) when the vocabulary has it."""
+    """EOS plus those of :data:`TURN_END_TOKENS` that the vocabulary has."""
     ids = []
     eos = tokenizer.eos_token_id
     ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    im_end = tokenizer.get_vocab().get("<|im_end|>")
-    if im_end is not None:
-        ids.append(im_end)
+    vocab = tokenizer.get_vocab()
+    ids.extend(vocab[t] for t in TURN_END_TOKENS if t in vocab)
     return sorted(set(ids))

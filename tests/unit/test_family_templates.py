@@ -1,0 +1,324 @@
+"""Each policy family's real chat template (``tests/data/chat_templates/``, see its README) against
+its tool-call parser: the template renders a tool-call turn, the model-side text is tokenized and
+decoded the way the rollout driver does it, and the family parser reads the same calls back (round
+trip); malformed variants are parse errors returned as data; reasoning is kept out of the content;
+``tool_parser: auto`` names the family; the chat renderer accepts the template (or refuses it
+naming the feature).
+
+Tokenizer: no family's own tokenizer is reached (tests run offline). Each test uses the SmolLM2
+tokenizer of the ``tiny_model_dir`` fixture with the family's special tokens added (as special
+tokens where the family marks them special, as plain added tokens otherwise) and its BOS/EOS set,
+and the family's real template as ``chat_template``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from relax_agent.envs import TextEnv
+from relax_agent.errors import ConfigError
+from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.rollout.env_driver import run_episode
+from relax_agent.rollout.parsers import build_parser, decodes_special_tokens
+from relax_agent.rollout.tool_parsers import resolve_tool_parser
+
+TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
+
+FAMILIES = {
+    # family: (template file, special tokens, plain added tokens, bos/eos, text before the model's turn, turn end)
+    "qwen3": ("Qwen-Qwen3-0.6B", [], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                                      "</tool_response>"], {}, "<|im_start|>assistant\n", "<|im_end|>"),
+    "qwen3_coder": ("Qwen3-Coder", [], ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"], {},
+                    "<|im_start|>assistant\n", "<|im_end|>"),
+    "llama3": ("meta-llama-Llama-3.3-70B-Instruct", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                                     "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], [],
+               {"bos_token": "<|begin_of_text|>"}, "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "mistral": ("mistralai-Mistral-Nemo-Instruct-2407", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]",
+                                                         "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                                                         "[/TOOL_RESULTS]"], [],
+                {"bos_token": "<s>", "eos_token": "</s>"}, "[/INST]", "</s>"),
+    "gpt_oss": ("openai-gpt-oss-120b", ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                                        "<|return|>", "<|call|>"], [], {}, "<|start|>assistant", "<|call|>"),
+    "deepseek_v3": ("deepseek-ai-DeepSeek-V3.1", ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                                                  "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                                                  "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+                                                  "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+                    ["<think>", "</think>"],
+                    {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
+                    "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+    "glm45": ("GLM-4.6", ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                          "<|endoftext|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                          "</arg_value>", "<tool_response>", "</tool_response>", "<think>", "</think>"], [],
+              {"eos_token": "<|endoftext|>"}, "<|assistant|>", "<|observation|>"),
+    "kimi_k2": ("moonshotai-Kimi-K2", ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                                       "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                       "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"], [],
+                {}, "<|im_assistant|>assistant<|im_middle|>", "<|im_end|>"),
+    "gemma": ("google-gemma-4-31B-it", ["<bos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>",
+                                        "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", '<|"|>',
+                                        "<|channel>", "<channel|>", "<|think|>"], [],
+              {"bos_token": "<bos>"}, "<|turn>model\n", "<|tool_response>"),
+}
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+CALLS = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+         {"name": "get_time", "arguments": {"tz": "UTC", "utc": True}}]
+SINGLE_CALL = {"llama3", "gpt_oss"}
+"""Families whose template renders one call per assistant turn (Llama 3 refuses more; gpt-oss renders the first)."""
+
+
+@pytest.fixture(scope="module")
+def family_tokenizer(tiny_model_dir):
+    cache = {}
+
+    def make(family):
+        if family not in cache:
+            name, special, plain, roles, _, _ = FAMILIES[family]
+            tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+            tok.add_tokens(special, special_tokens=True)
+            tok.add_tokens(plain)
+            if roles:
+                tok.add_special_tokens(roles)
+            tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+            cache[family] = tok
+        return cache[family]
+    return make
+
+
+def _calls(family):
+    return CALLS[:1] if family in SINGLE_CALL else CALLS
+
+
+def _model_side(tok, family, calls, content=""):
+    """The text the template puts in the assistant turn that makes ``calls`` (after the turn's header)."""
+    head = FAMILIES[family][4]
+    tool_calls = [{"id": f"abcDEF12{i}", "type": "function", "function": c} for i, c in enumerate(calls)]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": content, "tool_calls": tool_calls}]
+    full = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
+    return full[full.rfind(head) + len(head):]
+
+
+def _as_sampled(tok, parser, text):
+    """``text`` tokenized, then decoded as the rollout driver decodes a sampled turn for ``parser``."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return tok.decode(ids, skip_special_tokens=not decodes_special_tokens(parser))
+
+
+def _plain(action):
+    return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in action.tool_calls]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_real_template_round_trips_through_the_family_parser(family_tokenizer, family):
+    tok, parser, calls = family_tokenizer(family), build_parser(family), _calls(family)
+    side = _model_side(tok, family, calls)
+    action = parser.parse(_as_sampled(tok, parser, side))
+    assert _plain(action) == calls and action.errors == () and action.content == ""
+    assert [c["id"] for c in action.tool_calls] == [f"call_{i}" for i in range(len(calls))]
+    # the parser writes calls the way the template does (Mistral's template adds the call ids)
+    if family != "mistral":
+        assert parser.format(calls) in side
+    assert _plain(parser.parse(_as_sampled(tok, parser, parser.format(CALLS if family != "llama3" else calls)))) == \
+        (CALLS if family != "llama3" else calls)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_auto_names_the_family_from_its_template(family_tokenizer, family):
+    name, why = resolve_tool_parser(family_tokenizer(family), model_name="some/model")
+    if family == "deepseek_v3":  # its template never reads `tools`: the Hermes system prompt introduces them
+        assert (name, why) == ("hermes_strict", "the chat template renders no tools; the Hermes system prompt "
+                                                "asks for <tool_call> JSON")
+        return
+    assert name == family and why.startswith("chat template has")
+
+
+def test_auto_without_template_tools_is_hermes_and_refuses_what_it_cannot_tell(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2: the template never reads tools
+    assert resolve_tool_parser(tok)[0] == "hermes_strict"
+    assert resolve_tool_parser(family_free := tok, tools_in="system")[0] == "hermes_strict"
+    with pytest.raises(ConfigError, match="rollout.system_prompt"):
+        resolve_tool_parser(family_free, system_prompt="Call tools as XML.")
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}"
+    assert resolve_tool_parser(tok, model_name="Qwen/Qwen3-8B") == ("qwen3", "model name 'Qwen/Qwen3-8B' matches 'qwen3|qwq'")
+    assert resolve_tool_parser(tok, model_name="openai/gpt-oss-20b")[0] == "gpt_oss"
+    with pytest.raises(ConfigError, match="rollout.tool_parser=auto: cannot tell .*'acme/model-7b'.* qwen3_coder"):
+        resolve_tool_parser(tok, model_name="acme/model-7b")
+    with pytest.raises(ConfigError, match="resolved from the policy's chat template"):
+        build_parser("auto")
+
+
+MALFORMED = [
+    ("qwen3", '<think>\nok\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+     "no closing </tool_call>"),
+    ("qwen3", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}}\n</tool_call>', "instead of </tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n", "no closing </tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+     "not one closed <function=NAME>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\nParis\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+     "text outside its parameters"),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}} Let me know!', "followed by 'Let me know!'"),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Par', "not valid JSON"),
+    ("llama3", '<|python_tag|>brave_search.call(query="Paris")', "not a JSON function call"),
+    ("llama3", '{"name": "get_weather", "parameters": "Paris"}', "object 'parameters'"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}', "not valid JSON"),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather"}]', "object 'arguments'"),
+    ("mistral", "[TOOL_CALLS]get_weather Paris", "not a JSON list or NAME[ARGS]"),
+    ("gpt_oss", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"', "does not end with <|call|>"),
+    ("gpt_oss", ' to=python<|channel|>analysis code<|message|>print(1)<|call|>', "not a function tool"),
+    ("gpt_oss", ' to=functions.get_weather<|channel|>commentary json<|message|>Paris<|call|>', "not valid JSON"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>",
+     "no closing <｜tool▁calls▁end｜>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "not NAME"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "no closing </tool_call>"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n</tool_call>", "text outside its arguments"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>get weather<|tool_call_argument_begin|>{}<|tool_call_end|>"
+                "<|tool_calls_section_end|>", "functions.NAME:IDX"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                "{\"city\": \"Paris\"}", "no closing <|tool_calls_section_end|>"),
+    ("gemma", '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>', "not Gemma's syntax"),
+    ("gemma", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}', "no closing <tool_call|>"),
+]
+
+
+@pytest.mark.parametrize("family, text, error", MALFORMED)
+def test_malformed_calls_are_parse_errors_returned_as_data_never_half_calls(family_tokenizer, family, text, error):
+    tok, parser = family_tokenizer(family), build_parser(family)
+    action = parser.parse(_as_sampled(tok, parser, text))
+    assert action.tool_calls == () and len(action.errors) == 1 and error in action.errors[0]
+    assert action.message()["parse_errors"] == list(action.errors) and action.message()["tool_calls"] == []
+
+
+REASONING = [
+    ("qwen3", '<think>\nCall <tool_call>{"name": "x", "arguments": {}}</tool_call>?\n</think>\n\nIt is sunny.<|im_end|>',
+     "Call <tool_call>{\"name\": \"x\", \"arguments\": {}}</tool_call>?", "It is sunny."),
+    ("qwen3", "<think>\nstill thinking when the reply was cut", "still thinking when the reply was cut", ""),
+    ("deepseek_v3", "I need the weather.</think>It is sunny.<｜end▁of▁sentence｜>", "I need the weather.", "It is sunny."),
+    ("glm45", "\n<think>I need the weather.</think>\nIt is sunny.<|user|>", "I need the weather.", "It is sunny."),
+    ("kimi_k2", "<think>I need the weather.</think>It is sunny.<|im_end|>", "I need the weather.", "It is sunny."),
+    ("mistral", "[THINK]I need the weather.[/THINK]It is sunny.</s>", "I need the weather.", "It is sunny."),
+    ("gpt_oss", "<|channel|>analysis<|message|>I need the weather.<|end|><|start|>assistant<|channel|>final<|message|>"
+                "It is sunny.<|return|>", "I need the weather.", "It is sunny."),
+    ("gemma", "<|channel>thought\nI need the weather.<channel|>It is sunny.<turn|>", "I need the weather.", "It is sunny."),
+    ("llama3", "It is sunny.<|eot_id|>", "", "It is sunny."),
+]
+
+
+@pytest.mark.parametrize("family, text, reasoning, content", REASONING)
+def test_reasoning_is_split_from_the_reply_the_env_sees(family_tokenizer, family, text, reasoning, content):
+    tok, parser = family_tokenizer(family), build_parser(family)
+    action = parser.parse(_as_sampled(tok, parser, text))
+    assert (action.reasoning, action.content, action.tool_calls, action.errors) == (reasoning, content, (), ())
+    assert action.message().get("reasoning_content", "") == reasoning
+
+
+def test_reasoning_then_a_call_in_one_turn(family_tokenizer):
+    tok, parser = family_tokenizer("gpt_oss"), build_parser("gpt_oss")
+    text = ("<|channel|>analysis<|message|>Paris, 2 days.<|end|><|start|>assistant to=functions.get_weather"
+            '<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>')
+    action = parser.parse(_as_sampled(tok, parser, text))
+    assert _plain(action) == CALLS[:1] and action.reasoning == "Paris, 2 days." and action.content == ""
+    tok3, qwen3 = family_tokenizer("qwen3"), build_parser("qwen3")
+    side = _model_side(tok3, "qwen3", CALLS[:1], content="<think>\nParis, 2 days.\n</think>\n\nChecking.")
+    action = qwen3.parse(_as_sampled(tok3, qwen3, side))
+    assert _plain(action) == CALLS[:1] and action.reasoning == "Paris, 2 days." and action.content == "Checking."
+
+
+RENDERER = {  # family: (accepted, append-only, closing token after a user message)
+    "qwen3": (True, False, "<|im_end|>"), "qwen3_coder": (True, True, "<|im_end|>"),
+    "llama3": (True, True, "<|eot_id|>"), "mistral": (True, True, "</s>"), "gpt_oss": (True, True, "<|end|>"),
+    "deepseek_v3": (True, True, "<｜end▁of▁sentence｜>"), "kimi_k2": (True, True, "<|im_end|>"),
+    "glm45": (False, None, "no special token after its content"),
+    "gemma": (False, None, "generation prompt"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_chat_renderer_takes_the_family_template_or_names_what_it_lacks(family_tokenizer, family):
+    tok = family_tokenizer(family)
+    accepted, append_only, detail = RENDERER[family]
+    if not accepted:
+        with pytest.raises(ConfigError, match="model.path: the chat template") as err:
+            ChatRenderer(tok)
+        assert detail in str(err.value)
+        return
+    renderer = ChatRenderer(tok)
+    assert renderer.append_only is append_only and tok.decode(renderer.end_of_turn_ids) == detail
+    # tools_in: auto renders tools the way the family's template does (DeepSeek V3.1's renders none)
+    assert renderer.use_template_tools is (family != "deepseek_v3")
+
+
+def test_turn_end_tokens_of_the_families_stop_the_engine(family_tokenizer):
+    for family, token in (("gpt_oss", "<|call|>"), ("gpt_oss", "<|return|>"), ("llama3", "<|eom_id|>")):
+        tok = family_tokenizer(family)
+        assert tok.convert_tokens_to_ids(token) in default_stop_ids(tok)
+
+
+class _Engine:
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.policy_version = tok, list(replies), 0
+
+    async def generate(self, prompt_ids, params):
+        ids = self.tok(self.replies.pop(0), add_special_tokens=False)["input_ids"]
+        return Generation(tuple(ids), (-0.5,) * len(ids), "stop", 0)
+
+
+class _WeatherEnv(TextEnv):
+    def tasks(self, split="train"):
+        return [{"id": "t0"}]
+
+    def _reset_task(self, task):
+        self.seen = []
+        return [{"role": "user", "content": "Weather in Paris?"}], {"tools": TOOLS}
+
+    def step(self, action):
+        self.seen.append(action)
+        if action["tool_calls"]:
+            return [{"role": "tool", "tool_call_id": action["tool_calls"][0]["id"], "content": "sunny"}], 0.0, False, False, {}
+        return [], 1.0, True, False, {}
+
+
+@pytest.mark.parametrize("family, replies", [
+    ("kimi_k2", ["<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                 '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|><|im_end|>', "Sunny.<|im_end|>"]),
+    ("qwen3", ['<think>\nPlan.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+               "\n</tool_call><|im_end|>", "<think>\nDone.\n</think>\n\nSunny.<|im_end|>"]),
+])
+def test_an_episode_reads_special_token_calls_and_keeps_sampled_tokens(family_tokenizer, family, replies):
+    """The env driver decodes with special tokens kept for a parser that reads them; the env sees the
+    call and the reasoning-free reply, and the trained tokens are exactly the sampled ones."""
+    tok, parser = family_tokenizer(family), build_parser(family)
+    env = _WeatherEnv()
+    spec = EpisodeSpec("g/0", "g", "t0", {"id": "t0"}, seed=0, max_turns=3, max_total_tokens=4096)
+    traj = asyncio.run(run_episode(env, spec, _Engine(tok, replies), ChatRenderer(tok), parser, SamplingParams(64)))
+    assert traj.error is None and traj.reward == 1.0
+    assert _plain(parser.parse(_as_sampled(tok, parser, replies[0]))) == CALLS[:1]
+    assert [c["function"]["name"] for c in env.seen[0]["tool_calls"]] == ["get_weather"]
+    assert env.seen[1]["content"] == "Sunny." and "parse_errors" not in env.seen[1]
+    sampled = [tok(r, add_special_tokens=False)["input_ids"] for r in replies]
+    assert [list(t.token_ids) for t in traj.turns] == sampled
+    assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [i for s in sampled for i in s]
+    assert json.dumps(env.seen[0]["tool_calls"][0]["function"]["arguments"]) == '{"city": "Paris", "days": 2}'
+
+
+def test_a_run_with_tool_parser_auto_prints_the_choice_and_preflight_lets_it_through(family_tokenizer, capsys):
+    from relax_agent.config import load_config
+    from relax_agent.preflight import preflight
+    from relax_agent.roles import resolved_parser_name
+
+    cfg = load_config(None, ["rollout.tool_parser=auto", "run.device=cpu"])
+    preflight(cfg)  # auto is resolved once the tokenizer is loaded, not refused as an unknown name
+    assert resolved_parser_name(cfg, family_tokenizer("qwen3"), "Qwen/Qwen3-0.6B") == "qwen3"
+    assert capsys.readouterr().err == "tool parser: qwen3 (chat template has <tool_call> JSON calls and <think> reasoning)\n"
+    fixed = load_config(None, ["rollout.tool_parser=mistral"])
+    assert resolved_parser_name(fixed, family_tokenizer("qwen3"), "x") == "mistral" and capsys.readouterr().err == ""
