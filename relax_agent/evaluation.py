@@ -71,7 +71,8 @@ def evaluate(runner: RolloutRunner, tasks: Sequence[dict[str, Any]], seeds: Sequ
         trajs = run(lambda: runner.run(specs, params, on_done))
         per_seed.append(summarize(trajs))
         if samples_path is not None:
-            records += [sample_record(t, spec.task, seed, replay_reason(runner, spec.task, spec.seed, t))
+            records += [sample_record(t, spec.task, seed, t.env_reason if t.env_reason is not None
+                                      else replay_reason(runner, spec.task, spec.seed, t))
                         for spec, t in zip(specs, trajs)]
     out: dict[str, Any] = {"eval/num_tasks": len(tasks), "eval/seeds": list(seeds)}
     for key in per_seed[0]:

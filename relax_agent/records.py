@@ -167,6 +167,8 @@ class Trajectory:
         error: cause when the episode failed (env exception, bad return); None otherwise.
         media: multimodal policies: the processor outputs of every media item in ``token_ids``
             (prompt and observations, in order); None for text-only episodes.
+        env_reason: the env's last ``info["reason"]`` (why the episode scored as it did, e.g. BFCL's
+            checker message), when the env gives one; None otherwise.
 
     MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
     assemble the turns' routes at the turns' token positions, and their context routes
@@ -188,6 +190,7 @@ class Trajectory:
     stop_reason: StopReason = StopReason.TERMINATED
     error: str | None = None
     media: MediaInputs | None = None
+    env_reason: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reward_status", RewardStatus(self.reward_status))

@@ -111,6 +111,8 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
         new_obs, step_reward, terminated, truncated, step_info = check_step(await calls.step(action))
         reward += step_reward
         metrics.update(numeric_info(step_info))
+        if isinstance(step_info, dict) and step_info.get("reason") is not None:
+            rec.env_reason = str(step_info["reason"])
         rec.add_messages(new_obs)
         if terminated or truncated:
             return reward, metrics, rec.ended(StopReason.TERMINATED if terminated else StopReason.TRUNCATED)

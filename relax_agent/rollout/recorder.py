@@ -30,6 +30,8 @@ class TrajectoryRecorder:
         self.logprobs: list[float] = []
         self.turns: list[Turn] = []
         self.messages: list[dict[str, Any]] = []
+        self.env_reason: str | None = None
+        """The env's latest ``info["reason"]`` (set by the driver after each step)."""
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +81,7 @@ class TrajectoryRecorder:
 
     def finish(self, reward: float, metrics: dict[str, float], stop: StopReason) -> Trajectory:
         """The record of a played episode."""
-        return self._record(reward=reward, metrics=metrics, stop_reason=stop)
+        return self._record(reward=reward, metrics=metrics, stop_reason=stop, env_reason=self.env_reason)
 
     def fail(self, cause: str, status: RewardStatus = RewardStatus.ERROR) -> Trajectory:
         """The failed record: reward 0 with ``status`` (masked out of training), ``error=cause``."""
