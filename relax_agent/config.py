@@ -128,6 +128,31 @@ class DynamicSamplingConfig(Section):
         return self.max_draws_per_step if self.max_draws_per_step is not None else 3 * tasks_per_step
 
 
+class OverlongConfig(Section):
+    """What happens to samples that run into the length limit (DAPO, arXiv 2503.14476, §3.4).
+
+    A sample's length is its longest assistant reply in tokens, the limit ``rollout.max_new_tokens``.
+    The shaping acts on the reward the advantages are computed from; the ``rollout/reward`` metric
+    stays the env's. The step row reports ``overlong/truncated_frac`` (samples cut at the limit or
+    the token budget), and ``overlong/penalty_mean`` (soft) or ``overlong/masked`` (mask).
+    """
+
+    mode: Literal["none", "soft", "mask"] = "none"
+    """"none": no shaping; "soft": DAPO's soft overlong punishment, a penalty growing linearly from 0
+    to ``-penalty`` over the last ``buffer_tokens`` tokens before the limit, added to the reward;
+    "mask": samples truncated at the limit or the token budget (stop reason "length" or
+    "max_total_tokens") leave the loss (not trainable: no gradient, no part in their group's baseline)."""
+    buffer_tokens: int | None = Field(default=None, ge=1)
+    """Length of the soft penalty's ramp, L_cache in DAPO (<= ``max_new_tokens``); None: a quarter of
+    ``rollout.max_new_tokens`` (DAPO used 4096 of 20480)."""
+    penalty: float = Field(default=1.0, ge=0.0)
+    """Penalty at the limit (soft mode); DAPO's is 1 for a 0/1 reward."""
+
+    def ramp_tokens(self, max_new_tokens: int) -> int:
+        """The soft penalty's ramp length in tokens for this ``max_new_tokens``."""
+        return self.buffer_tokens if self.buffer_tokens is not None else max(1, max_new_tokens // 4)
+
+
 class RolloutConfig(Section):
     """How episodes are sampled: groups, lengths and sampling parameters."""
 
@@ -144,6 +169,8 @@ class RolloutConfig(Section):
     """Samples per task (G in GRPO); advantages are normalised within a group."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """Skip groups whose rewards do not vary and draw others in their place (DAPO)."""
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    """Soft punishment or masking of samples that reach the length limit (DAPO)."""
     max_new_tokens: int = Field(default=128, ge=1)
     """Tokens the policy may sample in one assistant turn."""
     max_total_tokens: int = Field(default=2048, ge=16)
@@ -175,6 +202,10 @@ class RolloutConfig(Section):
         if cap is not None and cap < self.tasks_per_step:
             raise ValueError(f"rollout.dynamic_sampling.max_draws_per_step={cap} must be >= rollout.tasks_per_step="
                              f"{self.tasks_per_step} (a step trains tasks_per_step groups)")
+        buffer = self.overlong.buffer_tokens
+        if self.overlong.mode == "soft" and buffer is not None and buffer > self.max_new_tokens:
+            raise ValueError(f"rollout.overlong.buffer_tokens={buffer} must be <= rollout.max_new_tokens="
+                             f"{self.max_new_tokens} (the penalty ramps up over the last buffer_tokens before it)")
         return self
 
 

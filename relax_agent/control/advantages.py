@@ -1,52 +1,139 @@
 """The advantage consumer: reads each complete group's rewards from the bus, writes its advantages.
 
 Advantages are a field like the others: the rollout writes ``reward`` and ``trainable``, this
-consumer adds ``advantage`` once a whole group is on the bus, and the trainer reads it.
+consumer adds ``advantage`` once a whole group is on the bus, and the trainer reads it. With
+``rollout.overlong`` the consumer first shapes the rewards (soft punishment) or takes truncated
+samples out of training (mask: their ``trainable`` is rewritten False).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from relax_agent import records as R
 from relax_agent.errors import QueueTimeoutError
+from relax_agent.records import StopReason, Trajectory
 
 CONSUMER = "advantage"
 FIELDS = (R.REWARD, R.TRAINABLE, R.LOSS_MASK)
+TRUNCATED_STOPS = (StopReason.LENGTH, StopReason.MAX_TOTAL_TOKENS)
+"""Stop reasons of a sample cut by a length limit (the reply's ``max_new_tokens`` or the episode's
+``max_total_tokens``)."""
+
+OVERLONG_TRUNCATED_FRAC = "overlong/truncated_frac"
+OVERLONG_PENALTY_MEAN = "overlong/penalty_mean"
+OVERLONG_MASKED = "overlong/masked"
+
+
+def response_length(traj: Trajectory) -> int:
+    """The sample's length for overlong shaping: its longest assistant reply, in tokens (the
+    quantity ``rollout.max_new_tokens`` limits; the whole response of a single-turn episode)."""
+    return max((len(turn.token_ids) for turn in traj.turns), default=0)
+
+
+def is_truncated(traj: Trajectory) -> bool:
+    """True when the episode was cut by a length limit (:data:`TRUNCATED_STOPS`)."""
+    return traj.stop_reason in TRUNCATED_STOPS
+
+
+def overlong_shaping(trajs: Sequence[Trajectory], rewards: np.ndarray, trainable: np.ndarray, overlong: Any,
+                     max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rewards and trainable flags the advantages are computed from, under ``rollout.overlong``.
+
+    Args:
+        trajs: [B] the samples.
+        rewards: [B] float rewards (the env's).
+        trainable: [B] bool.
+        overlong: the :class:`~relax_agent.config.OverlongConfig`.
+        max_new_tokens: the reply limit (``rollout.max_new_tokens``).
+
+    Returns:
+        ``(rewards [B] float32, trainable [B] bool, penalties [B] float32)``: "soft" adds
+        :func:`~relax_agent.train.algorithms.overlong_penalty` of :func:`response_length` to the
+        trainable samples' rewards; "mask" clears ``trainable`` of the truncated samples; "none"
+        returns the inputs. ``penalties`` are the soft penalties (0 elsewhere).
+    """
+    import torch
+
+    from relax_agent.train.algorithms import overlong_penalty
+
+    rewards = np.asarray(rewards, dtype=np.float32).copy()
+    trainable = np.asarray(trainable, dtype=bool).copy()
+    penalties = np.zeros(len(trajs), dtype=np.float32)
+    if overlong.mode == "soft":
+        lengths = torch.tensor([response_length(t) for t in trajs], dtype=torch.long)
+        pen = overlong_penalty(lengths, max_new_tokens, overlong.ramp_tokens(max_new_tokens), overlong.penalty).numpy()
+        penalties = np.where(trainable, pen, 0.0).astype(np.float32)
+        rewards = rewards + penalties
+    elif overlong.mode == "mask":
+        trainable &= ~np.asarray([is_truncated(t) for t in trajs], dtype=bool)
+    return rewards, trainable, penalties
+
+
+def overlong_metrics(trajs: Sequence[Trajectory], overlong: Any, max_new_tokens: int) -> dict[str, float]:
+    """The step row's overlong metrics for the step's samples: :data:`OVERLONG_TRUNCATED_FRAC`,
+    and :data:`OVERLONG_PENALTY_MEAN` (soft: mean penalty over trainable samples) or
+    :data:`OVERLONG_MASKED` (mask: samples taken out). Empty when ``overlong.mode`` is "none"."""
+    if overlong.mode == "none" or not trajs:
+        return {}
+    out = {OVERLONG_TRUNCATED_FRAC: float(np.mean([is_truncated(t) for t in trajs]))}
+    ok = np.asarray([t.trainable for t in trajs], dtype=bool)
+    rewards = np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32)
+    _, shaped_ok, pen = overlong_shaping(trajs, rewards, ok, overlong, max_new_tokens)
+    if overlong.mode == "soft":
+        out[OVERLONG_PENALTY_MEAN] = float(pen[ok].mean()) if ok.any() else 0.0
+    else:
+        out[OVERLONG_MASKED] = float(np.count_nonzero(ok & ~shaped_ok))
+    return out
 
 
 class AdvantageConsumer:
-    """Writes GRPO advantages (:func:`relax_agent.train.collate.field_advantages`) group by group.
+    """Writes the group-level advantages of ``trainer.advantage``
+    (:func:`relax_agent.train.collate.field_advantages`) group by group.
 
     Args:
         bus: the data bus.
         partition: where the groups are.
         group_size: G, rows per group.
-        std_normalize: divide by the group std (GRPO) or not (Dr. GRPO); ``trainer.adv_std_normalize``.
+        estimator: ``trainer.advantage`` in effect (``TrainerConfig.advantage_estimator``); the
+            ``reinforce_pp`` estimators write pre-normalisation values, normalised per step by the loop.
+        overlong: ``rollout.overlong`` (None: no shaping).
+        max_new_tokens: ``rollout.max_new_tokens`` (the limit of overlong shaping).
     """
 
-    def __init__(self, bus: Any, partition: str, group_size: int, std_normalize: bool = True) -> None:
+    def __init__(self, bus: Any, partition: str, group_size: int, estimator: str = "grpo", overlong: Any = None,
+                 max_new_tokens: int = 0) -> None:
         self.bus = bus
         self.partition = partition
         self.group_size = group_size
-        self.std_normalize = std_normalize
+        self.estimator = estimator
+        self.overlong = overlong if overlong is not None and overlong.mode != "none" else None
+        self.max_new_tokens = max_new_tokens
+        self.fields = FIELDS if self.overlong is None else (*FIELDS, R.TRAJECTORY)
         self.groups_done = 0
 
     def process_one(self, timeout_s: float | None = None) -> bool:
-        """Take one complete group, write its ``advantage`` field, ack; False when none came
-        within ``timeout_s``."""
+        """Take one complete group, write its ``advantage`` field (and, with overlong masking, its
+        ``trainable`` field), ack; False when none came within ``timeout_s``."""
         from relax_agent.train.collate import field_advantages
 
         try:
-            batch = self.bus.get(self.partition, list(FIELDS), CONSUMER, self.group_size, timeout_s=timeout_s,
+            batch = self.bus.get(self.partition, list(self.fields), CONSUMER, self.group_size, timeout_s=timeout_s,
                                  sampler="group")
         except QueueTimeoutError:
             return False
-        adv = field_advantages(batch.fields, batch.group_ids, self.std_normalize)
-        self.bus.put(self.partition, batch.sample_ids, {R.ADVANTAGE: np.asarray(adv, dtype=np.float32)},
-                     overwrite=True)
+        fields, out = dict(batch.fields), {}
+        if self.overlong is not None:
+            rewards, trainable, _ = overlong_shaping(fields[R.TRAJECTORY], fields[R.REWARD], fields[R.TRAINABLE],
+                                                     self.overlong, self.max_new_tokens)
+            if not np.array_equal(trainable, np.asarray(fields[R.TRAINABLE], dtype=bool)):
+                out[R.TRAINABLE] = trainable
+            fields[R.REWARD], fields[R.TRAINABLE] = rewards, trainable
+        adv = field_advantages(fields, batch.group_ids, estimator=self.estimator)
+        out[R.ADVANTAGE] = np.asarray(adv, dtype=np.float32)
+        self.bus.put(self.partition, batch.sample_ids, out, overwrite=True)
         self.bus.ack(batch.lease_id)
         self.groups_done += 1
         return True

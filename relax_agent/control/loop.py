@@ -39,7 +39,7 @@ from relax_agent import metrics as M
 from relax_agent import records as R
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
-from relax_agent.control.advantages import AdvantageConsumer
+from relax_agent.control.advantages import AdvantageConsumer, overlong_metrics
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
 from relax_agent.control.reporting import rollout_metrics, write_rollout_dump, write_token_record
 from relax_agent.control.resume import check_resume_tasks
@@ -60,6 +60,7 @@ from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.runtime.base import PARTITION, GroupJob, Runtime
 from relax_agent.sampler import TaskSampler
+from relax_agent.train.algorithms import BATCH_NORMALIZED
 
 TRAINER = "trainer"
 _POLL_S = 0.5
@@ -293,7 +294,9 @@ class _Run:
         ds = cfg.rollout.dynamic_sampling
         self.draw_cap = ds.draw_cap(ctrl.B) if ds.enabled else None
         """Groups the trainer may take for one step under dynamic sampling; None: no filtering."""
-        self.advantages = AdvantageConsumer(ctrl.bus, PARTITION, ctrl.G, cfg.trainer.adv_std_normalize)
+        self.estimator = cfg.trainer.advantage_estimator
+        self.advantages = AdvantageConsumer(ctrl.bus, PARTITION, ctrl.G, self.estimator, cfg.rollout.overlong,
+                                            cfg.rollout.max_new_tokens)
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trainer")
         self.last_row: dict[str, Any] = {}
         self.played_s: dict[str, list[float]] = {}
@@ -393,7 +396,7 @@ class _Run:
                 continue
             if self.gate.too_stale(self.ctrl.version, group.version):
                 self._drop(group)
-            elif self.draw_cap is not None and not _informative(group):
+            elif self.draw_cap is not None and not _informative(group, self.estimator):
                 if self._may_filter(len(groups)):
                     self._filter(group)
                 else:
@@ -490,15 +493,22 @@ class _Run:
         """Train on the rows of ``groups`` that are trainable with a non-zero advantage and publish
         the new version; returns the metrics and the ids of the rows that entered the gradient."""
         ctrl = self.ctrl
+        out: dict[str, float] = {}
+        final = None
+        if self.estimator in BATCH_NORMALIZED:
+            final, out = _batch_normalized(groups)
+        adv_of = (lambda g, i: float(g.fields[R.ADVANTAGE][i])) if final is None else (lambda g, i: final[(g.seq, i)])
         keep = [(grp, i) for grp in groups for i in range(len(grp.trajs))
-                if bool(grp.fields[R.TRAINABLE][i]) and float(grp.fields[R.ADVANTAGE][i]) != 0.0]
+                if bool(grp.fields[R.TRAINABLE][i]) and adv_of(grp, i) != 0.0]
         kept = {grp.trajs[i].sample_id for grp, i in keep}
         n_valid = sum(int(np.count_nonzero(grp.fields[R.TRAINABLE])) for grp in groups)
-        out = {"train/samples": float(len(keep)), "train/zero_advantage": float(n_valid - len(keep))}
+        out.update({"train/samples": float(len(keep)), "train/zero_advantage": float(n_valid - len(keep))})
         if not keep:
             return out, kept  # every group was uniform: no gradient, no new version
         names = [f for f in self.fields if f not in (R.TRAJECTORY,)]
         rows = {name: [grp.fields[name][i] for grp, i in keep] for name in names}
+        if final is not None:
+            rows[R.ADVANTAGE] = [np.float32(final[(grp.seq, i)]) for grp, i in keep]
         ctrl.weights_dirty = True
         out.update(ctrl.runtime.trainer.train(rows, ctrl.version + 1))
         ctrl.version += 1
@@ -512,6 +522,7 @@ class _Run:
         ctrl = self.ctrl
         live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
         row = {**rollout_metrics(sampled, rollout_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
+               **overlong_metrics(trajs, ctrl.cfg.rollout.overlong, ctrl.cfg.rollout.max_new_tokens),
                **staleness_metrics([trained_at - v for v in versions], ctrl.s),
                M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
                DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),
@@ -543,8 +554,39 @@ class _Run:
             raise
 
 
-def _informative(group: _Group) -> bool:
-    """A group carries a GRPO signal: some trainable sample has a non-zero advantage (its valid
-    rewards differ; DAPO's ``0 < #correct < G`` for a binary reward)."""
+def _informative(group: _Group, estimator: str = "grpo") -> bool:
+    """A group carries a signal: some trainable sample has a non-zero advantage (its valid
+    rewards differ; DAPO's ``0 < #correct < G`` for a binary reward). For ``reinforce_pp``, whose
+    group-level value is the reward itself, the same test reads: the trainable samples' values differ."""
     adv, ok = group.fields[R.ADVANTAGE], group.fields[R.TRAINABLE]
+    if estimator == "reinforce_pp":
+        return len({float(adv[i]) for i in range(len(adv)) if bool(ok[i])}) > 1
     return any(bool(ok[i]) and float(adv[i]) != 0.0 for i in range(len(adv)))
+
+
+ADV_BATCH_MEAN = "advantage/batch_mean"
+ADV_BATCH_STD = "advantage/batch_std"
+
+
+def _batch_normalized(groups: list[_Group]) -> tuple[dict[tuple[int, int], float], dict[str, float]]:
+    """REINFORCE++'s step-level normalisation of the groups' advantage fields over their trainable
+    rows' policy tokens (:func:`~relax_agent.train.algorithms.batch_normalized_advantages`).
+
+    Returns ``({(group seq, row): advantage}, metrics)``; the metrics are the token-weighted mean and
+    std of the values before normalisation (:data:`ADV_BATCH_MEAN`, :data:`ADV_BATCH_STD`)."""
+    import torch
+
+    from relax_agent.train.algorithms import batch_normalized_advantages
+
+    keys = [(grp.seq, i) for grp in groups for i in range(len(grp.trajs))]
+    pre = torch.tensor([float(grp.fields[R.ADVANTAGE][i]) for grp in groups for i in range(len(grp.trajs))],
+                       dtype=torch.float64)
+    counts = torch.tensor([int(np.count_nonzero(grp.fields[R.LOSS_MASK][i])) for grp in groups
+                           for i in range(len(grp.trajs))], dtype=torch.float64)
+    valid = torch.tensor([bool(grp.fields[R.TRAINABLE][i]) for grp in groups for i in range(len(grp.trajs))])
+    final = batch_normalized_advantages(pre, counts, valid)
+    n = counts * valid.double()
+    total = float(n.sum())
+    mean = float((n * pre).sum()) / max(total, 1.0)
+    std = (float((n * (pre - mean) ** 2).sum()) / max(total - 1.0, 1.0)) ** 0.5
+    return dict(zip(keys, final.tolist())), {ADV_BATCH_MEAN: mean, ADV_BATCH_STD: std}

@@ -128,14 +128,22 @@ def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor 
     return None if value is None else value.to(device)
 
 
-def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: bool = True) -> torch.Tensor:
-    """GRPO advantages [B] for trajectories, grouped by ``group_id`` (the same computation as
-    the pipeline's advantage consumer: :func:`relax_agent.train.collate.field_advantages` on
-    their fields)."""
+def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: bool = True,
+                          estimator: str | None = None) -> torch.Tensor:
+    """Advantages [B] for trajectories, grouped by ``group_id`` (the same computation as the
+    pipeline's advantage consumer: :func:`relax_agent.train.collate.field_advantages` on their
+    fields; for the ``reinforce_pp`` estimators followed, as in the loop, by the normalisation
+    over these trajectories' policy tokens)."""
     from relax_agent.records import trajectory_fields
+    from relax_agent.train.algorithms import BATCH_NORMALIZED, batch_normalized_advantages
     from relax_agent.train.collate import field_advantages
 
-    return field_advantages(trajectory_fields(trajectories), [t.group_id for t in trajectories], std_normalize)
+    fields = trajectory_fields(trajectories)
+    adv = field_advantages(fields, [t.group_id for t in trajectories], std_normalize, estimator)
+    if estimator in BATCH_NORMALIZED:
+        counts = torch.tensor([t.num_policy_tokens for t in trajectories], dtype=torch.float64)
+        adv = batch_normalized_advantages(adv, counts, torch.as_tensor(fields["trainable"]))
+    return adv
 
 
 def collate(

@@ -1,4 +1,4 @@
-"""From data-bus fields to training tensors: GRPO advantages of a group, and a padded batch.
+"""From data-bus fields to training tensors: the advantages of a group, and a padded batch.
 
 The trainer never sees a :class:`~relax_agent.records.Trajectory`: it reads the rows' fields
 (:func:`relax_agent.records.rollout_schema`) as arrays and collates them here.
@@ -13,17 +13,27 @@ import torch
 
 from relax_agent import records as R
 from relax_agent.errors import DataError
-from relax_agent.train.algorithms import group_advantages
+from relax_agent.train.algorithms import estimator_advantages, group_advantages
 from relax_agent.train.batch import TrainBatch
 
 
-def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_normalize: bool = True) -> torch.Tensor:
-    """GRPO advantages [B] of rows given as fields ``reward`` [B], ``trainable`` [B] and
+def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_normalize: bool = True,
+                     estimator: str | None = None) -> torch.Tensor:
+    """Group-level advantages [B] of rows given as fields ``reward`` [B], ``trainable`` [B] and
     ``loss_mask`` (B rows [T_i]), grouped by ``group_ids``.
 
-    A row that is not trainable (reward error / timeout, episode error) or has no policy
-    token (the prompt alone filled ``max_total_tokens``) is left out of its group's statistics
-    and gets 0 (see :func:`~relax_agent.train.algorithms.group_advantages`).
+    A row that is not trainable (reward error / timeout, episode error, overlong-masked) or has
+    no policy token (the prompt alone filled ``max_total_tokens``) is left out of its group's
+    statistics and gets 0.
+
+    Args:
+        estimator: ``trainer.advantage`` (see :func:`~relax_agent.train.algorithms.estimator_advantages`;
+            the ``reinforce_pp`` ones still need the step's batch normalisation); None: GRPO, or
+            Dr. GRPO when ``std_normalize`` is False.
+
+    Raises:
+        ConfigError: unknown estimator.
+        DataError: a valid row's reward is not finite.
     """
     ids: dict[str, int] = {}
     group_index = torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
@@ -31,7 +41,9 @@ def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_no
     valid = torch.tensor([bool(ok) and tok for ok, tok in zip(fields[R.TRAINABLE], has_tokens)], dtype=torch.bool)
     rewards = torch.tensor([float(r) if ok else 0.0 for r, ok in zip(fields[R.REWARD], valid.tolist())],
                            dtype=torch.float32)
-    return group_advantages(rewards, group_index, valid, std_normalize=std_normalize)
+    if estimator is None:
+        return group_advantages(rewards, group_index, valid, std_normalize=std_normalize)
+    return estimator_advantages(estimator, rewards, group_index, valid)
 
 
 def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any = None) -> TrainBatch:

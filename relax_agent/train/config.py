@@ -1,4 +1,5 @@
-"""Config of the trainer (``trainer:`` section): GRPO / PPO-clip optimisation."""
+"""Config of the trainer (``trainer:`` section): the policy-gradient optimisation (GRPO / PPO-clip by
+default; other objectives, advantage estimators and mismatch corrections by key)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,27 @@ class LoraConfig(Section):
         return self.rank > 0
 
 
+class MismatchConfig(Section):
+    """Correction for the rollout engine's log-probs differing from the trainer's (``trainer.mismatch``).
+
+    With any mode but ``none`` the policy loss's ratio is taken against the trainer's own
+    pre-update log-probs, and each policy token's loss is multiplied by a weight computed from
+    ``r = pi_old / pi_rollout`` (see :func:`relax_agent.train.algorithms.mismatch_correction`).
+    """
+
+    mode: Literal["none", "tis", "seq_tis", "icepop", "geo_mask", "seq_reject"] = "none"
+    """"none": the ratio is taken against the rollout log-probs; "tis": token weight ``min(r, high)``;
+    "seq_tis": sequence weight ``min(prod r, high)``; "icepop": token weight ``r`` inside [low, high],
+    0 outside; "geo_mask": drop sequences whose geometric-mean ``r`` leaves [low, high];
+    "seq_reject": drop sequences with any token's ``r`` outside [low, high]."""
+    low: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Lower bound of the band (icepop, geo_mask, seq_reject)."""
+    high: float = Field(default=2.0, ge=1.0)
+    """Upper bound of the band, and the truncation of tis / seq_tis."""
+
+
 class TrainerConfig(Section):
-    """GRPO / PPO-clip optimisation."""
+    """Policy-gradient optimisation: GRPO / PPO-clip by default (``loss``, ``advantage``, ``mismatch``)."""
 
     backend: Literal["torch", "megatron", "fake"] = "torch"
     """"torch": :class:`~relax_agent.train.backends.torch_backend.TorchTrainer`; "megatron": a Megatron-core
@@ -113,14 +133,28 @@ class TrainerConfig(Section):
     """"token_mean": average over all policy tokens in the batch (DAPO); "seq_mean": per
     sequence first (original GRPO)."""
     adv_std_normalize: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False gives Dr. GRPO."""
+    """Divide group-centred rewards by the group std (GRPO); False gives Dr. GRPO (the same as
+    ``advantage: dr_grpo``; only meaningful with ``advantage: grpo``)."""
+    loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """The policy objective: "ppo_clip" (per-token ratio, PPO with DAPO's clip-higher); "gspo" (the
+    sequence's length-normalised ratio, clipped per sequence; Zheng et al., arXiv 2507.18071; use
+    ``loss_agg: seq_mean`` for the paper's average and clip ranges near 3e-4 / 4e-4); "cispo"
+    (REINFORCE with a clipped stop-gradient importance weight on every token; MiniMax-M1,
+    arXiv 2506.13585; the paper clips only above, e.g. ``clip_eps_low: 1.0``, ``clip_eps_high: 4.0``).
+    ``clip_eps_low`` / ``clip_eps_high`` are the clip range of each."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """The advantage estimator: "grpo" (group mean and std); "dr_grpo" (group mean only, arXiv
+    2503.20783); "rloo" (leave-one-out mean of the group, arXiv 2402.14740); "reinforce_pp" (the
+    reward normalised over the step's batch, REINFORCE++, arXiv 2501.03262); "reinforce_pp_baseline"
+    (group mean subtracted, then batch-normalised)."""
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
+    """Rollout-vs-trainer log-prob mismatch correction (TIS, sequence TIS, IcePop, masks)."""
     freeze_embeddings: bool = False
     off_policy: Literal["none", "tis"] = "none"
-    """Correction for samples the trainer's policy did not generate (stale async samples,
-    train/rollout kernel mismatch). "none": the PPO ratio is taken against the rollout
-    log-probs. "tis": truncated importance sampling (Yao et al. 2025): the PPO ratio is taken
-    against the trainer's own pre-update log-probs and each token's loss is weighted by
-    ``min(pi_old / pi_rollout, tis_cap)`` (see ``relax_agent.train.algorithms.tis_weights``)."""
+    """Older spelling of ``mismatch.mode: tis`` (kept as an alias): "tis" is ``mismatch: {mode: tis,
+    high: tis_cap}``: the PPO ratio is taken against the trainer's own pre-update log-probs and each
+    token's loss is weighted by ``min(pi_old / pi_rollout, tis_cap)`` (Yao et al. 2025). Cannot be
+    combined with ``mismatch.mode``."""
     sft_warmup_steps: int = Field(default=0, ge=0)
     """Supervised updates on the env's demonstrations (the train split's reference answers)
     before the first RL step: a cold start for a policy that never samples the task's format.
@@ -131,7 +165,34 @@ class TrainerConfig(Section):
     sft_lr: float = Field(default=1e-4, gt=0.0)
     """Learning rate of the warm-up (its own AdamW; the RL optimizer starts fresh after it)."""
     tis_cap: float = Field(default=2.0, ge=1.0)
-    """Upper bound C of the truncated importance weight (``off_policy: tis``)."""
+    """Upper bound C of the truncated importance weight of ``off_policy: tis`` (``mismatch.high``
+    for ``mismatch.mode``), and the threshold of the ``off_policy/iw_clipped_frac`` metric."""
+
+    @model_validator(mode="after")
+    def _algorithm_keys(self) -> "TrainerConfig":
+        if not self.adv_std_normalize and self.advantage not in ("grpo", "dr_grpo"):
+            raise ValueError(f"trainer.adv_std_normalize=false only applies to trainer.advantage=grpo (it makes "
+                             f"Dr. GRPO); with trainer.advantage={self.advantage} remove it (for Dr. GRPO set "
+                             "trainer.advantage=dr_grpo)")
+        if self.off_policy == "tis" and self.mismatch.mode != "none":
+            raise ValueError(f"trainer.off_policy=tis is the older spelling of trainer.mismatch.mode=tis (cap "
+                             f"trainer.tis_cap); it cannot be combined with trainer.mismatch.mode={self.mismatch.mode}: "
+                             "set only trainer.mismatch")
+        return self
+
+    @property
+    def advantage_estimator(self) -> str:
+        """The estimator in effect: ``advantage``, with ``grpo`` + ``adv_std_normalize: false`` read as ``dr_grpo``."""
+        if self.advantage == "grpo" and not self.adv_std_normalize:
+            return "dr_grpo"
+        return self.advantage
+
+    @property
+    def mismatch_in_effect(self) -> MismatchConfig:
+        """``mismatch``, with the alias ``off_policy: tis`` read as ``mismatch: {mode: tis, high: tis_cap}``."""
+        if self.off_policy == "tis":
+            return MismatchConfig(mode="tis", high=self.tis_cap)
+        return self.mismatch
 
     @field_validator("betas", mode="before")
     @classmethod

@@ -296,3 +296,27 @@ def test_the_sft_warm_up_step_is_the_torch_backends_on_the_shards(llama):
     for name, value in after_sft.items():
         assert (exported[name] - value).abs().max() <= 1e-6, name
     assert rl["train/grad_norm"] == pytest.approx(want_rl["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("algo", [dict(loss="gspo", loss_agg="seq_mean", clip_eps_low=0.05, clip_eps_high=0.08,
+                                       mismatch={"mode": "icepop", "low": 0.6, "high": 1.6}),
+                                  dict(loss="cispo", mismatch={"mode": "seq_tis", "high": 1.5})])
+def test_other_objectives_and_mismatch_corrections_match_the_torch_backend(algo, llama):
+    """The loss path is shared: GSPO / CISPO under a mismatch correction give the torch backend's numbers."""
+    from relax_agent.train.backends.torch_backend import token_logprobs
+
+    base = text_batch(2)
+    with torch.no_grad():  # rollout log-probs near the policy's: some tokens in the band, some out
+        lp = token_logprobs(llama, base.input_ids, base.attention_mask)
+    noise = 0.6 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(0))
+    batch = TrainBatch(base.input_ids, base.attention_mask, base.loss_mask, (lp + noise) * base.loss_mask,
+                       base.advantages)
+    want_metrics, want = torch_gradients(llama, batch, **algo)
+    with cfg(2, **algo).build(model=llama) as trainer:
+        got = trainer.gradients(batch)
+    for key in ("train/loss", "mismatch/masked_token_frac", "mismatch/clipped_token_frac"):
+        assert abs(got["metrics"][key] - want_metrics[key]) <= 1e-5 * max(1.0, abs(want_metrics[key])), key
+    assert 0 < want_metrics["mismatch/masked_token_frac"] + want_metrics["mismatch/clipped_token_frac"] < 1
+    assert sum(float(g.norm()) for g in want.values()) > 1e-3
+    for name, grad in want.items():
+        assert rel(got["grads"][name], grad) <= 1e-4, name

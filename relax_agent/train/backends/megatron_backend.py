@@ -82,6 +82,10 @@ def _check_megatron_installed() -> None:
 class MegatronTrainer:
     """Implements :class:`~relax_agent.train.backends.base.Trainer` by driving Megatron rank processes.
 
+    Each rank runs the torch backend's loss path, so ``trainer.loss`` (PPO-clip, GSPO, CISPO) and
+    ``trainer.mismatch`` behave exactly as there; ``trainer.advantage`` and ``rollout.overlong`` act
+    before the trainer (the control loop), whatever the backend.
+
     Args:
         model: the Hugging Face policy (its config and current weights, under their in-memory
             names, are written to a temporary folder that each rank loads its shard from).

@@ -1,4 +1,8 @@
-"""The torch trainer backend: token log-probs and one GRPO / PPO-clip step per batch.
+"""The torch trainer backend: token log-probs and one policy-gradient step per batch.
+
+The objective is ``trainer.loss`` (PPO-clip, GSPO or CISPO; :func:`~relax_agent.train.algorithms.policy_loss`),
+optionally corrected for the rollout/trainer mismatch (``trainer.mismatch``;
+:func:`~relax_agent.train.algorithms.mismatch_correction`).
 
 One optimizer step per :class:`~relax_agent.train.batch.TrainBatch`: micro-batches of
 ``TrainerConfig.micro_batch_size`` sequences are forwarded and back-propagated in turn,
@@ -28,13 +32,16 @@ from relax_agent.train.algorithms import (
     APPROX_KL,
     CLIP_FRAC,
     RATIO_MEAN,
+    SEQ_WEIGHTED_CORRECTION_METRICS,
+    TOKEN_WEIGHTED_CORRECTION_METRICS,
+    check_mismatch_bounds,
     importance_weight_metrics,
     k3_kl,
     loss_normalizer,
     masked_aggregate,
+    mismatch_correction,
     mismatch_metrics,
-    ppo_clip_loss,
-    tis_weights,
+    policy_loss,
 )
 from relax_agent.train.batch import TrainBatch
 from relax_agent.train.memory import release_free_heap, resident_gb
@@ -280,6 +287,9 @@ class TorchTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
+        self.mismatch = cfg.mismatch_in_effect
+        """The mismatch correction in effect (``trainer.mismatch``, or its alias ``off_policy: tis``)."""
+        check_mismatch_bounds(self.mismatch.mode, self.mismatch.low, self.mismatch.high)
         self.ref_model = self._setup_ref_model(ref_model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LinearWarmup(cfg.warmup_steps))
@@ -314,7 +324,10 @@ class TorchTrainer:
         ``train/approx_kl``, ``train/entropy`` (per-token means over policy tokens),
         ``mismatch/*`` (trainer vs rollout log-probs, pre-update; see
         :func:`~relax_agent.train.algorithms.mismatch_metrics`), ``off_policy/iw_*`` (importance
-        weights pi_old / pi_rollout: mean, max, fraction above ``tis_cap``), ``train/lr`` (the lr of
+        weights pi_old / pi_rollout: mean, max, fraction above ``tis_cap``), with ``trainer.mismatch``
+        ``mismatch/weight_mean``, ``mismatch/masked_token_frac``, ``mismatch/clipped_token_frac``
+        (over policy tokens), ``mismatch/masked_seq_frac`` and ``mismatch/seq_log_ratio_mean`` (over
+        sequences; see :func:`~relax_agent.train.algorithms.mismatch_correction`), ``train/lr`` (the lr of
         this update), ``train/tokens``, ``train/policy_tokens``, ``train/sequences``,
         ``train/skipped_step`` (1 when gradients were non-finite and no update was made),
         ``train/loss_scale`` (fp16), ``train/step``, ``timing/train_step_s``,
@@ -383,15 +396,21 @@ class TorchTrainer:
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                                            media=getattr(mb, "media", None),
                                                            first_position=first_scored_position(mb.loss_mask))
-        old, weights = mb.rollout_logprobs, None
-        if cfg.off_policy == "tis":  # ratio against the pre-update policy, TIS weight against the rollout
-            old, weights = logprobs.detach(), tis_weights(logprobs.detach(), mb.rollout_logprobs, cfg.tis_cap)
-        loss, pg_metrics = ppo_clip_loss(
-            logprobs, old, mb.advantages, mb.loss_mask,
+        old, weights, corr_metrics = mb.rollout_logprobs, None, {}
+        mis = self.mismatch
+        if mis.mode != "none":  # ratio against the pre-update policy, correction weight against the rollout
+            old = logprobs.detach()
+            weights, corr_metrics = mismatch_correction(old, mb.rollout_logprobs, mb.loss_mask, mis.mode,
+                                                        mis.low, mis.high)
+        loss, pg_metrics = policy_loss(
+            cfg.loss, logprobs, old, mb.advantages, mb.loss_mask,
             cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg, normalizer, token_weights=weights,
         )
         mask = mb.loss_mask.bool()
         n_policy = mask.sum()
+        n_seqs = mask.any(dim=-1).sum()
+        for key, value in corr_metrics.items():
+            totals.add(key, value, n_seqs if key in SEQ_WEIGHTED_CORRECTION_METRICS else n_policy)
         totals.add(PG_LOSS, loss)
         if self.ref_model is not None:
             kl = masked_aggregate(k3_kl(logprobs, self._ref_logprobs(mb), mb.loss_mask), mb.loss_mask, cfg.loss_agg, normalizer)
@@ -417,6 +436,10 @@ class TorchTrainer:
             out[KL_REF] = totals.get(KL_REF)
         for key in (CLIP_FRAC, RATIO_MEAN, APPROX_KL, ENTROPY):
             out[key] = totals.get(key, n_policy)
+        n_seqs = float(max(int(batch.loss_mask.bool().any(dim=-1).sum()), 1))
+        for key in TOKEN_WEIGHTED_CORRECTION_METRICS + SEQ_WEIGHTED_CORRECTION_METRICS:
+            if key in totals.sums:
+                out[key] = totals.get(key, n_seqs if key in SEQ_WEIGHTED_CORRECTION_METRICS else n_policy)
         train_lp, rollout_lp = torch.cat(totals.train_lp), torch.cat(totals.rollout_lp)
         out.update(mismatch_metrics(train_lp, rollout_lp, torch.ones_like(train_lp, dtype=torch.bool)))
         out.update(importance_weight_metrics(train_lp, rollout_lp, self.cfg.tis_cap))
