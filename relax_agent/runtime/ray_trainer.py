@@ -68,7 +68,8 @@ class TrainerActor:
         if trainer_state is not None:
             trainer.load_state_dict(trainer_state)
         w = self.cfg.weights.model_copy(update={"host": self.publish_host})
-        sync = WeightSync(w, self.coordinator, TcpSender(w), lambda: TcpReceiver(w))
+        secret = self.coordinator.credential.subscriber  # the tcp server challenges for the run's credential
+        sync = WeightSync(w, self.coordinator, TcpSender(w, secret), lambda: TcpReceiver(w, secret=secret))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.service = LocalTrainerService(trainer, sync, int(pad), getattr(tokenizer, "save_pretrained", None))
         self._beat()

@@ -24,10 +24,11 @@ corrected) one while the engine keeps serving its last complete version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -66,11 +67,16 @@ class EngineSubscriber:
         name: label in the coordinator and in errors.
         name_map: publisher name -> engine name, when layouts name parameters differently.
         poll_timeout_s: long-poll length of the follow thread.
+        keepalive_s: while a version is received and loaded, tell the coordinator every this many
+            seconds that this subscriber is alive (so a long transfer is not taken for silence,
+            ``weights.subscriber_silence_s``); None sends none.
     """
 
     def __init__(self, engine: Any, receiver: Receiver, coordinator: CoordinatorApi, name: str = "engine",
-                 name_map: NameMap | None = None, poll_timeout_s: float = 30.0) -> None:
+                 name_map: NameMap | None = None, poll_timeout_s: float = 30.0,
+                 keepalive_s: float | None = None) -> None:
         self.engine = engine
+        self._keepalive_s = keepalive_s
         self._receiver = receiver
         self._coordinator = coordinator
         self._name = name
@@ -123,8 +129,9 @@ class EngineSubscriber:
                 except WeightSyncError:
                     self._receiver.skip(meta)
                     raise
-                tensors, stats = self._receiver.receive(meta)
-                stats["pause_s"] = self._load(tensors, names, meta.version)
+                with self._keepalive():
+                    tensors, stats = self._receiver.receive(meta)
+                    stats["pause_s"] = self._load(tensors, names, meta.version)
                 report = ApplyReport(self.id, meta.version, None, stats)
                 self.applied_version, self.applied_epoch = meta.version, meta.epoch
             except WeightSyncError as exc:
@@ -138,6 +145,28 @@ class EngineSubscriber:
             self.last_report = report
             self._coordinator.report(report)
             return report
+
+    @contextlib.contextmanager
+    def _keepalive(self) -> Iterator[None]:
+        """Call ``is_registered`` every ``keepalive_s`` in a daemon thread while the body runs."""
+        if self._keepalive_s is None:
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self._keepalive_s):
+                try:
+                    self._coordinator.is_registered(self.id)
+                except Exception as exc:  # the apply itself reports what matters
+                    log.debug("%s: keep-alive failed: %s", self.id, exc)
+
+        thread = threading.Thread(target=beat, name=f"weights-keepalive-{self.id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _behind_applied(self, meta: VersionMeta) -> bool:
         """``meta`` belongs to the run of the applied version and is not newer than it."""
