@@ -222,6 +222,10 @@ class RuntimeConfig(Section):
     weights.transport tcp)."""
     rollout_replicas: int = Field(default=1, ge=1)
     """ray: rollout replicas at start (change it while training with ``relax-agent scale``)."""
+    max_rollout_replicas: int = Field(default=64, ge=1)
+    """ray: most rollout replicas ``rollout_replicas`` and ``relax-agent scale`` may ask for (a scale
+    beyond it, or beyond what the cluster's CPUs hold at ``rollout_num_cpus`` each beside the
+    trainer, is refused with HTTP 422 naming the bound)."""
     max_groups_per_replica: int | None = Field(default=None, ge=1)
     """ray: most groups one replica plays at once (its env and sandbox capacity); None: no limit
     beyond the staleness gate."""
@@ -252,6 +256,13 @@ class RuntimeConfig(Section):
     def _from_kind(cls, value: Any) -> Any:
         # `runtime: ray` / `runtime=ray` names the kind alone.
         return {"kind": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _replicas_within_bound(self) -> "RuntimeConfig":
+        if self.rollout_replicas > self.max_rollout_replicas:
+            raise ValueError(f"runtime.rollout_replicas={self.rollout_replicas} is more than "
+                             f"runtime.max_rollout_replicas={self.max_rollout_replicas}; raise the bound to run more")
+        return self
 
 
 class RelaxConfig(Section):

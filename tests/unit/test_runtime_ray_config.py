@@ -240,3 +240,29 @@ def test_a_group_whose_replica_died_is_played_again_and_records_the_first_versio
     r0, r1 = pool.replicas
     assert r0.state == "failed" and "died during group s0/g0" in r0.reason
     assert r1.groups_done == 1 and svc.retried_groups == 1 and r1.first_group == (3, 3)
+
+
+def test_scale_beyond_the_replica_bound_is_refused_with_422_naming_it(control, tmp_path, monkeypatch):
+    """``{"rollout": 10000}`` would start ten thousand actors: refused, naming the bound; the target stays."""
+    from relax_agent.runtime import ray_supervisor
+    from relax_agent.runtime.ray_control import scale_run
+
+    supervisor, _ = control
+    assert scale_run(tmp_path, 64)["target"] == 64  # the default bound itself is accepted
+    with pytest.raises(ConfigError, match=r"HTTP 422 .*--rollout 10000: more than the 64 rollout replicas .*"
+                                          r"runtime.max_rollout_replicas=64"):
+        scale_run(tmp_path, 10000)
+    assert supervisor.target == 64
+    # on a Ray cluster of 4 CPUs: (4 - 0.5 for the trainer) / 0.25 per replica = 14
+    monkeypatch.setattr(ray_supervisor.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_supervisor.ray, "cluster_resources", lambda: {"CPU": 4.0})
+    assert supervisor.max_replicas()[0] == 14
+    with pytest.raises(ConfigError, match=r"HTTP 422 .*--rollout 15: more than the 14 .*cluster's 4 CPUs"):
+        scale_run(tmp_path, 15)
+    assert scale_run(tmp_path, 14)["target"] == 14
+
+
+def test_rollout_replicas_above_the_bound_are_refused_at_load():
+    with pytest.raises(ConfigError, match=r"runtime.rollout_replicas=100 is more than runtime.max_rollout_replicas=64"):
+        load_config(None, ["runtime.kind=ray", "runtime.rollout_replicas=100"])
+    assert load_config(None, ["runtime.rollout_replicas=100", "runtime.max_rollout_replicas=128"]).runtime.rollout_replicas == 100
