@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any, Hashable, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from relax_agent.configbase import Section
 from relax_agent.data.config import DataConfig
@@ -35,12 +36,18 @@ class RunConfig(Section):
 
     name: str = "run"
     output_dir: str = "runs/run"
-    """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots."""
+    """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots (a leading ``~`` is the
+    user's home folder)."""
     seed: int = 0
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", or "cuda[:N]"."""
-    num_threads: int = 0
+    num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 keeps torch's default."""
+
+    @field_validator("output_dir")
+    @classmethod
+    def _expand_home(cls, path: str) -> str:
+        return os.path.expanduser(path)
 
 
 class ModelConfig(Section):
@@ -339,7 +346,16 @@ def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and "." in str(e["loc"][-1]):
+            # a YAML key spelled with dots ("trainer.lr": 1e-6) is one key named "trainer.lr", not a path
+            meant = key if key in known else next(iter(difflib.get_close_matches(key, known, n=1, cutoff=0.6)), None)
+            if meant is None:
+                lines.append(f"  {key}: unknown key (a YAML key with dots in its name is not a path)")
+            else:
+                section, _, leaf = meant.rpartition(".")
+                lines.append(f"  {key}: unknown key (a YAML key with dots in its name is not a path); write it "
+                             f"nested, {section}: {{{leaf}: ...}}, or as the override {meant}=...")
+        elif e["type"] == "extra_forbidden":
             hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             if not hint:
                 leaf = key.rsplit(".", 1)[-1]
@@ -401,13 +417,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         path, value = parse_override(item)
         node = out
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
+            section = _section_model(path[:depth + 1])
+            if isinstance(child, str) and section is not None and "kind" in section.model_fields:
+                child = node[part] = {"kind": child}  # `runtime=ray` is short for runtime.kind=ray
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: '{part}' is a value, not a section")
+                dotted = ".".join(path[:depth + 1])
+                hint = (f"; to choose its kind write {dotted}.kind={child}" if section is not None
+                        and "kind" in section.model_fields else "")
+                raise ConfigError(f"override {item!r}: '{dotted}' is set to the value {child!r}, not a section, "
+                                  f"so it has no key {path[depth + 1]!r}{hint}")
             node = child
         node[path[-1]] = value
     return out
+
+
+def _section_model(path: list[str]) -> type[Section] | None:
+    """The :class:`Section` class at dotted ``path`` of :class:`RelaxConfig` (None: not a section)."""
+    model: type[Section] = RelaxConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        ann = None if field is None else field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, Section)):
+            return None
+        model = ann
+    return model
 
 
 class _UniqueKeyLoader(_ConfigLoader):
@@ -416,6 +451,8 @@ class _UniqueKeyLoader(_ConfigLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges a mapping; keys written beside it override the merged ones
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if not isinstance(key, Hashable):
@@ -433,6 +470,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     ``path=None`` runs the defaults; a file must set at least one key (an empty file is
     refused rather than silently starting the full default run; ``{}`` asks for the defaults).
+    YAML anchors, aliases and merge keys (``<<: *anchor``) work; top-level keys starting with
+    ``x-`` are ignored, so they can hold anchors shared by several sections.
 
     Raises:
         ConfigError: missing, empty or directory path, bad YAML, unknown key, wrong type or
@@ -466,7 +505,8 @@ def _read_yaml(p: Path) -> dict[str, Any]:
                           "or write {} to run every default")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
-    return data
+    # top-level keys starting with "x-" only hold YAML anchors for merge keys (`<<: *anchor`)
+    return {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith("x-"))}
 
 
 def validate_config(data: dict[str, Any], source: str = "dict") -> RelaxConfig:

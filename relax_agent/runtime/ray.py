@@ -27,25 +27,22 @@ from typing import Any
 
 import ray
 
-from relax_agent.errors import ConfigError
 from relax_agent.runtime.base import Runtime
 
 log = logging.getLogger("relax_agent.runtime")
 
 
 def check_ray_runtime(cfg: Any) -> None:
-    """Refuse config combinations ``runtime: ray`` cannot run.
+    """Refuse config combinations ``runtime: ray`` cannot run (also checked in preflight, before any
+    model loads: :func:`relax_agent.preflight.check_ray_combination`).
 
     Raises:
         ConfigError: ``mode`` is not async (colocate shares one process), or ``weights.transport`` is
             not tcp (replicas are other processes, maybe other hosts).
     """
-    if cfg.mode != "async":
-        raise ConfigError(f"runtime.kind='ray' with mode={cfg.mode!r}: rollout replicas are other processes, "
-                          "so rollout and training cannot share one; set mode=async (max_staleness=0 stays on-policy)")
-    if cfg.weights.transport != "tcp":
-        raise ConfigError(f"runtime.kind='ray' with weights.transport={cfg.weights.transport!r}: replicas pull "
-                          "weights from the trainer actor over the network; set weights.transport=tcp")
+    from relax_agent.preflight import check_ray_combination
+
+    check_ray_combination(cfg)
 
 
 def watchdog_s(cfg: Any) -> float:
