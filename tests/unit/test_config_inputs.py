@@ -102,3 +102,11 @@ def test_a_top_level_key_spelled_with_dots_is_explained_not_answered_with_itself
     message = str(info.value)
     assert "did you mean 'trainer.lr'" not in message
     assert "a YAML key with dots in its name is not a path" in message and "trainer: {lr: ...}" in message
+
+
+def test_an_env_refusing_a_kwarg_names_it_by_its_full_key():
+    from relax_agent.roles import make_env_factory
+
+    make = make_env_factory(load_config(None, ["env.kwargs.split=nope"]))
+    with pytest.raises(ConfigError, match=r"^env.kwargs.split='nope'; expected one of .*env.id='relax/BFCL-simple-v0'"):
+        make()
