@@ -131,3 +131,43 @@ def test_a_driver_finding_another_run_s_coordinator_under_its_name_is_refused(ra
             start_coordinator("auth-test.other", NS, RunCredential.generate())
     finally:
         ray.kill(first)
+
+
+@ray.remote(num_cpus=0)
+def stranger_at_the_trainer(name: str) -> dict[str, str]:
+    """A process joined to the run's Ray calls the (named) trainer actor as the run's driver would."""
+    handle = ray.get_actor(name, namespace=NS)
+    out = {}
+    for what, ref in (("state_dict", lambda: handle.state_dict.remote()),
+                      ("publish", lambda: handle.publish.remote(99)),
+                      ("train", lambda: handle.train.remote({}, 99)),
+                      ("guessed", lambda: handle.state_dict.remote(credential=RunCredential("g", "g")))):
+        try:
+            out[what] = f"ACCEPTED: {ray.get(ref())!r}"
+        except ray.exceptions.RayTaskError as exc:
+            out[what] = str(exc)
+    return out
+
+
+def test_a_stranger_joined_to_the_run_s_ray_cannot_call_the_trainer_actor(ray_session):
+    """The trainer actor (named, so anyone joined to Ray finds it) reads, trains and publishes only for
+    the holder of the run's publisher credential."""
+    from relax_agent.runtime.ray_trainer import TrainerActor
+
+    credential = RunCredential.generate()
+    coordinator = ActorCoordinator(start_coordinator("auth-test.trainer-weights", NS, credential), credential)
+    name = "auth-test.trainer.1"
+    actor = ray.remote(TrainerActor).options(name=name, namespace=NS, num_cpus=0).remote(
+        None, "trainer", coordinator, None, "127.0.0.1")
+    try:
+        got = ray.get(stranger_at_the_trainer.remote(name), timeout=120)
+        assert all("needs the run's publisher credential" in v for v in got.values()), got
+        # the run's own call passes the check (and then finds no trainer built in this bare actor)
+        with pytest.raises(ray.exceptions.RayTaskError, match="'NoneType' object has no attribute 'state_dict'"):
+            ray.get(actor.state_dict.remote(credential=credential), timeout=60)
+        # a replica's credential (no publisher secret) is refused too
+        with pytest.raises(ray.exceptions.RayTaskError, match="needs the run's publisher credential"):
+            ray.get(actor.state_dict.remote(credential=credential.subscriber_only()), timeout=60)
+    finally:
+        ray.kill(actor)
+        ray.kill(coordinator.handle)
