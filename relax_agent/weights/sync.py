@@ -140,12 +140,10 @@ class WeightSync:
         sub = EngineSubscriber(engine, self._make_receiver(), self.coordinator, name,
                                name_map if name_map is not None else (self.cfg.name_map or None),
                                self.cfg.poll_timeout_s, keepalive_s(self.cfg))
-        latest = self.coordinator.latest()
-        if latest is not None:
-            report = sub.apply(latest)
-            if report.error is not None:
-                sub.close()
-                raise WeightSyncError(report.error)
+        report = sub.sync_latest(0.0)  # the latest version, if any (again on a newer one if a publish races it)
+        if report is not None and report.error is not None:
+            sub.close()
+            raise WeightSyncError(report.error)
         if self.cfg.transport != "inproc":
             sub.start()
         self._local.append(sub)

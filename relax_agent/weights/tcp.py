@@ -36,7 +36,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import VersionGoneError, WeightSyncError
 from relax_agent.weights import auth
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.meta import (
@@ -106,7 +106,8 @@ class TcpSender:
         return self._address
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
-        """Snapshot (if configured) and checksum ``state_dict``; serve it from now on."""
+        """Snapshot (if configured) and checksum ``state_dict``; serve it from now on. The version it
+        replaces is still served (to a subscriber whose pull raced this publish) until the next stage."""
         tensors, total = plan_layout(state_dict)
         buffer = None
         if self._cfg.snapshot:
@@ -173,12 +174,11 @@ class TcpSender:
             magic, version, first = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
             if magic != MAGIC:
                 return
-            with self._lock:
-                offer = self._current
-                if offer is not None and offer.meta.version == version:
+            with self._lock:  # the current version, or the one it replaced (a pull that raced a publish)
+                offer = next((o for o in (self._current, self._retired) if o is not None and o.meta.version == version
+                              and (o is self._current or o.buffer is not None)), None)  # a snapshot stays valid
+                if offer is not None:
                     offer.readers += 1
-                else:
-                    offer = None
             if offer is None:
                 latest = -1 if self._current is None else self._current.meta.version
                 conn.sendall(_HELLO.pack(MAGIC, latest, 0))
@@ -312,8 +312,8 @@ class TcpReceiver:
                 raise EOFError(f"the weight server closed the connection after the challenge (a wrong weight "
                                f"credential, or the server is shutting down): {exc}") from exc
             if magic != MAGIC or served != meta.version:
-                raise WeightSyncError(f"version {meta.version}: the publisher at {self._target(meta)} now serves "
-                                      f"version {served}; this one is gone")
+                raise VersionGoneError(f"version {meta.version}: the publisher at {self._target(meta)} now serves "
+                                       f"version {served}; this one is gone")
             assert num_buckets == meta.num_buckets, (num_buckets, meta.num_buckets)
             for b in range(first, num_buckets):
                 index, nbytes = _BUCKET.unpack(_recv_exact(conn, _BUCKET.size))

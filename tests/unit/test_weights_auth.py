@@ -151,3 +151,64 @@ def test_a_registered_subscriber_that_never_reports_is_dropped_after_the_silence
 def test_subscriber_silence_must_be_positive():
     with pytest.raises(ValueError, match="subscriber_silence_s"):
         WeightSyncConfig(subscriber_silence_s=0)
+
+
+# -- item 4: a pull that races a publish --------------------------------------------------------
+
+class RacingReceiver:
+    """Wraps a receiver: before each of the first ``races`` pulls, the trainer publishes ``per_pull``
+    newer versions (the version being pulled is then replaced, or gone)."""
+
+    def __init__(self, inner, publish_next, races: int, per_pull: int) -> None:
+        self.inner, self.publish_next, self.races, self.per_pull = inner, publish_next, races, per_pull
+        self.pulls = 0
+
+    def receive(self, meta):
+        self.pulls += 1
+        if self.pulls <= self.races:
+            for _ in range(self.per_pull):
+                self.publish_next()
+        return self.inner.receive(meta)
+
+    def skip(self, meta):
+        self.inner.skip(meta)
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("per_pull", [1, 2], ids=["one-publish-per-pull", "two-publishes-per-pull"])
+def test_a_replica_s_first_pull_completes_while_the_trainer_publishes_during_every_pull(per_pull):
+    """A replacement replica pulling the latest version while the trainer publishes: one publish
+    during the pull still serves the version being pulled; two make it gone, and the replica pulls
+    the newest one instead of failing its start."""
+    from relax_agent.weights import EngineSubscriber
+
+    cfg = WeightSyncConfig(transport="tcp")
+    sync = build_weight_sync(cfg, [])
+    versions = iter(range(1, 100))
+    published: list[int] = []
+
+    def publish_next() -> None:  # what the trainer's publish does, without waiting for subscribers
+        version = next(versions)
+        meta = sync._sender.stage(state(float(version)), version)
+        sync.coordinator.commit(meta, publisher=sync._publisher_token)
+        published.append(version)
+
+    try:
+        publish_next()
+        engine = TensorEngine(state(0.0))
+        racing = RacingReceiver(TcpReceiver(cfg, secret=sync.credential), publish_next, races=5, per_pull=per_pull)
+        sub = EngineSubscriber(engine, racing, sync.coordinator, "replacement")
+        report = sub.sync_latest(0.0)  # what a starting replica does
+        assert report is not None and report.error is None, report
+        if per_pull == 1:  # the version it asked for is still served: done in one pull
+            assert racing.pulls == 1 and engine.policy_version == 1
+        else:  # gone every time for 5 pulls, then the 6th completes on the newest version
+            assert racing.pulls == 6 and engine.policy_version == published[-1] == 11
+        version = engine.policy_version
+        assert torch.equal(engine.tensors["w"], state(float(version))["w"])
+        assert sub.refused_version is None  # a superseded pull is not a refusal
+        sub.close()
+    finally:
+        sync.close()

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import VersionGoneError, WeightSyncError
 from relax_agent.weights import SyncStats, TensorEngine, WeightSyncConfig, build_weight_sync
 from relax_agent.weights.meta import plan_layout
 from relax_agent.weights.subscriber import EngineSubscriber
@@ -288,8 +288,11 @@ def test_a_version_replaced_mid_transfer_is_refused_by_name():
     sender = TcpSender(cfg)
     try:
         old = sender.stage(make_state(1), 1)
-        sender.stage(make_state(2), 2)
-        with pytest.raises(WeightSyncError, match="now serves version 2; this one is gone"):
+        sender.stage(make_state(2), 2)  # the version it replaced is still served (a pull racing a publish)
+        tensors, _ = TcpReceiver(cfg, secret=sender.secret).receive(old)
+        assert all(torch.equal(tensors[k], v) for k, v in make_state(1).items())
+        sender.stage(make_state(3), 3)  # two publishes later it is gone
+        with pytest.raises(VersionGoneError, match="now serves version 3; this one is gone"):
             TcpReceiver(cfg, secret=sender.secret).receive(old)
     finally:
         sender.close()
