@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any, Hashable, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from relax_agent.configbase import Section
 from relax_agent.data.config import DataConfig
@@ -35,12 +36,18 @@ class RunConfig(Section):
 
     name: str = "run"
     output_dir: str = "runs/run"
-    """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots."""
+    """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots (a leading ``~`` is the
+    user's home folder)."""
     seed: int = 0
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", or "cuda[:N]"."""
-    num_threads: int = 0
+    num_threads: int = Field(default=0, ge=0)
     """torch intra-op threads; 0 keeps torch's default."""
+
+    @field_validator("output_dir")
+    @classmethod
+    def _expand_home(cls, path: str) -> str:
+        return os.path.expanduser(path)
 
 
 class ModelConfig(Section):
@@ -259,6 +266,10 @@ class RuntimeConfig(Section):
     weights.transport tcp)."""
     rollout_replicas: int = Field(default=1, ge=1)
     """ray: rollout replicas at start (change it while training with ``relax-agent scale``)."""
+    max_rollout_replicas: int = Field(default=64, ge=1)
+    """ray: most rollout replicas ``rollout_replicas`` and ``relax-agent scale`` may ask for (a scale
+    beyond it, or beyond what the cluster's CPUs hold at ``rollout_num_cpus`` each beside the
+    trainer, is refused with HTTP 422 naming the bound)."""
     max_groups_per_replica: int | None = Field(default=None, ge=1)
     """ray: most groups one replica plays at once (its env and sandbox capacity); None: no limit
     beyond the staleness gate."""
@@ -289,6 +300,13 @@ class RuntimeConfig(Section):
     def _from_kind(cls, value: Any) -> Any:
         # `runtime: ray` / `runtime=ray` names the kind alone.
         return {"kind": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _replicas_within_bound(self) -> "RuntimeConfig":
+        if self.rollout_replicas > self.max_rollout_replicas:
+            raise ValueError(f"runtime.rollout_replicas={self.rollout_replicas} is more than "
+                             f"runtime.max_rollout_replicas={self.max_rollout_replicas}; raise the bound to run more")
+        return self
 
 
 class RelaxConfig(Section):
@@ -365,7 +383,16 @@ def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and "." in str(e["loc"][-1]):
+            # a YAML key spelled with dots ("trainer.lr": 1e-6) is one key named "trainer.lr", not a path
+            meant = key if key in known else next(iter(difflib.get_close_matches(key, known, n=1, cutoff=0.6)), None)
+            if meant is None:
+                lines.append(f"  {key}: unknown key (a YAML key with dots in its name is not a path)")
+            else:
+                section, _, leaf = meant.rpartition(".")
+                lines.append(f"  {key}: unknown key (a YAML key with dots in its name is not a path); write it "
+                             f"nested, {section}: {{{leaf}: ...}}, or as the override {meant}=...")
+        elif e["type"] == "extra_forbidden":
             hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             if not hint:
                 leaf = key.rsplit(".", 1)[-1]
@@ -427,13 +454,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         path, value = parse_override(item)
         node = out
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
+            section = _section_model(path[:depth + 1])
+            if isinstance(child, str) and section is not None and "kind" in section.model_fields:
+                child = node[part] = {"kind": child}  # `runtime=ray` is short for runtime.kind=ray
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: '{part}' is a value, not a section")
+                dotted = ".".join(path[:depth + 1])
+                hint = (f"; to choose its kind write {dotted}.kind={child}" if section is not None
+                        and "kind" in section.model_fields else "")
+                raise ConfigError(f"override {item!r}: '{dotted}' is set to the value {child!r}, not a section, "
+                                  f"so it has no key {path[depth + 1]!r}{hint}")
             node = child
         node[path[-1]] = value
     return out
+
+
+def _section_model(path: list[str]) -> type[Section] | None:
+    """The :class:`Section` class at dotted ``path`` of :class:`RelaxConfig` (None: not a section)."""
+    model: type[Section] = RelaxConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        ann = None if field is None else field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, Section)):
+            return None
+        model = ann
+    return model
 
 
 class _UniqueKeyLoader(_ConfigLoader):
@@ -442,6 +488,8 @@ class _UniqueKeyLoader(_ConfigLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges a mapping; keys written beside it override the merged ones
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if not isinstance(key, Hashable):
@@ -459,6 +507,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     ``path=None`` runs the defaults; a file must set at least one key (an empty file is
     refused rather than silently starting the full default run; ``{}`` asks for the defaults).
+    YAML anchors, aliases and merge keys (``<<: *anchor``) work; top-level keys starting with
+    ``x-`` are ignored, so they can hold anchors shared by several sections.
 
     Raises:
         ConfigError: missing, empty or directory path, bad YAML, unknown key, wrong type or
@@ -492,7 +542,8 @@ def _read_yaml(p: Path) -> dict[str, Any]:
                           "or write {} to run every default")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
-    return data
+    # top-level keys starting with "x-" only hold YAML anchors for merge keys (`<<: *anchor`)
+    return {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith("x-"))}
 
 
 def validate_config(data: dict[str, Any], source: str = "dict") -> RelaxConfig:

@@ -73,6 +73,11 @@ class WeightSyncError(RelaxError, RuntimeError):
     """Weights could not be published or applied (layout mismatch, checksum, transport)."""
 
 
+class VersionGoneError(WeightSyncError):
+    """The publisher no longer serves the version a subscriber asked for: newer ones replaced it
+    while the subscriber was about to pull it (not a refusal; pull the latest instead)."""
+
+
 class RuntimeServiceError(RelaxError, RuntimeError):
     """A role's service failed past its restart policy (``runtime.max_trainer_restarts`` spent, a
     supervising actor died)."""

@@ -154,12 +154,15 @@ def check_output_dir(path: str) -> None:
 
 
 def check_mode(cfg: RelaxConfig, device: str) -> None:
-    """Refuse ``weights.transport: nccl`` in async mode (ConfigError naming it and the device);
-    warn about ``weights`` keys that ``mode: colocate`` ignores.
+    """Refuse ``weights.transport: nccl`` in async mode (ConfigError naming it and the device) and the
+    combinations ``runtime.kind: ray`` cannot run (:func:`check_ray_combination`); warn about
+    ``weights`` keys that ``mode: colocate`` ignores.
 
     Async mode's engine shares the trainer's process, which nccl cannot reach (it broadcasts
     to rollout processes on CUDA GPUs); colocate publishes through ``inproc`` whatever is set.
     """
+    if cfg.runtime.kind == "ray":
+        check_ray_combination(cfg)
     if cfg.mode == "async" and cfg.weights.transport == "nccl":
         why = (f"run.device resolves to {device!r} and nccl needs CUDA GPUs" if not device.startswith("cuda") else
                "nccl reaches rollout engines in other processes, and this run's engine shares the trainer's process")
@@ -170,6 +173,21 @@ def check_mode(cfg: RelaxConfig, device: str) -> None:
             warnings.warn(f"mode=colocate ignores {', '.join(ignored)}: colocate always publishes weights through "
                           "weights.transport=inproc (the engine shares the trainer's device); these keys apply to "
                           "mode=async", stacklevel=2)
+
+
+def check_ray_combination(cfg: RelaxConfig) -> None:
+    """Refuse config combinations ``runtime.kind: ray`` cannot run, before any model loads.
+
+    Raises:
+        ConfigError: ``mode`` is not async (colocate shares one process), or ``weights.transport`` is
+            not tcp (replicas are other processes, maybe other hosts).
+    """
+    if cfg.mode != "async":
+        raise ConfigError(f"runtime.kind='ray' with mode={cfg.mode!r}: rollout replicas are other processes, "
+                          "so rollout and training cannot share one; set mode=async (max_staleness=0 stays on-policy)")
+    if cfg.weights.transport != "tcp":
+        raise ConfigError(f"runtime.kind='ray' with weights.transport={cfg.weights.transport!r}: replicas pull "
+                          "weights from the trainer actor over the network; set weights.transport=tcp")
 
 
 def _changed_keys(section: str, value: Any, keep: tuple[str, ...] = ()) -> list[str]:

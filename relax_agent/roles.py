@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from relax_agent.config import RelaxConfig
+from relax_agent.errors import ConfigError
 from relax_agent.preflight import build_checked_reward, check_task_counts, preflight
 from relax_agent.rollout.engines.base import InferenceEngine
 from relax_agent.rollout.runner import RolloutRunner
@@ -24,12 +26,28 @@ Task = dict[str, Any]
 
 
 def make_env_factory(cfg: RelaxConfig) -> Callable[[], Any]:
-    """A function that builds a fresh env of ``cfg.env`` (``gymnasium.make``)."""
+    """A function that builds a fresh env of ``cfg.env`` (:func:`make_env`)."""
+    return functools.partial(make_env, cfg.env.id, dict(cfg.env.kwargs))
+
+
+def make_env(env_id: str, kwargs: dict[str, Any]) -> Any:
+    """``gymnasium.make(env_id, **kwargs)``.
+
+    Raises:
+        ConfigError: the env refused its arguments; a message that begins with one of ``kwargs``
+            (``split='nope'; expected ...``) names it by its full key (``env.kwargs.split=...``).
+    """
     import gymnasium
 
     import relax_agent.envs  # noqa: F401
 
-    return functools.partial(gymnasium.make, cfg.env.id, **cfg.env.kwargs)
+    try:
+        return gymnasium.make(env_id, **kwargs)
+    except ConfigError as exc:
+        message = str(exc)
+        if any(re.match(rf"{re.escape(key)}\b", message) for key in kwargs):
+            raise ConfigError(f"env.kwargs.{message} (env.id={env_id!r})") from exc
+        raise
 
 
 @dataclass

@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from relax_agent.configbase import Section
 from relax_agent.errors import ConfigError
@@ -84,14 +85,19 @@ class RewardComponentConfig(Section):
     """remote: no retry starts this many seconds after the first try; the items are then
     masked (status error/timeout), never scored 0."""
 
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            _check_url(url)
+        return url
+
     @model_validator(mode="after")
     def _check_source(self) -> "RewardComponentConfig":
         if self.source == "local" and not self.function:
             raise ValueError("source: local needs function: 'module:function' or 'path/to/file.py:function'")
         if self.source == "remote" and not self.url:
             raise ValueError("source: remote needs url: e.g. 'http://127.0.0.1:8001'")
-        if self.source == "remote" and not self.url.startswith(("http://", "https://")):  # type: ignore[union-attr]
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
         wrong = {"env": (*_REMOTE_ONLY, *_LOCAL_ONLY), "local": _REMOTE_ONLY, "remote": _LOCAL_ONLY}[self.source]
         # A key at its default is not a mistake: a dumped config (saved beside checkpoints) lists every key.
         set_wrong = [k for k in wrong if k in self.model_fields_set
@@ -133,6 +139,10 @@ class RewardConfig(Section):
     def _check_components(self) -> "RewardConfig":
         if not self.components:
             raise ValueError("reward.components must hold at least one component")
+        if all(c.weight == 0 for c in self.components):
+            keys = ", ".join(f"reward.components.{i}.weight" for i in range(len(self.components)))
+            raise ValueError(f"every reward weight is 0 ({keys}): every reward would be 0 and nothing would be "
+                             "trained; give at least one component a weight other than 0")
         labels = [c.label for c in self.components]
         dupes = sorted({n for n in labels if labels.count(n) > 1})
         if dupes:
@@ -180,6 +190,24 @@ def _build_one(c: RewardComponentConfig, clients: dict[tuple[str, str | None], R
                                     max_batch_items=c.max_batch_items, micro_batching=c.micro_batching,
                                     batch_wait_s=c.batch_wait_s, transport=transport)
     return clients[key]
+
+
+def _check_url(url: str) -> None:
+    """Raise ValueError naming ``url`` unless it is ``http(s)://host[:port][/path]`` with a port in 1-65535."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ValueError(f"url {url!r} is not a valid URL ({exc})") from None
+    if not parts.hostname:
+        raise ValueError(f"url {url!r} names no host; e.g. 'http://127.0.0.1:8001'")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"url {url!r}: the port {parts.netloc.rpartition(':')[2]!r} is not a number in 1-65535")
 
 
 def _token(token_env: str | None) -> str | None:

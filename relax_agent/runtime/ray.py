@@ -5,7 +5,9 @@ What runs where (all actors in ``data.ray_namespace``, named after ``data.ray_ac
     driver (relax-agent train)   control loop (the same code as local), supervisor thread, control
                                  endpoint (HTTP, run.output_dir/runtime.json), checkpoints, metrics
     <bus>                        the TransferQueue metadata actor (relax_agent.data.ray)
-    <bus>.weights                the weight coordinator (versions, subscribers, epochs)
+    <bus>.weights                the weight coordinator (versions, subscribers, epochs); every call
+                                 carries the run's credential (relax_agent.weights.auth), made here:
+                                 the trainer gets the publisher secret, replicas the subscriber one
     <bus>.health                 the heartbeat table
     <bus>.trainer.*              the trainer (runtime.trainer_num_cpus); serves weights over tcp
     <bus>.rollout-<slot>.<gen>   runtime.rollout_replicas replicas (runtime.rollout_num_cpus each):
@@ -25,25 +27,22 @@ from typing import Any
 
 import ray
 
-from relax_agent.errors import ConfigError
 from relax_agent.runtime.base import Runtime
 
 log = logging.getLogger("relax_agent.runtime")
 
 
 def check_ray_runtime(cfg: Any) -> None:
-    """Refuse config combinations ``runtime: ray`` cannot run.
+    """Refuse config combinations ``runtime: ray`` cannot run (also checked in preflight, before any
+    model loads: :func:`relax_agent.preflight.check_ray_combination`).
 
     Raises:
         ConfigError: ``mode`` is not async (colocate shares one process), or ``weights.transport`` is
             not tcp (replicas are other processes, maybe other hosts).
     """
-    if cfg.mode != "async":
-        raise ConfigError(f"runtime.kind='ray' with mode={cfg.mode!r}: rollout replicas are other processes, "
-                          "so rollout and training cannot share one; set mode=async (max_staleness=0 stays on-policy)")
-    if cfg.weights.transport != "tcp":
-        raise ConfigError(f"runtime.kind='ray' with weights.transport={cfg.weights.transport!r}: replicas pull "
-                          "weights from the trainer actor over the network; set weights.transport=tcp")
+    from relax_agent.preflight import check_ray_combination
+
+    check_ray_combination(cfg)
 
 
 def watchdog_s(cfg: Any) -> float:
@@ -91,6 +90,7 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
     from relax_agent.runtime.ray_supervisor import Supervisor
     from relax_agent.runtime.ray_trainer import RayTrainerService
     from relax_agent.runtime.ray_weights import ActorCoordinator, start_coordinator
+    from relax_agent.weights.auth import RunCredential
 
     check_ray_runtime(cfg)
     data = bus_config(cfg)
@@ -100,7 +100,9 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
         bus = RayTransferQueue(data)
         closers.append(bus.close)
         prefix, ns = data.ray_actor_name, data.ray_namespace
-        coordinator = ActorCoordinator(start_coordinator(f"{prefix}.weights", ns))
+        credential = RunCredential.generate(cfg.weights.read_service_token())
+        publisher = ActorCoordinator(start_coordinator(f"{prefix}.weights", ns, credential), credential)
+        coordinator = publisher.for_subscribers()  # replicas and the driver: no publisher secret
         health = start_health(f"{prefix}.health", ns)
         closers += [lambda: ray.kill(coordinator.handle), lambda: ray.kill(health)]
         pool = ReplicaPool()
@@ -109,7 +111,7 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
         closers.insert(0, supervisor.stop)
         trainer = None
         if roles.trainer is not None:
-            trainer = RayTrainerService(cfg, coordinator, health, supervisor, supervisor.trainer_name, ns,
+            trainer = RayTrainerService(cfg, publisher, health, supervisor, supervisor.trainer_name, ns,
                                         _publish_host(cfg))
             closers.insert(1, trainer.close)
             roles.trainer = None  # the actor trains; the driver's copy is not needed

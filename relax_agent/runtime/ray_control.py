@@ -7,6 +7,10 @@ Endpoints (JSON; every one needs ``Authorization: Bearer <token>``, else 401)::
 
 While the run lives, ``run.output_dir/runtime.json`` (mode 0600) holds the endpoint's URL and token;
 :func:`scale_run` reads it, so ``relax-agent scale RUN_DIR --rollout N`` needs neither Ray nor the token.
+
+Each connection holds one thread of the driver: a connection idle for ``idle_timeout_s`` (10 s) is
+closed, and beyond ``max_connections`` (16) open at once a new one is answered 503 and closed, so
+idle or unauthenticated clients cannot pile up threads.
 """
 
 from __future__ import annotations
@@ -25,15 +29,54 @@ RUNTIME_FILE = "runtime.json"
 """In ``run.output_dir``: the control endpoint's URL and bearer token (mode 0600), while the run lives."""
 
 
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _CappedServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most ``max_connections`` connections at once (a
+    connection beyond them gets 503 and is closed at once)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class ControlServer:
     """Serves ``supervisor``'s status and scaling on ``host:port`` (port 0: a free one) in a daemon
-    thread, and writes ``run_dir/runtime.json``; :meth:`close` stops it and removes the file."""
+    thread, and writes ``run_dir/runtime.json``; :meth:`close` stops it and removes the file.
 
-    def __init__(self, supervisor: Any, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
+    Args:
+        idle_timeout_s: a connection that sends nothing for this long is closed.
+        max_connections: connections served at once; one more is answered 503 and closed.
+    """
+
+    def __init__(self, supervisor: Any, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *,
+                 idle_timeout_s: float = 10.0, max_connections: int = 16) -> None:
         self.token = secrets.token_urlsafe(24)
         self.path = Path(run_dir) / RUNTIME_FILE
-        self._server = ThreadingHTTPServer((host, port), _handler(supervisor, self.token))
-        self._server.daemon_threads = True
+        self._server = _CappedServer((host, port), _handler(supervisor, self.token, idle_timeout_s), max_connections)
         self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="relax-control", daemon=True)
         self._thread.start()
@@ -51,8 +94,10 @@ class ControlServer:
             pass
 
 
-def _handler(supervisor: Any, token: str) -> type[BaseHTTPRequestHandler]:
+def _handler(supervisor: Any, token: str, idle_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = idle_timeout_s  # socket timeout: an idle connection ends (and frees its thread)
+
         def log_message(self, *args: Any) -> None:  # quiet
             pass
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import signal
 import threading
@@ -137,14 +138,36 @@ class Supervisor:
         """Set the number of rollout replicas; the supervisor starts or drains them. Returns :meth:`status`.
 
         Raises:
-            ConfigError: ``replicas`` is not an int >= 1.
+            ConfigError: ``replicas`` is not an int >= 1, or more than :meth:`max_replicas`.
         """
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise ConfigError(f"scale --rollout {replicas!r}: expected an integer >= 1 (rollout replicas)")
+        bound, why = self.max_replicas()
+        if replicas > bound:
+            raise ConfigError(f"scale --rollout {replicas}: more than the {bound} rollout replicas this run may have "
+                              f"({why})")
         with self.pool.lock:
             self.target = replicas
         log.info("runtime: rollout replicas -> %d", replicas)
         return self.status()
+
+    def max_replicas(self) -> tuple[int, str]:
+        """The most rollout replicas :meth:`scale` accepts, and what sets it: ``runtime.max_rollout_replicas``,
+        or fewer when the Ray cluster's CPUs (less the trainer's) hold fewer at ``runtime.rollout_num_cpus``
+        each (replicas beyond them would wait for resources forever)."""
+        bound, why = self.rt.max_rollout_replicas, f"runtime.max_rollout_replicas={self.rt.max_rollout_replicas}"
+        if ray.is_initialized():
+            try:
+                cpus = float(ray.cluster_resources().get("CPU", 0.0))
+            except Exception:  # no answer from the cluster: the configured bound alone
+                return bound, why
+            fit = max(1, math.floor((cpus - self.rt.trainer_num_cpus) / self.rt.rollout_num_cpus + 1e-9))
+            if fit < bound:
+                bound, why = fit, (f"the cluster's {cpus:g} CPUs hold {fit} at runtime.rollout_num_cpus="
+                                   f"{self.rt.rollout_num_cpus:g} beside the trainer's runtime.trainer_num_cpus="
+                                   f"{self.rt.trainer_num_cpus:g}; runtime.max_rollout_replicas="
+                                   f"{self.rt.max_rollout_replicas}")
+        return bound, why
 
     # -- trainer ----------------------------------------------------------------------------------
     def allow_trainer_restart(self, reason: str) -> bool:

@@ -28,9 +28,28 @@ from typing import Any, Callable, Mapping
 import ray
 
 from relax_agent.errors import CheckpointError, RuntimeServiceError
+from relax_agent.weights.auth import same_secret
 
 log = logging.getLogger("relax_agent.runtime")
 _DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def _run_only(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Make a :class:`TrainerActor` method take a ``credential`` keyword and refuse (raise
+    :class:`RuntimeServiceError`, logged) a caller whose credential lacks the run's publisher secret:
+    the actor is named, so any process joined to the run's Ray could otherwise read the policy
+    (``state_dict``), train it on its own rows or publish."""
+
+    def guarded(self: "TrainerActor", *args: Any, credential: Any = None, **kwargs: Any) -> Any:
+        if not same_secret(self.coordinator.credential.publisher, getattr(credential, "publisher", None)):
+            log.warning("trainer actor: refused %s: the caller does not hold the run's publisher credential",
+                        method.__name__)
+            raise RuntimeServiceError(f"trainer actor: {method.__name__} refused: it needs the run's publisher "
+                                      "credential, which this caller does not hold")
+        return method(self, *args, **kwargs)
+
+    guarded.__name__, guarded.__qualname__, guarded.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    return guarded  # no functools.wraps: Ray reads the signature, which must take ``credential``
 
 
 class TrainerActor:
@@ -51,6 +70,7 @@ class TrainerActor:
         self.version = 0
         self.busy = False
 
+    @_run_only
     def start(self, model_path: str | None = None, trainer_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Build the trainer from ``model_path`` (None: ``model.path``) and ``trainer_state``; register as
         the weight publisher (a new coordinator epoch when one registered before)."""
@@ -68,7 +88,8 @@ class TrainerActor:
         if trainer_state is not None:
             trainer.load_state_dict(trainer_state)
         w = self.cfg.weights.model_copy(update={"host": self.publish_host})
-        sync = WeightSync(w, self.coordinator, TcpSender(w), lambda: TcpReceiver(w))
+        secret = self.coordinator.credential.subscriber  # the tcp server challenges for the run's credential
+        sync = WeightSync(w, self.coordinator, TcpSender(w, secret), lambda: TcpReceiver(w, secret=secret))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.service = LocalTrainerService(trainer, sync, int(pad), getattr(tokenizer, "save_pretrained", None))
         self._beat()
@@ -87,22 +108,26 @@ class TrainerActor:
             self.busy = False
             self._beat()
 
+    @_run_only
     def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
         """One update on ``fields``, published as ``version``."""
         out = self._work(lambda: self.service.train(fields, version))
         self.version = version
         return out
 
+    @_run_only
     def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
         """One supervised warm-up update (not published)."""
         return self._work(lambda: self.service.sft(fields, lr))
 
+    @_run_only
     def end_sft(self, version: int) -> dict[str, float]:
         """End the warm-up; publish its weights as ``version``."""
         out = self._work(lambda: self.service.end_sft(version))
         self.version = version
         return out
 
+    @_run_only
     def replay(self, ops: list[tuple[str, Any, Any]]) -> None:
         """Re-take logged operations after a restart, in order, without publishing:
         ``("train", fields, version)``, ``("sft", fields, lr)``, ``("end_sft", None, version)``."""
@@ -119,21 +144,25 @@ class TrainerActor:
 
         self._work(run)
 
+    @_run_only
     def publish(self, version: int) -> dict[str, float]:
         """Publish the current weights as ``version`` (after a start or a replay)."""
         out = self._work(lambda: self.service._publish(version))
         self.version = version
         return out
 
+    @_run_only
     def state_dict(self) -> dict[str, Any]:
         return self._work(self.service.state_dict)
 
+    @_run_only
     def save_model(self, path: str) -> None:
         self._work(lambda: self.service.save_model(path))
 
     def pid(self) -> int:
         return os.getpid()
 
+    @_run_only
     def stop(self) -> None:
         if self.service is not None:
             self.service.close()
@@ -181,6 +210,8 @@ class RayTrainerService:
     def __init__(self, cfg: Any, coordinator: Any, health: Any, supervisor: Any, name: str, namespace: str,
                  publish_host: str) -> None:
         self.cfg, self.coordinator, self.health, self.supervisor = cfg, coordinator, health, supervisor
+        self._credential = coordinator.credential
+        """Every call to the actor carries it: the actor refuses callers without the publisher secret."""
         self.name, self.namespace, self.publish_host = name, namespace, publish_host
         self._cls = ray.remote(TrainerActor)
         self._base = _Base(None, 0)
@@ -199,25 +230,25 @@ class RayTrainerService:
                                        num_cpus=self.cfg.runtime.trainer_num_cpus, max_restarts=0,
                                        max_concurrency=2).remote(self.cfg, self.name, self.coordinator,
                                                                  self.health, self.publish_host)
-        info = ray.get(self.actor.start.remote(model_path, trainer_state),
+        info = ray.get(self.actor.start.remote(model_path, trainer_state, credential=self._credential),
                        timeout=self.cfg.runtime.replica_start_timeout_s)
         self.pid = info["pid"]
 
     # -- the protocol -----------------------------------------------------------------------------
     def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
         self._trim_to_checkpoint()
-        out = self._call(lambda: self.actor.train.remote(fields, version))
+        out = self._call(lambda: self.actor.train.remote(fields, version, credential=self._credential))
         self._log.append(("train", fields, version))
         self._version = version
         return {**out, **self.supervisor.metrics()}
 
     def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
-        out = self._call(lambda: self.actor.sft.remote(fields, lr))
+        out = self._call(lambda: self.actor.sft.remote(fields, lr, credential=self._credential))
         self._log.append(("sft", fields, lr))
         return out
 
     def end_sft(self, version: int) -> dict[str, float]:
-        out = self._call(lambda: self.actor.end_sft.remote(version))
+        out = self._call(lambda: self.actor.end_sft.remote(version, credential=self._credential))
         self._log.append(("end_sft", None, version))
         self._version = version
         return out
@@ -233,19 +264,19 @@ class RayTrainerService:
             raise CheckpointError(f"runtime ray: resuming policy version {version}, but the newest checkpoint under "
                                   f"{self.cfg.run.output_dir}/checkpoints is {ckpt} (version {ckpt_version})")
         self._base, self._log, self._version = _Base(ckpt, version), [], version
-        self._call(lambda: self.actor.start.remote(str(ckpt / "model"), trainer_state))
-        self._call(lambda: self.actor.publish.remote(version))
+        self._call(lambda: self.actor.start.remote(str(ckpt / "model"), trainer_state, credential=self._credential))
+        self._call(lambda: self.actor.publish.remote(version, credential=self._credential))
 
     def state_dict(self) -> dict[str, Any]:
-        return self._call(lambda: self.actor.state_dict.remote())
+        return self._call(lambda: self.actor.state_dict.remote(credential=self._credential))
 
     def save_model(self, path: Any) -> None:
-        self._call(lambda: self.actor.save_model.remote(str(path)))
+        self._call(lambda: self.actor.save_model.remote(str(path), credential=self._credential))
         self._saved = True
 
     def close(self) -> None:
         try:
-            ray.get(self.actor.stop.remote(), timeout=30.0)
+            ray.get(self.actor.stop.remote(credential=self._credential), timeout=30.0)
         except Exception:  # dead already
             pass
         ray.kill(self.actor, no_restart=True)
@@ -299,8 +330,8 @@ class RayTrainerService:
             _, trainer_state = load_state(base.checkpoint)
         self._launch(None if base.checkpoint is None else str(base.checkpoint / "model"), trainer_state)
         if self._log:
-            ray.get(self.actor.replay.remote(self._log))
-        ray.get(self.actor.publish.remote(self._version))
+            ray.get(self.actor.replay.remote(self._log, credential=self._credential))
+        ray.get(self.actor.publish.remote(self._version, credential=self._credential))
 
     def _trim_to_checkpoint(self) -> None:
         """After a save: the newest checkpoint becomes the base; the log keeps what came after it."""

@@ -39,9 +39,11 @@ class WeightSyncConfig(Section):
     """Also serve the coordinator over HTTP on ``host:service_port`` (0: a free port) so that
     rollout replicas in other processes can subscribe; None keeps it in-process only."""
     service_token_env: str | None = None
-    """Environment variable that holds the coordinator service's bearer token, shared by the
-    publisher and its replicas (as ``serve-reward --token-env``); every request needs it. None:
-    the publisher makes a random token per run (``WeightSync.service_token``) to hand to replicas."""
+    """Environment variable that holds the run's weight credential, shared by the publisher and its
+    replicas (as ``serve-reward --token-env``): the coordinator service's bearer token (every request
+    needs it) and the secret a tcp subscriber proves it holds before the weight server sends it a
+    byte (:mod:`relax_agent.weights.auth`). None: the publisher (or the Ray driver) makes a random
+    one per run (``WeightSync.service_token``) and hands it to the replicas it starts."""
     checksum: Literal["xxh3", "crc32", "none"] = "xxh3"
     """Per-bucket checksum the publisher computes and every tcp subscriber verifies
     (xxh3 ~9 GB/s, crc32 ~1.9 GB/s per core here)."""
@@ -61,6 +63,11 @@ class WeightSyncConfig(Section):
     """How long ``publish`` waits for every attached engine to apply the version; one that has not
     by then is reported as lagging (``SyncStats.lagging``), not waited for again until it catches
     up, and keeps following on its own."""
+    subscriber_silence_s: float = Field(default=60.0, gt=0.0)
+    """A publish stops waiting for a subscriber that has not talked to the coordinator for this long
+    (no long poll open, no report, no keep-alive while it applies a version) and unregisters it
+    (``weights/subscribers_dropped``; a live one registers again on its next poll). Subscribers send a
+    keep-alive every quarter of it while they receive and load a version."""
     connect_timeout_s: float = Field(default=10.0, gt=0.0)
     """tcp: connecting to the weight server, and the idle limit of one socket read or write."""
     poll_timeout_s: float = Field(default=30.0, gt=0.0)

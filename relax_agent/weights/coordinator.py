@@ -14,6 +14,7 @@ when it committed. The same methods are served over HTTP by
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import secrets
 import threading
@@ -24,6 +25,8 @@ from typing import Any, Protocol
 
 from relax_agent.errors import WeightSyncError
 from relax_agent.weights.meta import VersionMeta
+
+log = logging.getLogger("relax_agent.weights")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,12 @@ class Coordinator:
         """Last reports of subscribers that unregistered (a publish waiting on them still counts them)."""
         self._ids = itertools.count()
         self._closed = False
+        self._seen: dict[str, float] = {}
+        """subscriber id -> monotonic time of its last call (register, poll, report, keep-alive)."""
+        self._polling: dict[str, int] = {}
+        """subscriber id -> long polls it has open now (a subscriber in a poll is never silent)."""
+        self.dropped_total = 0
+        """Subscribers unregistered for silence (``weights.subscriber_silence_s``) so far."""
 
     def register_publisher(self, address: str | None) -> str:
         """Record the publisher (one per coordinator) and where it serves bytes.
@@ -112,17 +121,25 @@ class Coordinator:
         with self._cond:
             sub_id = f"{name}.{self.epoch}.{next(self._ids)}"
             self._subscribers[sub_id] = name
+            self._seen[sub_id] = time.monotonic()
             return sub_id
 
     def is_registered(self, subscriber: str) -> bool:
-        """Whether ``subscriber`` is registered here (False for an id of a previous coordinator)."""
+        """Whether ``subscriber`` is registered here (False for an id of a previous coordinator).
+        Counts as a keep-alive of ``subscriber``."""
         with self._cond:
+            self._touch(subscriber)
             return subscriber in self._subscribers
+
+    def _touch(self, subscriber: str | None) -> None:
+        if subscriber is not None and subscriber in self._subscribers:
+            self._seen[subscriber] = time.monotonic()
 
     def unregister_subscriber(self, subscriber: str) -> None:
         """Remove ``subscriber``; its last report still answers a publish that was waiting for it."""
         with self._cond:
             self._subscribers.pop(subscriber, None)
+            self._seen.pop(subscriber, None)
             report = self._reports.pop(subscriber, None)
             if report is not None:
                 self._departed[subscriber] = report
@@ -200,14 +217,23 @@ class Coordinator:
         timeout_s = check_poll_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not self._newer(after, epoch):
-                remaining = deadline - time.monotonic()
-                if subscriber is not None and subscriber not in self._subscribers:
-                    return None
-                if remaining <= 0 or self._closed:
-                    return None
-                self._cond.wait(None if math.isinf(remaining) else remaining)
-            return self._latest
+            if subscriber is not None:
+                self._polling[subscriber] = self._polling.get(subscriber, 0) + 1
+            try:
+                while not self._newer(after, epoch):
+                    remaining = deadline - time.monotonic()
+                    if subscriber is not None and subscriber not in self._subscribers:
+                        return None
+                    if remaining <= 0 or self._closed:
+                        return None
+                    self._cond.wait(None if math.isinf(remaining) else remaining)
+                return self._latest
+            finally:
+                if subscriber is not None:
+                    left = self._polling.pop(subscriber) - 1
+                    if left > 0:
+                        self._polling[subscriber] = left
+                    self._touch(subscriber)
 
     def _newer(self, after: int | None, epoch: str | None) -> bool:
         latest = self._latest
@@ -230,6 +256,7 @@ class Coordinator:
         """Record a subscriber's outcome for a version."""
         with self._cond:
             if report.subscriber in self._subscribers:
+                self._touch(report.subscriber)
                 self._reports[report.subscriber] = report
                 self._cond.notify_all()
 
@@ -260,7 +287,22 @@ class Coordinator:
             replica that reached its last version and left) counts with its report; one that left
             without reporting is in neither.
         """
+        done, missing, _ = self.wait_reports_dropping(version, subscribers, timeout_s, math.inf)
+        return done, missing
+
+    def wait_reports_dropping(self, version: int, subscribers: list[str], timeout_s: float,
+                              silence_s: float) -> tuple[dict[str, ApplyReport], list[str], list[str]]:
+        """:meth:`wait_reports`, but a subscriber among the missing that has been silent for
+        ``silence_s`` (no long poll open, no call since) is unregistered and not waited for.
+
+        Returns:
+            (reports, lagging, dropped): the first two as :meth:`wait_reports`; ``dropped``: ids
+            unregistered for silence during this wait (a live subscriber registers again on its
+            next poll).
+        """
         deadline = time.monotonic() + timeout_s
+        check_s = max(0.05, min(silence_s / 4, 1.0)) if not math.isinf(silence_s) else None
+        dropped: list[str] = []
         with self._cond:
             while True:
                 done = {}
@@ -269,10 +311,31 @@ class Coordinator:
                     if report is not None and report.version >= version:
                         done[s] = report
                 missing = [s for s in subscribers if s in self._subscribers and s not in done]
+                if missing and check_s is not None:
+                    silent = self._silent(missing, silence_s)
+                    for s in silent:
+                        self._drop(s, silence_s)
+                    dropped += silent
+                    missing = [s for s in missing if s not in silent]
                 remaining = deadline - time.monotonic()
                 if not missing or remaining <= 0:
-                    return done, missing
-                self._cond.wait(remaining)
+                    return done, missing, dropped
+                self._cond.wait(remaining if check_s is None else min(remaining, check_s))
+
+    def _silent(self, subscribers: list[str], silence_s: float) -> list[str]:
+        now = time.monotonic()
+        return [s for s in subscribers if not self._polling.get(s) and now - self._seen.get(s, now) > silence_s]
+
+    def _drop(self, subscriber: str, silence_s: float) -> None:
+        """Unregister a silent subscriber (lock held)."""
+        idle_s = time.monotonic() - self._seen.get(subscriber, time.monotonic())
+        self._subscribers.pop(subscriber, None)
+        self._seen.pop(subscriber, None)
+        self._reports.pop(subscriber, None)
+        self.dropped_total += 1
+        log.warning("weights: dropped subscriber %s: silent for %.1f s (no poll, report or keep-alive; "
+                    "weights.subscriber_silence_s=%s); a publish no longer waits for it", subscriber, idle_s,
+                    silence_s)
 
     def reported_version(self, subscriber: str) -> int | None:
         """The version of ``subscriber``'s last report (None: none yet, or not registered)."""
@@ -285,4 +348,5 @@ class Coordinator:
         with self._cond:
             return {"publisher": self._publisher, "epoch": self.epoch, "subscribers": list(self._subscribers),
                     "latest_version": None if self._latest is None else self._latest.version,
-                    "reports": {s: r.version for s, r in self._reports.items()}}
+                    "reports": {s: r.version for s, r in self._reports.items()},
+                    "dropped_total": self.dropped_total}

@@ -18,6 +18,7 @@ from relax_agent.weights.base import Receiver
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.service import HttpCoordinator
 from relax_agent.weights.subscriber import EngineSubscriber, NameMap
+from relax_agent.weights.sync import keepalive_s
 
 
 def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str = "replica",
@@ -35,7 +36,8 @@ def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str =
         address: tcp only: fetch from this "host:port" instead of the advertised address.
         wait_first_s: wait this long for a first version to exist before returning.
         follow: keep applying new versions in a background thread.
-        token: the service's bearer token (``WeightSync.service_token`` on the trainer side);
+        token: the run's weight credential: the service's bearer token (``WeightSync.service_token``
+            on the trainer side), also the secret the tcp weight server challenges for;
             None reads it from ``cfg.service_token_env``.
 
     Raises:
@@ -48,8 +50,9 @@ def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str =
         raise WeightSyncError(f"connect_subscriber({url!r}): the coordinator service needs its bearer token; pass "
                               "token=WeightSync.service_token or set weights.service_token_env")
     coordinator = HttpCoordinator(url, timeout_s=cfg.connect_timeout_s, token=token)
-    sub = EngineSubscriber(engine, _receiver(cfg, rank, address), coordinator, name,
-                           name_map if name_map is not None else (cfg.name_map or None), cfg.poll_timeout_s)
+    sub = EngineSubscriber(engine, _receiver(cfg, rank, address, token), coordinator, name,
+                           name_map if name_map is not None else (cfg.name_map or None), cfg.poll_timeout_s,
+                           keepalive_s(cfg))
     report = sub.sync_latest(wait_first_s)
     if report is not None and report.error is not None:
         sub.close()
@@ -57,11 +60,11 @@ def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str =
     return sub.start() if follow else sub
 
 
-def _receiver(cfg: WeightSyncConfig, rank: int | None, address: str | None) -> Receiver:
+def _receiver(cfg: WeightSyncConfig, rank: int | None, address: str | None, secret: str) -> Receiver:
     if cfg.transport == "tcp":
         from relax_agent.weights.tcp import TcpReceiver
 
-        return TcpReceiver(cfg, address)
+        return TcpReceiver(cfg, address, secret=secret)  # the service token is the run's weight credential
     if cfg.transport == "nccl":
         from relax_agent.weights.nccl import NcclReceiver
 

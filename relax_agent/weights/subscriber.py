@@ -24,14 +24,15 @@ corrected) one while the engine keeps serving its last complete version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import VersionGoneError, WeightSyncError
 from relax_agent.weights.base import Receiver
 from relax_agent.weights.coordinator import ApplyReport, CoordinatorApi
 from relax_agent.weights.meta import VersionMeta, format_diff, layout_diff
@@ -40,6 +41,10 @@ log = logging.getLogger("relax_agent.weights")
 
 _REFUSED_PAUSE_S = 0.2
 """How often a follower looks again while the commit it refused is still the latest one."""
+
+_MAX_SUPERSEDED = 16
+"""Pulls in a row that :meth:`EngineSubscriber.sync_latest` starts again on the newest version when
+the publisher replaced the one being pulled (a fast trainer publishing during every pull)."""
 
 NameMap = Mapping[str, str] | Callable[[str], "str | None"]
 """Publisher name -> engine name; a callable may return None to skip a tensor."""
@@ -66,11 +71,16 @@ class EngineSubscriber:
         name: label in the coordinator and in errors.
         name_map: publisher name -> engine name, when layouts name parameters differently.
         poll_timeout_s: long-poll length of the follow thread.
+        keepalive_s: while a version is received and loaded, tell the coordinator every this many
+            seconds that this subscriber is alive (so a long transfer is not taken for silence,
+            ``weights.subscriber_silence_s``); None sends none.
     """
 
     def __init__(self, engine: Any, receiver: Receiver, coordinator: CoordinatorApi, name: str = "engine",
-                 name_map: NameMap | None = None, poll_timeout_s: float = 30.0) -> None:
+                 name_map: NameMap | None = None, poll_timeout_s: float = 30.0,
+                 keepalive_s: float | None = None) -> None:
         self.engine = engine
+        self._keepalive_s = keepalive_s
         self._receiver = receiver
         self._coordinator = coordinator
         self._name = name
@@ -123,10 +133,14 @@ class EngineSubscriber:
                 except WeightSyncError:
                     self._receiver.skip(meta)
                     raise
-                tensors, stats = self._receiver.receive(meta)
-                stats["pause_s"] = self._load(tensors, names, meta.version)
+                with self._keepalive():
+                    tensors, stats = self._receiver.receive(meta)
+                    stats["pause_s"] = self._load(tensors, names, meta.version)
                 report = ApplyReport(self.id, meta.version, None, stats)
                 self.applied_version, self.applied_epoch = meta.version, meta.epoch
+            except VersionGoneError as exc:  # superseded while pulling: not a refusal, nothing to report
+                log.info("%s: %s; pulling the latest version instead", self.id, exc)
+                return ApplyReport(self.id, meta.version, f"{self.id}: {exc}", {"superseded": 1.0})
             except WeightSyncError as exc:
                 log.warning("%s", exc)
                 report = ApplyReport(self.id, meta.version, str(exc))
@@ -138,6 +152,28 @@ class EngineSubscriber:
             self.last_report = report
             self._coordinator.report(report)
             return report
+
+    @contextlib.contextmanager
+    def _keepalive(self) -> Iterator[None]:
+        """Call ``is_registered`` every ``keepalive_s`` in a daemon thread while the body runs."""
+        if self._keepalive_s is None:
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self._keepalive_s):
+                try:
+                    self._coordinator.is_registered(self.id)
+                except Exception as exc:  # the apply itself reports what matters
+                    log.debug("%s: keep-alive failed: %s", self.id, exc)
+
+        thread = threading.Thread(target=beat, name=f"weights-keepalive-{self.id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _behind_applied(self, meta: VersionMeta) -> bool:
         """``meta`` belongs to the run of the applied version and is not newer than it."""
@@ -160,17 +196,23 @@ class EngineSubscriber:
         The commit this subscriber refused is not tried again: while it is still the latest,
         this pauses (up to ``timeout_s``) and returns None; once the publisher withdraws it,
         the same version number published again (a new commit) is tried. Waits up to
-        ``timeout_s`` for a newer version to exist; returns None if none came.
+        ``timeout_s`` for a newer version to exist; returns None if none came. A version the
+        publisher replaced while it was being pulled is not a refusal: the pull starts again on the
+        newest version (up to 16 times in a row; the last report says superseded).
         """
-        meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id, self.applied_epoch)
-        if meta is None:
-            if not self._stop.is_set() and not self._coordinator.is_registered(self.id):
-                self._register_again()
-            return None
-        if meta == self._refused:
-            self._stop.wait(min(timeout_s, _REFUSED_PAUSE_S))
-            return None
-        return self.apply(meta)
+        for _ in range(_MAX_SUPERSEDED):
+            meta = self._coordinator.wait_for_version(self.applied_version, timeout_s, self.id, self.applied_epoch)
+            if meta is None:
+                if not self._stop.is_set() and not self._coordinator.is_registered(self.id):
+                    self._register_again()
+                return None
+            if meta == self._refused:
+                self._stop.wait(min(timeout_s, _REFUSED_PAUSE_S))
+                return None
+            report = self.apply(meta)
+            if not report.stats.get("superseded"):
+                return report
+        return report  # superseded every time: the follower keeps trying; a start reports the last error
 
     def _register_again(self) -> None:
         """The coordinator does not know this subscriber (the publisher restarted with a new

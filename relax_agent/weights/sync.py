@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from relax_agent.errors import WeightSyncError
+from relax_agent.weights.auth import new_secret
 from relax_agent.weights.base import Receiver, Sender
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.coordinator import ApplyReport, Coordinator
@@ -34,6 +35,8 @@ log = logging.getLogger("relax_agent.weights")
 SYNC_S = "timing/weight_sync_s"
 SYNC_GB_PER_S = "weights/gb_per_s"
 PAUSE_S = "weights/engine_pause_s"
+DROPPED = "weights/subscribers_dropped"
+"""Subscribers a publish unregistered for silence (``weights.subscriber_silence_s``)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class SyncStats:
         lagging: subscribers that had not applied it when ``publish`` returned (did not report
             within ``weights.publish_timeout_s``, or still behind from an earlier publish); they
             keep following and catch up on their own.
+        dropped: subscribers unregistered during this publish for silence
+            (``weights.subscriber_silence_s``): not waited for.
     """
 
     version: int
@@ -65,10 +70,12 @@ class SyncStats:
     subscribers: int
     resumes: int = 0
     lagging: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys for the metrics log."""
-        return {SYNC_S: self.seconds, SYNC_GB_PER_S: self.gb_per_s, PAUSE_S: self.pause_s}
+        return {SYNC_S: self.seconds, SYNC_GB_PER_S: self.gb_per_s, PAUSE_S: self.pause_s,
+                DROPPED: float(len(self.dropped))}
 
 
 class WeightSync:
@@ -105,8 +112,15 @@ class WeightSync:
 
     @property
     def service_token(self) -> str | None:
-        """Bearer token of the coordinator's HTTP service (hand it to the replicas' ``connect_subscriber``)."""
+        """Bearer token of the coordinator's HTTP service (hand it to the replicas' ``connect_subscriber``);
+        the same secret as :attr:`credential`."""
         return None if self._service is None else self._service.token
+
+    @property
+    def credential(self) -> str | None:
+        """The run's subscriber secret (tcp: what a receiver answers the weight server's challenge
+        with); None for transports that serve no bytes."""
+        return getattr(self._sender, "secret", None)
 
     @property
     def subscribers(self) -> list[EngineSubscriber]:
@@ -125,13 +139,11 @@ class WeightSync:
                                   "start one per rollout process with relax_agent.weights.remote.connect_subscriber")
         sub = EngineSubscriber(engine, self._make_receiver(), self.coordinator, name,
                                name_map if name_map is not None else (self.cfg.name_map or None),
-                               self.cfg.poll_timeout_s)
-        latest = self.coordinator.latest()
-        if latest is not None:
-            report = sub.apply(latest)
-            if report.error is not None:
-                sub.close()
-                raise WeightSyncError(report.error)
+                               self.cfg.poll_timeout_s, keepalive_s(self.cfg))
+        report = sub.sync_latest(0.0)  # the latest version, if any (again on a newer one if a publish races it)
+        if report is not None and report.error is not None:
+            sub.close()
+            raise WeightSyncError(report.error)
         if self.cfg.transport != "inproc":
             sub.start()
         self._local.append(sub)
@@ -180,7 +192,8 @@ class WeightSync:
         if self.cfg.transport == "inproc":
             for sub in self._local:
                 sub.apply(meta)
-        reports, missing = self.coordinator.wait_reports(version, waiting, self.cfg.publish_timeout_s)
+        reports, missing, dropped = self.coordinator.wait_reports_dropping(
+            version, waiting, self.cfg.publish_timeout_s, self.cfg.subscriber_silence_s)
         seconds = time.perf_counter() - start
         if any(r.error is not None and r.version == version for r in reports.values()):
             self._withdraw(version, reports)
@@ -189,7 +202,8 @@ class WeightSync:
             log.warning("weights: version %d: subscribers %s did not apply it within weights.publish_timeout_s="
                         "%s s; reported as lagging (they catch up on their own)", version, missing,
                         self.cfg.publish_timeout_s)
-        return _stats(meta.version, meta.total_bytes, seconds, stage_s, reports, tuple(behind + missing))
+        stats = _stats(meta.version, meta.total_bytes, seconds, stage_s, reports, tuple(behind + missing))
+        return replace(stats, dropped=tuple(dropped))
 
     def _still_lagging(self, subscribers: list[str]) -> tuple[list[str], list[str]]:
         """Split ``subscribers`` into those to wait for and those still behind a version an earlier
@@ -268,14 +282,14 @@ def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> Wei
         WeightSyncError: nccl with in-process engines, or the transport could not start.
     """
     coordinator = Coordinator()
-    token = cfg.read_service_token()
-    sender, make_receiver = _transport(cfg)  # first: a busy weights.port must not leave a service running
+    secret = cfg.read_service_token() or new_secret()  # the run's credential (weights.auth)
+    sender, make_receiver = _transport(cfg, secret)  # first: a busy weights.port must not leave a service running
     sync = WeightSync(cfg, coordinator, sender, make_receiver)
     try:
         if cfg.service_port is not None:
             from relax_agent.weights.service import serve_coordinator
 
-            sync._service = serve_coordinator(coordinator, cfg.host, cfg.service_port, token=token)
+            sync._service = serve_coordinator(coordinator, cfg.host, cfg.service_port, token=secret)
         for i, engine in enumerate(engines):
             sync.attach(engine, name=f"engine{i}")
     except BaseException:
@@ -284,7 +298,12 @@ def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> Wei
     return sync
 
 
-def _transport(cfg: WeightSyncConfig) -> tuple[Sender, Callable[[], Receiver] | None]:
+def keepalive_s(cfg: WeightSyncConfig) -> float:
+    """How often a subscriber tells the coordinator it is alive while it applies a version."""
+    return cfg.subscriber_silence_s / 4
+
+
+def _transport(cfg: WeightSyncConfig, secret: str) -> tuple[Sender, Callable[[], Receiver] | None]:
     if cfg.transport == "inproc":
         from relax_agent.weights.inproc import InprocReceiver, InprocSender
 
@@ -293,8 +312,8 @@ def _transport(cfg: WeightSyncConfig) -> tuple[Sender, Callable[[], Receiver] | 
     if cfg.transport == "tcp":
         from relax_agent.weights.tcp import TcpReceiver, TcpSender
 
-        tcp = TcpSender(cfg)
-        return tcp, lambda: TcpReceiver(cfg)
+        tcp = TcpSender(cfg, secret)
+        return tcp, lambda: TcpReceiver(cfg, secret=secret)
     from relax_agent.weights.nccl import NcclSender
 
     return NcclSender(cfg), None

@@ -2,6 +2,12 @@
 
 Wire protocol (all integers big-endian int64), one version per connection:
 
+    server -> subscriber   b"RLXN" nonce                        (32 random bytes, new per connection)
+    subscriber -> server   b"RLXW" answer                       (HMAC-SHA256 of the run's subscriber
+                                                                   secret over the nonce, 32 bytes,
+                                                                   :mod:`relax_agent.weights.auth`; a
+                                                                   wrong one closes the connection
+                                                                   before any weight byte is sent)
     subscriber -> server   b"RLXW" version first_bucket
     server -> subscriber   b"RLXW" served_version num_buckets     (served_version != version: not
                                                                    served any more; connection closes)
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -29,7 +36,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import VersionGoneError, WeightSyncError
+from relax_agent.weights import auth
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.meta import (
     FlatSource,
@@ -44,6 +52,8 @@ from relax_agent.weights.meta import (
 log = logging.getLogger("relax_agent.weights")
 
 MAGIC = b"RLXW"
+CHALLENGE_MAGIC = b"RLXN"
+_CHALLENGE = struct.Struct(f"!4s{auth.NONCE_BYTES}s")
 _HELLO = struct.Struct("!4sqq")
 _BUCKET = struct.Struct("!qq")
 _RECONNECT_PAUSE_S = 0.05
@@ -64,14 +74,19 @@ class TcpSender:
 
     Args:
         cfg: ``host``/``port`` to bind (port 0: a free one), ``bucket_bytes``, ``checksum``,
-            ``snapshot``, ``connect_timeout_s`` (idle limit of a socket write).
+            ``snapshot``, ``connect_timeout_s`` (idle limit of a socket write, and of the challenge).
+        secret: the run's subscriber secret; a connection that does not answer the challenge with
+            it gets no byte of a weight (None: a fresh random one, :attr:`secret`).
 
     Raises:
         WeightSyncError: the address cannot be bound.
     """
 
-    def __init__(self, cfg: WeightSyncConfig) -> None:
+    def __init__(self, cfg: WeightSyncConfig, secret: str | None = None) -> None:
         self._cfg = cfg
+        self.secret = secret or auth.new_secret()
+        self.refused = 0
+        """Connections closed for a missing or wrong answer to the challenge."""
         try:
             self._listener = socket.create_server((cfg.host, cfg.port), backlog=64)
         except OSError as exc:
@@ -91,7 +106,8 @@ class TcpSender:
         return self._address
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
-        """Snapshot (if configured) and checksum ``state_dict``; serve it from now on."""
+        """Snapshot (if configured) and checksum ``state_dict``; serve it from now on. The version it
+        replaces is still served (to a subscriber whose pull raced this publish) until the next stage."""
         tensors, total = plan_layout(state_dict)
         buffer = None
         if self._cfg.snapshot:
@@ -153,15 +169,16 @@ class TcpSender:
         offer = None
         try:
             conn.settimeout(self._cfg.connect_timeout_s)
+            if not self._authenticate(conn):
+                return
             magic, version, first = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
             if magic != MAGIC:
                 return
-            with self._lock:
-                offer = self._current
-                if offer is not None and offer.meta.version == version:
+            with self._lock:  # the current version, or the one it replaced (a pull that raced a publish)
+                offer = next((o for o in (self._current, self._retired) if o is not None and o.meta.version == version
+                              and (o is self._current or o.buffer is not None)), None)  # a snapshot stays valid
+                if offer is not None:
                     offer.readers += 1
-                else:
-                    offer = None
             if offer is None:
                 latest = -1 if self._current is None else self._current.meta.version
                 conn.sendall(_HELLO.pack(MAGIC, latest, 0))
@@ -175,6 +192,28 @@ class TcpSender:
                     offer.readers -= 1
                 self._conns.discard(conn)
             _shutdown(conn)
+
+    def _authenticate(self, conn: socket.socket) -> bool:
+        """Challenge the subscriber; False (logged with the peer and why) when it does not hold the
+        run's secret. Reads exactly the request's fixed-size prefix, so the hello that follows is intact."""
+        nonce = secrets.token_bytes(auth.NONCE_BYTES)
+        conn.sendall(_CHALLENGE.pack(CHALLENGE_MAGIC, nonce))
+        reason = None
+        try:
+            head = _recv_exact(conn, 4 + auth.ANSWER_BYTES)
+        except (OSError, EOFError) as exc:
+            reason = f"no answer to the challenge ({exc})"
+        else:
+            if head[:4] != MAGIC:
+                reason = "not a relax-agent weight subscriber (bad magic)"
+            elif not auth.verify_answer(self.secret, nonce, head[4:]):
+                reason = "wrong answer to the challenge (not the run's weight credential)"
+        if reason is None:
+            return True
+        with self._lock:
+            self.refused += 1
+        log.warning("weight server %s: refused a connection from %s: %s", self._address, _peer(conn), reason)
+        return False
 
     def _stream(self, conn: socket.socket, offer: _Offer, first: int) -> None:
         meta = offer.meta
@@ -193,11 +232,20 @@ class TcpReceiver:
         cfg: ``connect_timeout_s`` (connect and idle read limit), ``max_reconnects``.
         address: "host:port" to fetch from instead of the address in the metadata (e.g.
             through a forwarder).
+        secret: the run's subscriber secret (``TcpSender.secret`` / ``WeightSync.credential``),
+            with which it answers the server's challenge.
+
+    Raises:
+        WeightSyncError: no ``secret``.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, address: str | None = None) -> None:
+    def __init__(self, cfg: WeightSyncConfig, address: str | None = None, *, secret: str | None = None) -> None:
+        if not secret:
+            raise WeightSyncError("a tcp weight subscriber needs the run's weight credential (secret=): the weight "
+                                  "server sends no weights to a connection that cannot answer its challenge")
         self._cfg = cfg
         self._address = address
+        self._secret = secret
         self._buffer: torch.Tensor | None = None
 
     def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
@@ -253,11 +301,19 @@ class TcpReceiver:
         """Receive buckets from ``first`` on one connection, yielding each bucket once it is complete."""
         host, _, port = self._target(meta).rpartition(":")
         with socket.create_connection((host, int(port)), timeout=self._cfg.connect_timeout_s) as conn:
-            conn.sendall(_HELLO.pack(MAGIC, meta.version, first))
-            magic, served, num_buckets = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            magic, nonce = _CHALLENGE.unpack(_recv_exact(conn, _CHALLENGE.size))
+            if magic != CHALLENGE_MAGIC:
+                raise WeightSyncError(f"version {meta.version}: {self._target(meta)} is not a relax-agent weight "
+                                      "server (no challenge)")
+            conn.sendall(MAGIC + auth.answer(self._secret, nonce) + _HELLO.pack(MAGIC, meta.version, first))
+            try:
+                magic, served, num_buckets = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+            except EOFError as exc:  # retried like any drop; the message says what it most likely is
+                raise EOFError(f"the weight server closed the connection after the challenge (a wrong weight "
+                               f"credential, or the server is shutting down): {exc}") from exc
             if magic != MAGIC or served != meta.version:
-                raise WeightSyncError(f"version {meta.version}: the publisher at {self._target(meta)} now serves "
-                                      f"version {served}; this one is gone")
+                raise VersionGoneError(f"version {meta.version}: the publisher at {self._target(meta)} now serves "
+                                       f"version {served}; this one is gone")
             assert num_buckets == meta.num_buckets, (num_buckets, meta.num_buckets)
             for b in range(first, num_buckets):
                 index, nbytes = _BUCKET.unpack(_recv_exact(conn, _BUCKET.size))
@@ -297,6 +353,14 @@ def _recv_exact(conn: socket.socket, nbytes: int) -> bytes:
     buf = bytearray(nbytes)
     _recv_into(conn, memoryview(buf))
     return bytes(buf)
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "an unknown peer"
 
 
 def _shutdown(sock: socket.socket) -> None:

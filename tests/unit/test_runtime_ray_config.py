@@ -240,3 +240,58 @@ def test_a_group_whose_replica_died_is_played_again_and_records_the_first_versio
     r0, r1 = pool.replicas
     assert r0.state == "failed" and "died during group s0/g0" in r0.reason
     assert r1.groups_done == 1 and svc.retried_groups == 1 and r1.first_group == (3, 3)
+
+
+def test_scale_beyond_the_replica_bound_is_refused_with_422_naming_it(control, tmp_path, monkeypatch):
+    """``{"rollout": 10000}`` would start ten thousand actors: refused, naming the bound; the target stays."""
+    from relax_agent.runtime import ray_supervisor
+    from relax_agent.runtime.ray_control import scale_run
+
+    supervisor, _ = control
+    assert scale_run(tmp_path, 64)["target"] == 64  # the default bound itself is accepted
+    with pytest.raises(ConfigError, match=r"HTTP 422 .*--rollout 10000: more than the 64 rollout replicas .*"
+                                          r"runtime.max_rollout_replicas=64"):
+        scale_run(tmp_path, 10000)
+    assert supervisor.target == 64
+    # on a Ray cluster of 4 CPUs: (4 - 0.5 for the trainer) / 0.25 per replica = 14
+    monkeypatch.setattr(ray_supervisor.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_supervisor.ray, "cluster_resources", lambda: {"CPU": 4.0})
+    assert supervisor.max_replicas()[0] == 14
+    with pytest.raises(ConfigError, match=r"HTTP 422 .*--rollout 15: more than the 14 .*cluster's 4 CPUs"):
+        scale_run(tmp_path, 15)
+    assert scale_run(tmp_path, 14)["target"] == 14
+
+
+def test_rollout_replicas_above_the_bound_are_refused_at_load():
+    with pytest.raises(ConfigError, match=r"runtime.rollout_replicas=100 is more than runtime.max_rollout_replicas=64"):
+        load_config(None, ["runtime.kind=ray", "runtime.rollout_replicas=100"])
+    assert load_config(None, ["runtime.rollout_replicas=100", "runtime.max_rollout_replicas=128"]).runtime.rollout_replicas == 100
+
+
+def test_the_control_endpoint_closes_idle_connections_and_caps_open_ones(tmp_path):
+    """Idle (unauthenticated) connections each held a driver thread forever: now they are closed after
+    the idle timeout, and one beyond the cap gets 503 at once; the endpoint keeps serving."""
+    import socket
+    import time
+
+    from relax_agent.runtime.ray_control import ControlServer, scale_run
+    from relax_agent.runtime.ray_rollout import ReplicaPool
+    from relax_agent.runtime.ray_supervisor import Supervisor
+
+    supervisor = Supervisor(load_config(None, ["runtime=ray"]), ReplicaPool(), None, None, None, "p", "ns")
+    server = ControlServer(supervisor, tmp_path, idle_timeout_s=1.0, max_connections=2)
+    host, port = server.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]
+    try:
+        time.sleep(0.3)  # both accepted and waiting for a request line
+        with socket.create_connection((host, int(port)), timeout=10) as third:
+            assert third.recv(1024).startswith(b"HTTP/1.1 503")
+        start = time.monotonic()
+        for conn in idle:
+            assert conn.recv(1024) == b""  # closed by the server, nothing sent
+        assert time.monotonic() - start < 5.0
+        assert scale_run(tmp_path, 2)["target"] == 2  # slots are free again
+    finally:
+        for conn in idle:
+            conn.close()
+        server.close()

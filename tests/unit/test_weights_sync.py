@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import VersionGoneError, WeightSyncError
 from relax_agent.weights import SyncStats, TensorEngine, WeightSyncConfig, build_weight_sync
 from relax_agent.weights.meta import plan_layout
 from relax_agent.weights.subscriber import EngineSubscriber
@@ -181,9 +181,10 @@ class Forwarder:
 
     def _handle(self, client: socket.socket, index: int) -> None:
         up = socket.create_connection(self._upstream)
-        hello = _recv_exact(client, 20)
-        self.first_buckets[index] = struct.unpack("!4sqq", hello)[2]
-        up.sendall(hello)
+        client.sendall(_recv_exact(up, CHALLENGE_BYTES))  # the server's challenge, passed through as is
+        answer_and_hello = _recv_exact(client, ANSWER_BYTES + 20)
+        self.first_buckets[index] = struct.unpack("!4sqq", answer_and_hello[-20:])[2]
+        up.sendall(answer_and_hello)
         fault = self._plan(index)
         sent = 0
         try:
@@ -225,11 +226,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def flaky_subscriber(sync, engine, plan, **cfg_overrides):
     cfg = WeightSyncConfig(transport="tcp", bucket_mb=SMALL_BUCKETS_MB, **cfg_overrides)
     forwarder = Forwarder(sync._sender.address, plan)
-    sub = EngineSubscriber(engine, TcpReceiver(cfg, address=forwarder.address), sync.coordinator, "flaky").start()
+    sub = EngineSubscriber(engine, TcpReceiver(cfg, address=forwarder.address, secret=sync.credential),
+                           sync.coordinator, "flaky").start()
     return sub, forwarder
 
 
 HEADER_BYTES, BUCKET_HEADER_BYTES = 20, 16
+"""Bytes of the server's reply hello and of a bucket header, counted after the 36-byte challenge."""
+CHALLENGE_BYTES, ANSWER_BYTES = 4 + 32, 4 + 32
 
 
 def test_dropped_connection_resumes_after_the_last_complete_bucket():
@@ -284,9 +288,12 @@ def test_a_version_replaced_mid_transfer_is_refused_by_name():
     sender = TcpSender(cfg)
     try:
         old = sender.stage(make_state(1), 1)
-        sender.stage(make_state(2), 2)
-        with pytest.raises(WeightSyncError, match="now serves version 2; this one is gone"):
-            TcpReceiver(cfg).receive(old)
+        sender.stage(make_state(2), 2)  # the version it replaced is still served (a pull racing a publish)
+        tensors, _ = TcpReceiver(cfg, secret=sender.secret).receive(old)
+        assert all(torch.equal(tensors[k], v) for k, v in make_state(1).items())
+        sender.stage(make_state(3), 3)  # two publishes later it is gone
+        with pytest.raises(VersionGoneError, match="now serves version 3; this one is gone"):
+            TcpReceiver(cfg, secret=sender.secret).receive(old)
     finally:
         sender.close()
 
@@ -323,7 +330,8 @@ def test_close_while_a_version_is_applied_reports_it_before_unregistering():
     sync = build_weight_sync(WeightSyncConfig(transport="tcp"), [])
     engine = TensorEngine(make_state(0))
     coordinator = SlowReportingCoordinator(sync.coordinator)
-    sub = EngineSubscriber(engine, TcpReceiver(WeightSyncConfig(transport="tcp")), coordinator, "leaver").start()
+    sub = EngineSubscriber(engine, TcpReceiver(WeightSyncConfig(transport="tcp"), secret=sync.credential),
+                           coordinator, "leaver").start()
     try:
         box: list[SyncStats] = []
         publishing = threading.Thread(target=lambda: box.append(sync.publish(make_state(1), 1)))
