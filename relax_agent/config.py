@@ -102,6 +102,14 @@ class AgentConfig(Section):
     """False: a request's ``temperature``/``top_p`` must equal ``rollout.temperature``/``rollout.top_p``
     (the trainer scores log-probs at ``rollout.temperature``), else HTTP 400 naming the field;
     True: requests sample at their own values (evaluation, or when you correct for it)."""
+    max_tokens_over_budget: Literal["cap", "refuse"] = "cap"
+    """A request whose ``max_tokens`` / ``max_completion_tokens`` is above what it may sample
+    (``rollout.max_new_tokens``, or what is left of ``rollout.max_total_tokens``): "cap" samples at
+    most that many and says so in the response header ``x-relax-max-tokens`` (the granted number;
+    counted in ``agent/capped_max_tokens``); "refuse" answers HTTP 400 naming ``max_tokens``."""
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest request body the endpoint reads; a larger one gets HTTP 413 (OpenAI error body)
+    before anything of it is parsed or tokenized."""
 
 
 class DynamicSamplingConfig(Section):

@@ -13,12 +13,15 @@ with, in its environment:
 
 Every request of the agent is answered by the policy and recorded token-in/token-out by the
 episode's :class:`~relax_agent.rollout.proxy.session.AgentSession`. When the agent exits, the
-episode's trajectory is the *primary* segment (the conversation its last request continued);
-other segments (history rewrites, ``n > 1`` siblings) are counted in the ``agent/*`` metrics
-and returned by :meth:`AgentDriver.play_segments`.
+episode's trajectory is the *trained chain*: the replies the agent kept (sent back in a later
+request), linked by prefix, ending at its final answer (see the session's module doc); replies
+off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls after the answer,
+rewritten histories) are counted in the ``agent/*`` metrics (``agent/dropped_replies``) and
+returned after it by :meth:`AgentDriver.play_segments`, never trained or scored.
 
 Reward (``rollout.agent.reward``): "env" steps the env once with the agent's final answer (the
-last assistant message of the primary segment, or ``answer`` from the output file when given);
+last reply of the trained chain, or ``answer`` from the output file when given, which also ends
+the chain at the reply with that content);
 "agent" takes the output file's ``reward``. A configured reward service re-scores afterwards, as
 for env-driven runs (the runner does that).
 
@@ -32,6 +35,7 @@ is aborted in the engine before :meth:`AgentDriver.play` returns (a timeout reco
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -57,6 +61,8 @@ from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
 _STDERR_TAIL = 1500
 """Characters of the agent's stderr kept in a failed record's cause."""
+_GROUPS_KEPT = 4096
+"""Groups whose trained chains :meth:`AgentDriver._group_duplicate` remembers."""
 
 
 class AgentDriver:
@@ -78,7 +84,8 @@ class AgentDriver:
         self.renderer = renderer
         self.parser = parser
         self.cfg = cfg
-        self.server = EndpointServer(cfg.port, cfg.model_name)
+        self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes)
+        self._group_chains: dict[str, set[str]] = {}
         weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
 
     def close(self) -> None:
@@ -90,8 +97,8 @@ class AgentDriver:
         return (await self.play_segments(spec, params))[0]
 
     async def play_segments(self, spec: EpisodeSpec, params: SamplingParams) -> list[Trajectory]:
-        """Play ``spec`` with the agent; every segment of the episode as a trajectory, the primary
-        first (a failed episode: one failed record)."""
+        """Play ``spec`` with the agent; the trained chain's trajectory first, then every other
+        segment of the episode (side branches, same reward; a failed episode: one failed record)."""
         deadline = Deadline(min(spec.episode_timeout_s, self.cfg.timeout_s))
         try:
             env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, step_timeout_cause(spec))
@@ -109,7 +116,8 @@ class AgentDriver:
         except Exception as exc:
             return [TrajectoryRecorder(spec).fail_with(exc)]
         session = AgentSession(spec, f"relax-{secrets.token_urlsafe(24)}", self.engine, self.renderer, self.parser,
-                               params, self.cfg.honor_request_sampling, self.cfg.model_name)
+                               params, self.cfg.honor_request_sampling, self.cfg.model_name, task_messages=obs,
+                               max_tokens_over_budget=self.cfg.max_tokens_over_budget)
         self.server.start()
         self.server.open(session)
         try:
@@ -117,8 +125,7 @@ class AgentDriver:
                 output = await self._run_agent(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
         except Exception as exc:  # a crashed, failed or timed-out agent is a failed record
             await self.server.end(session)
-            rec = session.primary.rec if session.primary is not None else TrajectoryRecorder(spec)
-            rec.spec = spec
+            rec = session.trained() or TrajectoryRecorder(spec)
             return [rec.fail_with(exc)]
         except BaseException:
             await self.server.end(session)
@@ -184,22 +191,37 @@ class AgentDriver:
 
     async def _finish(self, session: AgentSession, calls: EnvCalls, spec: EpisodeSpec,
                       output: dict[str, Any]) -> list[Trajectory]:
-        recs = session.recorders()
+        answer = output.get("answer") if isinstance(output.get("answer"), str) else None
+        recs = session.recorders(answer)
         if not recs:
             return [TrajectoryRecorder(spec).fail_with(EnvError("the agent made no chat completion requests"))]
-        primary = recs[0][1]
+        primary = recs[0]
         try:
-            metrics = {**session.metrics(), **_output_metrics(output)}
+            metrics = {**session.metrics(answer), **_output_metrics(output),
+                       "agent/group_duplicates": self._group_duplicate(spec, primary)}
             reward, env_metrics = await self._reward(calls, primary, output)
         except Exception as exc:
             return [primary.fail_with(exc)]
         metrics.update(env_metrics)
         out = []
-        for _, rec in recs:
+        for rec in recs:
             last = rec.turns[-1]
             stop = StopReason.LENGTH if last.finish_reason == "length" else StopReason.TERMINATED
             out.append(rec.finish(reward, dict(metrics), stop))
         return out
+
+    def _group_duplicate(self, spec: EpisodeSpec, rec: TrajectoryRecorder) -> float:
+        """1.0 when an earlier episode of ``spec``'s group trained exactly these sampled tokens (the
+        group's samples collapsed, e.g. on a seed the agent fixed), else 0.0. Remembers the last
+        :data:`_GROUPS_KEPT` groups."""
+        key = hashlib.sha256(json.dumps([list(t.token_ids) for t in rec.turns]).encode()).hexdigest()
+        seen = self._group_chains.pop(spec.group_id, set())
+        self._group_chains[spec.group_id] = seen  # most recent last
+        while len(self._group_chains) > _GROUPS_KEPT:
+            self._group_chains.pop(next(iter(self._group_chains)))
+        duplicate = key in seen
+        seen.add(key)
+        return float(duplicate)
 
     async def _reward(self, calls: EnvCalls, primary: TrajectoryRecorder,
                       output: dict[str, Any]) -> tuple[float, dict[str, float]]:

@@ -206,10 +206,10 @@ def test_n4_gives_four_sibling_segments_of_one_prompt(server, policy):
     assert len({c.message.content for c in out.choices}) > 1
     recs = session.recorders()
     assert len(recs) == 4 and session.stats.siblings == 3
-    starts = {rec.turns[0].start for _, rec in recs}
-    prompts = {tuple(rec.token_ids[:rec.turns[0].start]) for _, rec in recs}
+    starts = {rec.turns[0].start for rec in recs}
+    prompts = {tuple(rec.token_ids[:rec.turns[0].start]) for rec in recs}
     assert len(starts) == 1 and len(prompts) == 1
-    for (_, rec), choice in zip(recs, out.choices):
+    for rec, choice in zip(recs, out.choices):
         assert tok.decode(rec.turns[0].token_ids, skip_special_tokens=True) == choice.message.content
 
 

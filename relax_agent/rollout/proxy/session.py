@@ -11,6 +11,27 @@ started a sub-conversation) is rendered afresh and starts a new segment, a *bran
 ``1..n-1`` of an ``n > 1`` request are *siblings* of the segment choice 0 went to (same prefix,
 one turn each). Nothing of a past assistant turn is ever re-tokenized.
 
+What trains: every sampled reply is a node of the episode's *reply tree* (:class:`Reply`), whose
+parent is the earlier reply the request's messages contain (matched by prefix, as above; a
+fresh render has none). A reply the agent sent back has children: it was *kept*. The trained
+chain (:meth:`AgentSession.final_reply`) is the path that the agent built on: from the root
+conversation holding the task's messages (of those, the one the agent continued furthest, the
+first on a tie), down through the child the agent continued furthest, to a reply it never sent
+back: the episode's final answer. Among children continued equally far, a reply whose HTTP
+response the agent had already hung up on (an abandoned request) loses, then the later
+request wins (a retry supersedes), then the lower choice index. When the agent names its
+``answer`` (output file), the chain ends at the latest delivered reply whose content is that
+answer. Replies off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls such
+as a title after the answer, rewritten histories) are recorded side branches: not trained, not
+scored, counted in ``agent/dropped_replies`` and ``agent/dropped_tokens``.
+
+Seeds: a request without ``seed`` samples with ``spec.seed * 1009 + k`` (``k``: the request's
+number in the episode, choice ``i`` adds ``i``); a request's own ``seed`` is mixed with the
+episode's seed and ``k`` (:func:`mixed_seed`), so a framework's fixed seed neither collapses a
+GRPO group (every episode has its own seed) nor repeats a sample within an episode. Replies
+identical to an earlier one of the episode from the same prompt are counted in
+``agent/duplicate_replies``.
+
 Retries: a request whose ``x-stainless-retry-count`` header is above 0 (the OpenAI SDK's retry)
 or whose ``Idempotency-Key`` was seen, with a body identical to an earlier one, gets the
 recorded answer (waiting for it if it is still being sampled) instead of a new sample.
@@ -28,8 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -56,6 +79,8 @@ class SessionStats:
         siblings: segments made by choices ``1..n-1`` of ``n > 1`` requests.
         tool_parse_failures: replies whose tool-call text did not parse (returned as plain content).
         aborted: generations cancelled when the session closed.
+        duplicate_replies: replies whose tokens equal an earlier reply of the episode to the same prompt.
+        capped_max_tokens: requests whose ``max_tokens`` was lowered to the episode's budget.
     """
 
     requests: int = 0
@@ -64,6 +89,55 @@ class SessionStats:
     siblings: int = 0
     tool_parse_failures: int = 0
     aborted: int = 0
+    duplicate_replies: int = 0
+    capped_max_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Reply:
+    """One sampled reply (a choice of a request): a node of the episode's reply tree.
+
+    Attributes:
+        order: its position among the episode's replies, in the order they were recorded.
+        request: the number of the request it answers (in the order requests arrived).
+        choice: its choice index in that request.
+        segment / state: the segment holding it and :meth:`Segment.state` right after it (the
+            chain ending at this reply is that segment cut back to ``state``).
+        parent: the reply the request's messages contained last (None: a fresh render).
+        content: the text the agent got as ``content`` ("" for a reply of only tool calls).
+        num_tokens: its sampled tokens.
+        on_task: its conversation holds the task's opening messages.
+        delivered: False when the agent had hung up before the response was sent (abandoned);
+            True once any response (a replay included) carrying it was delivered; None: not known.
+        children: replies of requests that sent this one back.
+    """
+
+    order: int
+    request: int
+    choice: int
+    segment: "Segment"
+    state: tuple[int, int, int, bool]
+    parent: "Reply | None"
+    content: str
+    num_tokens: int
+    on_task: bool = True
+    delivered: bool | None = None
+    children: list["Reply"] = field(default_factory=list)
+
+    def chain(self) -> list["Reply"]:
+        """[k] the replies from the root down to this one."""
+        out, node = [], self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+def mixed_seed(request_seed: int, episode_seed: int, request: int) -> int:
+    """A request's own ``seed`` mixed with its episode's seed and the request's number: an integer in
+    [0, 2**31 - 65) (room for ``n`` choices), equal for equal inputs. SHA-256 of the three numbers."""
+    digest = hashlib.sha256(f"{request_seed}:{episode_seed}:{request}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**31 - 65)
 
 
 @dataclass
@@ -78,6 +152,7 @@ class Segment:
         kind: "first", "branch" or "sibling".
         version: bumped on every extension (concurrent requests that extended an older state fork).
         marks: :meth:`state` after each of its turns (a request may continue from any of them).
+        replies: the :class:`Reply` of each mark.
     """
 
     rec: TrajectoryRecorder
@@ -87,6 +162,7 @@ class Segment:
     kind: str = "first"
     version: int = 0
     marks: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
 
     def state(self) -> tuple[int, int, int, bool]:
         """(tokens, convo messages, recorded messages, closed) now: where a fork can cut it back to."""
@@ -101,8 +177,9 @@ class Segment:
         rec.logprobs = self.rec.logprobs[:num_tokens]
         rec.turns = [t for t in self.rec.turns if t.start < num_tokens]
         rec.messages = self.rec.messages[:num_messages]
-        marks = [m for m in self.marks if m[0] <= num_tokens]
-        return Segment(rec, self.convo[:num_convo], self.tools_key, closed, kind, marks=marks)
+        kept = [i for i, m in enumerate(self.marks) if m[0] <= num_tokens]
+        return Segment(rec, self.convo[:num_convo], self.tools_key, closed, kind,
+                       marks=[self.marks[i] for i in kept], replies=[self.replies[i] for i in kept])
 
 
 def normalise(message: dict[str, Any]) -> str:
@@ -169,6 +246,10 @@ class AgentSession:
         params: the run's sampling parameters (temperature, top_p, max_new_tokens, stop ids).
         honor_request_sampling: requests may set their own temperature / top_p.
         model_name: the model id answers carry.
+        task_messages: the task's opening messages (the trained chain starts from a conversation
+            holding them); empty: any conversation.
+        max_tokens_over_budget: a request's ``max_tokens`` above what the episode has left:
+            "cap" lowers it (the response carries ``x-relax-max-tokens``), "refuse" answers 400.
     """
 
     spec: EpisodeSpec
@@ -179,15 +260,18 @@ class AgentSession:
     params: SamplingParams
     honor_request_sampling: bool = False
     model_name: str = "policy"
+    task_messages: Sequence[dict[str, Any]] = ()
+    max_tokens_over_budget: str = "cap"
     stats: SessionStats = field(default_factory=SessionStats)
     segments: list[Segment] = field(default_factory=list)
-    primary: Segment | None = None
-    """The segment choice 0 of the last answered request went to (the episode's trajectory)."""
+    replies: list[Reply] = field(default_factory=list)
     closed: bool = False
     _answers: dict[str, asyncio.Future] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _started: int = 0
     _calls: int = 0
+    _by_answer: dict[str, list[Reply]] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._streams = streams_tokens(self.engine)
@@ -196,9 +280,11 @@ class AgentSession:
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         self._close_ids = frozenset(self.renderer.end_of_turn_ids[:1]) | frozenset(eos_ids)
         self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+        self._task = [normalise(m) for m in self.task_messages if m.get("role") not in ("system", "developer")]
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None) -> asyncio.Future:
+    def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None,
+               notes: dict[str, str] | None = None) -> asyncio.Future:
         """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`.
 
         Args:
@@ -206,6 +292,7 @@ class AgentSession:
             replay: the request is a retry (SDK retry header or a known idempotency key): answer it
                 from the record when an identical body was answered or is being answered.
             on_text: streaming listener, called as the text of each choice grows.
+            notes: filled with response headers to send (``x-relax-max-tokens`` when capped).
 
         Raises:
             RequestError: the session has ended (401), or the request cannot be honoured (400).
@@ -218,7 +305,7 @@ class AgentSession:
             self.stats.replayed += 1
             return asyncio.ensure_future(asyncio.shield(self._answers[body_key]))
         plan = self._plan(req)
-        params = self._sampling(req, plan)
+        params = self._sampling(req, plan, notes)
         turn = self._started
         self._started += 1
         task = asyncio.ensure_future(self._answer(req, plan, params, turn, on_text))
@@ -296,7 +383,7 @@ class AgentSession:
                 out.append({k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")})
         return out
 
-    def _sampling(self, req: ChatRequest, plan: _Plan) -> SamplingParams:
+    def _sampling(self, req: ChatRequest, plan: _Plan, notes: dict[str, str] | None = None) -> SamplingParams:
         base = self.params
         for key, asked, run in (("temperature", req.temperature, base.temperature), ("top_p", req.top_p, base.top_p)):
             if asked is not None and asked != run and not self.honor_request_sampling:
@@ -309,11 +396,21 @@ class AgentSession:
             raise RequestError(f"the conversation is {used} tokens, at or past this episode's budget "
                                f"rollout.max_total_tokens={self.spec.max_total_tokens}", "messages",
                                code="context_length_exceeded")
+        limit = min(base.max_new_tokens, room)
+        if req.max_tokens is not None and req.max_tokens > limit:
+            if self.max_tokens_over_budget == "refuse":
+                raise RequestError(f"max_tokens={req.max_tokens} is above the {limit} tokens this request may sample "
+                                   f"(rollout.max_new_tokens={base.max_new_tokens}, {room} tokens left of "
+                                   f"rollout.max_total_tokens={self.spec.max_total_tokens}); ask for at most {limit}",
+                                   "max_tokens", code="max_tokens_exceeded")
+            self.stats.capped_max_tokens += 1
+            if notes is not None:
+                notes["x-relax-max-tokens"] = str(limit)
         wanted = req.max_tokens if req.max_tokens is not None else base.max_new_tokens
         return dataclasses.replace(
             base, temperature=req.temperature if req.temperature is not None else base.temperature,
             top_p=req.top_p if req.top_p is not None else base.top_p,
-            max_new_tokens=min(wanted, base.max_new_tokens, room), seed=None)
+            max_new_tokens=min(wanted, limit), seed=None)
 
     def _forced_text(self, req: ChatRequest) -> str:
         mode = req.tool_choice.mode
@@ -348,13 +445,14 @@ class AgentSession:
                       on_text: OnText | None) -> Answer:
         forced_text, forced = self._forced_text(req), self._forced_ids(req)
         markers = self._markers(req)
-        seed = req.seed if req.seed is not None else self.spec.seed * 1009 + turn
+        seed = self.spec.seed * 1009 + turn if req.seed is None else mixed_seed(req.seed, self.spec.seed, turn)
         prompt = list(plan.prompt_ids) + list(forced)
         sampled = await asyncio.gather(*(
             self._sample(i, prompt, dataclasses.replace(params, seed=seed + i), markers, forced_text, on_text)
             for i in range(req.n)))
-        choices = [self._record(req, plan, s, forced, i) for i, s in enumerate(sampled)]
-        return Answer(f"chatcmpl-{self.key[-8:]}-{turn}", req.model or self.model_name, tuple(choices),
+        answer_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = [self._record(req, plan, s, forced, i, turn, answer_id, prompt) for i, s in enumerate(sampled)]
+        return Answer(answer_id, req.model or self.model_name, tuple(choices),
                       len(plan.prompt_ids), sum(len(s.gen.token_ids) for s in sampled), req.logprobs, now_s())
 
     async def _sample(self, index: int, prompt: list[int], params: SamplingParams, markers: list[tuple[str, bool]],
@@ -414,8 +512,9 @@ class AgentSession:
         routes = gen.routed_experts[:k] if gen.routed_experts is not None else None
         return Generation(gen.token_ids[:k], gen.logprobs[:k], "stop", gen.policy_version, routes)
 
-    def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int) -> Choice:
-        """Add choice ``index`` to its segment and return it as the agent sees it."""
+    def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int,
+                request: int, answer_id: str, prompt: list[int]) -> Choice:
+        """Add choice ``index`` to its segment and to the reply tree; return it as the agent sees it."""
         content, calls, internal, failed = self._reply(req, s.text)
         self.stats.tool_parse_failures += failed
         seg = self._segment_for(plan, index)
@@ -433,10 +532,32 @@ class AgentSession:
                         tokens, s.gen.logprobs if req.logprobs else ())
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
-        seg.marks.append(seg.state())
-        if index == 0:
-            self.primary = seg
+        parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else None
+        on_task = parent.on_task if parent is not None else self._holds_task(plan.convo)
+        reply = Reply(len(self.replies), request, index, seg, seg.state(), parent, choice.content or "",
+                      len(s.gen.token_ids), on_task)
+        if parent is not None:
+            parent.children.append(reply)
+        self.replies.append(reply)
+        self._by_answer.setdefault(answer_id, []).append(reply)
+        seg.marks.append(reply.state)
+        seg.replies.append(reply)
+        key = hashlib.sha256(json.dumps([prompt, list(s.gen.token_ids)]).encode()).hexdigest()
+        self.stats.duplicate_replies += key in self._seen
+        self._seen.add(key)
         return choice
+
+    def _holds_task(self, convo: Sequence[str]) -> bool:
+        """The conversation holds every non-system opening message of the task, in order."""
+        it = iter(convo)
+        return all(any(m == t for m in it) for t in self._task)
+
+    def delivered(self, answer_id: str, delivered: bool) -> None:
+        """Whether the response of ``answer_id`` reached the agent (False: it had hung up first).
+        A reply once delivered (e.g. by a retry's replay) stays delivered."""
+        for reply in self._by_answer.get(answer_id, ()):
+            if reply.delivered is not True:
+                reply.delivered = delivered
 
     def _segment_for(self, plan: _Plan, index: int) -> Segment:
         """Choice 0 extends the planned segment in place when nobody extended it meanwhile; otherwise
@@ -477,25 +598,84 @@ class AgentSession:
         return content, tuple(calls), internal, 0
 
     # -- the episode's records ----------------------------------------------------------------
-    def recorders(self) -> list[tuple[Segment, TrajectoryRecorder]]:
-        """Every segment with a turn, the primary first; the primary keeps the episode's sample id,
-        the others get ``{sample_id}/seg{k}``."""
-        ordered = [s for s in [self.primary] + [s for s in self.segments if s is not self.primary]
-                   if s is not None and s.rec.turns]
-        out = []
-        for k, seg in enumerate(ordered):
-            spec = self.spec if k == 0 else dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{k}")
-            seg.rec.spec = spec
-            out.append((seg, seg.rec))
+    def final_reply(self, answer: str | None = None) -> Reply | None:
+        """The last reply of the trained chain (see the module doc); None before any reply.
+
+        Args:
+            answer: the agent's own final answer (output file): the chain ends at the latest
+                delivered reply whose content is that text, when there is one.
+        """
+        if not self.replies:
+            return None
+        if answer is not None and answer.strip():
+            named = [r for r in self.replies if r.delivered is not False and r.content.strip() == answer.strip()]
+            if named:
+                return named[-1]
+        heights: dict[int, int] = {}
+
+        def height(r: Reply) -> int:
+            if id(r) not in heights:
+                heights[id(r)] = 1 + max((height(c) for c in r.children), default=0)
+            return heights[id(r)]
+
+        roots = [r for r in self.replies if r.parent is None]
+        node = max(roots, key=lambda r: (r.on_task, height(r), -r.order))
+        while node.children:
+            node = max(node.children, key=lambda c: (height(c), c.delivered is not False, c.request, -c.choice))
+        return node
+
+    @property
+    def primary(self) -> Segment | None:
+        """The segment holding the trained chain's last reply (None before any reply)."""
+        final = self.final_reply()
+        return final.segment if final is not None else None
+
+    def trained(self, answer: str | None = None) -> TrajectoryRecorder | None:
+        """The trained chain's record: its segment cut back to right after :meth:`final_reply`
+        (prompt, the kept replies with their log-probs, the deltas between them); None before any reply."""
+        final = self.final_reply(answer)
+        if final is None:
+            return None
+        seg = final.segment
+        rec = seg.rec if final.state == seg.state() else seg.fork(final.state, seg.kind).rec
+        rec.spec = self.spec
+        return rec
+
+    def recorders(self, answer: str | None = None) -> list[TrajectoryRecorder]:
+        """The trained chain's record first (the episode's sample id), then every other segment with
+        a turn (side branches, not trained), as ``{sample_id}/seg{k}``."""
+        first = self.trained(answer)
+        if first is None:
+            return []
+        out = [first]
+        for seg in self.segments:
+            if seg.rec is first or not seg.rec.turns:
+                continue
+            seg.rec.spec = dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{len(out)}")
+            out.append(seg.rec)
         return out
 
-    def metrics(self) -> dict[str, float]:
-        """The ``agent/*`` metrics of the episode."""
+    def metrics(self, answer: str | None = None) -> dict[str, float]:
+        """The ``agent/*`` metrics of the episode (``answer``: as for :meth:`final_reply`).
+
+        ``agent/replies``: replies sampled; ``agent/chain_replies``: those in the trained chain;
+        ``agent/dropped_replies`` / ``agent/dropped_tokens``: replies (sampled tokens) off the chain,
+        not trained; ``agent/undelivered``: replies whose response the agent had hung up on.
+        """
         s = self.stats
+        final = self.final_reply(answer)
+        chain = final.chain() if final is not None else []
+        dropped = [r for r in self.replies if all(r is not c for c in chain)]
         return {"agent/requests": float(s.requests), "agent/replayed": float(s.replayed),
                 "agent/branches": float(s.branches), "agent/siblings": float(s.siblings),
                 "agent/tool_parse_failures": float(s.tool_parse_failures), "agent/aborted": float(s.aborted),
-                "agent/segments": float(sum(1 for seg in self.segments if seg.rec.turns))}
+                "agent/segments": float(sum(1 for seg in self.segments if seg.rec.turns)),
+                "agent/replies": float(len(self.replies)), "agent/chain_replies": float(len(chain)),
+                "agent/dropped_replies": float(len(dropped)),
+                "agent/dropped_tokens": float(sum(r.num_tokens for r in dropped)),
+                "agent/undelivered": float(sum(r.delivered is False for r in self.replies)),
+                "agent/duplicate_replies": float(s.duplicate_replies),
+                "agent/capped_max_tokens": float(s.capped_max_tokens)}
 
 
 def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
