@@ -304,3 +304,89 @@ def test_an_sdk_retry_replays_the_recorded_answer(server, policy):
                        timeout=30)
     assert again.json()["id"] == out.id and len(engine.prompts) == 2  # a first attempt is sampled anew
     assert fresh.json()["id"] != out.id
+
+
+# -- request hygiene: body cap, error bodies, models.retrieve, tool_choice, tool_call_id, max_tokens ------
+
+
+def test_a_body_over_the_cap_gets_413_and_the_episode_beside_it_is_served(policy):
+    _, tok = policy
+    srv = EndpointServer(max_request_bytes=4096).start()
+    try:
+        _, big = open_session(srv, ScriptedEngine(ids_of(tok, "x")), tok)
+        _, good = open_session(srv, ScriptedEngine(ids_of(tok, "fine")), tok)
+        with pytest.raises(openai.APIStatusError) as err:
+            big.chat.completions.create(model="m", messages=[{"role": "user", "content": "y" * 10_000}])
+        assert err.value.status_code == 413 and err.value.body["code"] == "request_too_large"
+        assert "4096" in err.value.body["message"]
+        chunked = httpx.post(f"{srv.base_url}/chat/completions", headers={"Authorization": f"Bearer {big.api_key}"},
+                             content=(b"x" * 1024 for _ in range(8)), timeout=30)  # no Content-Length
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+        assert good.chat.completions.create(model="m", messages=USER).choices[0].message.content == "fine"
+    finally:
+        srv.close()
+
+
+def test_404_and_405_carry_openai_error_bodies(server):
+    missing = httpx.get(f"{server.base_url}/nothing", timeout=10)
+    wrong = httpx.get(f"{server.base_url}/chat/completions", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert "/v1/nothing" in missing.json()["error"]["message"]
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_retrieve_through_the_sdk(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    model = client.models.retrieve("policy")
+    assert model.id == "policy" and model.object == "model" and model.owned_by == "relax-agent"
+    assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"  # requests may name any model
+
+
+def test_a_tool_result_for_an_unknown_call_id_is_refused(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", tools=TOOLS, messages=USER + [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "3"}])
+    assert err.value.body["param"] == "messages[2].tool_call_id" and "call_9" in err.value.body["message"]
+
+
+def test_tool_choice_required_never_returns_a_reply_without_a_call(server, policy):
+    _, tok = policy
+    good = 'add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    engine = ScriptedEngine(lambda prompt: ids_of(tok, "no call here" if len(engine.prompts) == 1 else good))
+    session, client = open_session(server, engine, tok)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required")
+    assert err.value.body["code"] == "invalid_tool_call" and err.value.body["param"] == "tool_choice"
+    out = client.with_options(max_retries=1).chat.completions.create(
+        model="m", messages=USER, tools=TOOLS, tool_choice="required")  # a request that resamples
+    assert out.choices[0].message.tool_calls[0].function.name == "add"
+    assert session.final_reply().content == "" and session.metrics()["agent/undelivered"] == 1.0
+
+
+def test_max_tokens_over_the_budget_is_capped_with_a_header_or_refused(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, "word " * 40)), tok, max_new_tokens=8)
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=USER, max_tokens=500)
+    assert raw.headers["x-relax-max-tokens"] == "8"
+    assert raw.parse().usage.completion_tokens == 8 and session.metrics()["agent/capped_max_tokens"] == 1.0
+    plain = client.chat.completions.with_raw_response.create(model="m", messages=USER, max_tokens=4)
+    assert "x-relax-max-tokens" not in plain.headers
+    _, strict = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok, max_new_tokens=8,
+                             max_tokens_over_budget="refuse")
+    with pytest.raises(openai.BadRequestError) as err:
+        strict.chat.completions.create(model="m", messages=USER, max_tokens=500)
+    assert err.value.body["param"] == "max_tokens" and err.value.body["code"] == "max_tokens_exceeded"
+
+
+def test_an_out_of_range_seed_is_refused(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=USER, seed=2**70)
+    assert err.value.body["param"] == "seed"

@@ -15,9 +15,9 @@ What trains: every sampled reply is a node of the episode's *reply tree* (:class
 parent is the earlier reply the request's messages contain (matched by prefix, as above; a
 fresh render has none). A reply the agent sent back has children: it was *kept*. The trained
 chain (:meth:`AgentSession.final_reply`) is the path that the agent built on: from the root
-conversation holding the task's messages (of those, the one the agent continued furthest, the
-first on a tie), down through the child the agent continued furthest, to a reply it never sent
-back: the episode's final answer. Among children continued equally far, a reply whose HTTP
+conversation holding the task's messages (of those, the one the agent continued furthest, then
+a delivered one, then the first), down through the child the agent continued furthest, to a
+reply it never sent back: the episode's final answer. Among children continued equally far, a reply whose HTTP
 response the agent had already hung up on (an abandoned request) loses, then the later
 request wins (a retry supersedes), then the lower choice index. When the agent names its
 ``answer`` (output file), the chain ends at the latest delivered reply whose content is that
@@ -38,7 +38,9 @@ recorded answer (waiting for it if it is still being sampled) instead of a new s
 
 ``tool_choice``: "required" and a named function are enforced by a forced opening of the
 parser's call format (``<tool_call>\\n{"name": "`` for hermes, plus the name for a named
-function) appended to the prompt as context tokens (loss mask 0) before sampling; "none"
+function) appended to the prompt as context tokens (loss mask 0) before sampling; a reply that
+still has no well-formed call of an allowed tool is not returned (HTTP 500, code
+``invalid_tool_call``; it stays recorded as an undelivered side branch); "none"
 returns the text as content, never parsed. ``parallel_tool_calls: false`` stops the reply at the
 first closing ``</tool_call>`` (hermes parsers). Stop strings end the reply at their first
 occurrence (the engine's row is aborted as soon as one is sampled when it streams tokens); the
@@ -452,6 +454,7 @@ class AgentSession:
             for i in range(req.n)))
         answer_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [self._record(req, plan, s, forced, i, turn, answer_id, prompt) for i, s in enumerate(sampled)]
+        self._check_tool_choice(req, choices, answer_id)
         return Answer(answer_id, req.model or self.model_name, tuple(choices),
                       len(plan.prompt_ids), sum(len(s.gen.token_ids) for s in sampled), req.logprobs, now_s())
 
@@ -547,6 +550,28 @@ class AgentSession:
         self._seen.add(key)
         return choice
 
+    def _check_tool_choice(self, req: ChatRequest, choices: Sequence[Choice], answer_id: str) -> None:
+        """Refuse an answer that does not honour ``tool_choice`` "required" / a named function: every
+        choice must call an allowed tool (the named one). The replies stay recorded, undelivered.
+
+        Raises:
+            RequestError: HTTP 500 (as OpenAI's "the model produced invalid content"), code
+                ``invalid_tool_call``; the request is not replayed, so a retry samples anew.
+        """
+        mode = req.tool_choice.mode
+        if mode not in ("required", "function"):
+            return
+        allowed = {req.tool_choice.name} if mode == "function" else {t["function"]["name"] for t in req.tools}
+        for i, c in enumerate(choices):
+            names = [call["function"]["name"] for call in c.tool_calls]
+            if not names or not set(names) <= allowed:
+                self.delivered(answer_id, False)
+                got = f"calls of {names}" if names else f"no parseable call (text {(c.content or '')[:200]!r})"
+                raise RequestError(f"tool_choice={mode if mode == 'required' else req.tool_choice.name!r} needs a call "
+                                   f"of {sorted(allowed)}, but choice {i} of the policy's reply has {got}; retry the "
+                                   "request (a retry samples anew) or use tool_choice 'auto'", "tool_choice",
+                                   status=500, code="invalid_tool_call")
+
     def _holds_task(self, convo: Sequence[str]) -> bool:
         """The conversation holds every non-system opening message of the task, in order."""
         it = iter(convo)
@@ -619,7 +644,7 @@ class AgentSession:
             return heights[id(r)]
 
         roots = [r for r in self.replies if r.parent is None]
-        node = max(roots, key=lambda r: (r.on_task, height(r), -r.order))
+        node = max(roots, key=lambda r: (r.on_task, height(r), r.delivered is not False, -r.order))
         while node.children:
             node = max(node.children, key=lambda c: (height(c), c.delivered is not False, c.request, -c.choice))
         return node
