@@ -26,6 +26,7 @@ the reply is parsed, then the finish reason, with all log-probs in the choice's 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -66,6 +67,8 @@ class EndpointServer:
     def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024) -> None:
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
+        self.refused: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
+        """(API key as sent, message) of the latest refused requests (4xx), for ``relax-agent agent check``."""
         self.sessions: dict[str, AgentSession] = {}
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -233,6 +236,9 @@ def build_app(endpoint: EndpointServer) -> Any:
                 return StreamingResponse(events, media_type="text/event-stream", headers=notes)
             answer = await session.submit(req, body_key, replay, notes=notes)
         except RequestError as exc:
+            if exc.status < 500:
+                endpoint.refused.append(((request.headers.get("authorization") or "").removeprefix("Bearer ").strip(),
+                                         f"{exc.status}: {exc}"))
             return _error(exc)
         except EngineError as exc:
             return JSONResponse({"error": {"message": f"the policy engine failed: {exc}", "type": "server_error",
