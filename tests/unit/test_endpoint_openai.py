@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import json
 
 import httpx
@@ -390,3 +391,19 @@ def test_an_out_of_range_seed_is_refused(server, policy):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=USER, seed=2**70)
     assert err.value.body["param"] == "seed"
+
+
+def test_a_closed_stream_aborts_its_generation(server, policy):
+    _, tok = policy
+    engine = ScriptedEngine(ids_of(tok, "word " * 40), delay_s=0.1)  # ~4 s of sampling
+    session, client = open_session(server, engine, tok)
+    stream = client.chat.completions.create(model="m", messages=USER, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+    deadline = time.monotonic() + 3.0
+    while engine.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.cancelled == 1  # aborted well before the reply's end
+    assert session.stats.aborted == 1 and session.replies == []  # nothing of it is recorded

@@ -10,7 +10,8 @@ Every error status comes with the OpenAI error body (``{"error": {"message", "ty
 
 Delivery: when the agent has hung up before its (non-streamed) answer is ready, or a stream is
 closed before its end, the session is told the reply was not delivered (an abandoned request is
-never the trained chain, see :meth:`AgentSession.final_reply`). A ``max_tokens`` lowered to the
+never the trained chain, see :meth:`AgentSession.final_reply`); a stream closed while its reply
+is still sampled aborts that generation (nothing of it is recorded). A ``max_tokens`` lowered to the
 episode's budget is announced in the ``x-relax-max-tokens`` header.
 
 The server runs uvicorn on its own event loop in a daemon thread, so it outlives any one
@@ -276,11 +277,11 @@ def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay
 
     fut = session.submit(req, body_key, replay, on_text, notes)
     fut.add_done_callback(lambda _: queue.put_nowait(None))
-    return _events(session, req, fut, streamers, queue)
+    return _events(session, req, fut, streamers, queue, body_key)
 
 
 async def _events(session: AgentSession, req: ChatRequest, fut: asyncio.Future, streamers: list["ContentStreamer"],
-                  queue: asyncio.Queue) -> AsyncIterator[str]:
+                  queue: asyncio.Queue, body_key: str) -> AsyncIterator[str]:
     stream_id, model, created = f"chatcmpl-{uuid.uuid4().hex}", req.model or session.model_name, now_s()
     answer_id, finished = None, False
     try:
@@ -310,9 +311,8 @@ async def _events(session: AgentSession, req: ChatRequest, fut: asyncio.Future, 
             answer_id = fut.result().id
         if answer_id is not None:
             session.delivered(answer_id, finished)
-        elif not fut.done():
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                  or session.delivered(f.result().id, False))
+        elif not fut.done():  # still sampling: abort the generation, the agent will never read it
+            session.abandon(body_key)
 
 
 class ContentStreamer:

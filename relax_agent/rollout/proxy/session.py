@@ -80,7 +80,7 @@ class SessionStats:
         branches: segments started by a request that extended no earlier segment (the first excluded).
         siblings: segments made by choices ``1..n-1`` of ``n > 1`` requests.
         tool_parse_failures: replies whose tool-call text did not parse (returned as plain content).
-        aborted: generations cancelled when the session closed.
+        aborted: generations cancelled when the session closed or their stream was closed.
         duplicate_replies: replies whose tokens equal an earlier reply of the episode to the same prompt.
         capped_max_tokens: requests whose ``max_tokens`` was lowered to the episode's budget.
     """
@@ -320,6 +320,16 @@ class AgentSession:
     def _forget_failed(self, body_key: str, task: asyncio.Future) -> None:
         if (task.cancelled() or task.exception() is not None) and self._answers.get(body_key) is task:
             del self._answers[body_key]
+
+    def abandon(self, body_key: str) -> bool:
+        """Abort the generation answering ``body_key`` (its stream was closed by the agent): nothing of
+        it is recorded. True when one was still running (counted in ``agent/aborted``)."""
+        task = self._answers.get(body_key)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        self.stats.aborted += 1
+        return True
 
     async def aclose(self) -> None:
         """End the session: refuse new requests and abort generations still running (awaits them)."""
