@@ -407,3 +407,15 @@ def test_a_closed_stream_aborts_its_generation(server, policy):
         time.sleep(0.05)
     assert engine.cancelled == 1  # aborted well before the reply's end
     assert session.stats.aborted == 1 and session.replies == []  # nothing of it is recorded
+
+
+def test_logprob_bytes_of_tokens_that_split_a_character_join_to_the_text(server, policy):
+    _, tok = policy
+    text = "ok 🦜 漢字のテスト"
+    ids = ids_of(tok, text)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some tokens hold part of a character
+    _, client = open_session(server, ScriptedEngine(ids), tok)
+    out = client.chat.completions.create(model="m", messages=USER, logprobs=True)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == len(ids)
+    assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text == out.choices[0].message.content

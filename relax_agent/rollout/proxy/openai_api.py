@@ -278,6 +278,8 @@ class Choice:
         tool_calls: OpenAI tool calls (``arguments`` a JSON string).
         finish_reason: "stop", "length" or "tool_calls".
         tokens / logprobs: [n] the sampled tokens' text and log-probs (``logprobs: true``).
+        token_bytes: [n] each token's raw bytes (a token may hold part of a UTF-8 character);
+            empty: the UTF-8 of ``tokens``.
     """
 
     content: str | None
@@ -285,6 +287,7 @@ class Choice:
     finish_reason: str
     tokens: tuple[str, ...] = ()
     logprobs: tuple[float, ...] = ()
+    token_bytes: tuple[bytes, ...] = ()
 
     def message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -293,8 +296,9 @@ class Choice:
         return msg
 
     def logprobs_body(self) -> dict[str, Any]:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self.tokens, self.logprobs)], "refusal": None}
+        raw = self.token_bytes or tuple(t.encode() for t in self.tokens)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+                            for t, lp, b in zip(self.tokens, self.logprobs, raw)], "refusal": None}
 
 
 @dataclass(frozen=True)

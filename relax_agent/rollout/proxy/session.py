@@ -540,9 +540,11 @@ class AgentSession:
         seg.rec.add_turn(s.gen)
         seg.rec.add_messages([internal])
         seg.closed = bool(s.gen.token_ids) and s.gen.token_ids[-1] in self._close_ids
-        tokens = tuple(self.renderer.tokenizer.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
+        tok = self.renderer.tokenizer
+        tokens = tuple(tok.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
         choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
-                        tokens, s.gen.logprobs if req.logprobs else ())
+                        tokens, s.gen.logprobs if req.logprobs else (),
+                        token_bytes(tok, s.gen.token_ids) if req.logprobs else ())
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
         parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else None
@@ -711,6 +713,42 @@ class AgentSession:
                 "agent/undelivered": float(sum(r.delivered is False for r in self.replies)),
                 "agent/duplicate_replies": float(s.duplicate_replies),
                 "agent/capped_max_tokens": float(s.capped_max_tokens)}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level BPE alphabet (``bytes_to_unicode`` of its reference
+    implementation, openai/gpt-2 ``encoder.py``): printable character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs, extra = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Any, ids: Sequence[int]) -> tuple[bytes, ...]:
+    """[n] the raw bytes of each token (a token may hold part of a UTF-8 character, which its own
+    decoded text cannot show): byte-level BPE pieces mapped back through GPT-2's byte alphabet,
+    SentencePiece byte pieces (``<0xE2>``) as that byte, other pieces as their decoded text's UTF-8."""
+    out = []
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
+        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                out.append(bytes([int(piece[3:5], 16)]))
+                continue
+            except ValueError:
+                pass
+        if isinstance(piece, str) and piece and all(ch in _BYTE_DECODER for ch in piece):
+            out.append(bytes(_BYTE_DECODER[ch] for ch in piece))
+        else:
+            out.append(tokenizer.decode([i]).encode())
+    return tuple(out)
 
 
 def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
