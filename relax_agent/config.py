@@ -107,6 +107,11 @@ class AgentConfig(Section):
     (``rollout.max_new_tokens``, or what is left of ``rollout.max_total_tokens``): "cap" samples at
     most that many and says so in the response header ``x-relax-max-tokens`` (the granted number;
     counted in ``agent/capped_max_tokens``); "refuse" answers HTTP 400 naming ``max_tokens``."""
+    max_episode_sampled_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens the policy samples for one episode over all its requests (replies, siblings and
+    side branches alike; a running request reserves ``max_tokens x n``): a request's ``max_tokens``
+    is lowered to what is left (``x-relax-max-tokens``), and once nothing is left requests get HTTP
+    400 (``episode_token_budget_exceeded``). None: only ``timeout_s`` bounds an agent that loops."""
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     """Largest request body the endpoint reads; a larger one gets HTTP 413 (OpenAI error body)
     before anything of it is parsed or tokenized."""

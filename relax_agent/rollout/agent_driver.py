@@ -117,7 +117,8 @@ class AgentDriver:
             return [TrajectoryRecorder(spec).fail_with(exc)]
         session = AgentSession(spec, f"relax-{secrets.token_urlsafe(24)}", self.engine, self.renderer, self.parser,
                                params, self.cfg.honor_request_sampling, self.cfg.model_name, task_messages=obs,
-                               max_tokens_over_budget=self.cfg.max_tokens_over_budget)
+                               max_tokens_over_budget=self.cfg.max_tokens_over_budget,
+                               max_sampled_tokens=self.cfg.max_episode_sampled_tokens)
         self.server.start()
         self.server.open(session)
         try:

@@ -419,3 +419,17 @@ def test_logprob_bytes_of_tokens_that_split_a_character_join_to_the_text(server,
     entries = out.choices[0].logprobs.content
     assert len(entries) == len(ids)
     assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text == out.choices[0].message.content
+
+
+def test_the_episode_token_cap_holds_across_requests(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, "word " * 40)), tok, max_new_tokens=8,
+                                   max_sampled_tokens=12)
+    first = client.chat.completions.with_raw_response.create(model="m", messages=USER)
+    assert first.parse().usage.completion_tokens == 8 and "x-relax-max-tokens" not in first.headers
+    second = client.chat.completions.with_raw_response.create(model="m", messages=USER)
+    assert second.headers["x-relax-max-tokens"] == "4" and second.parse().usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=USER)
+    assert err.value.body["code"] == "episode_token_budget_exceeded" and "12" in err.value.body["message"]
+    assert sum(r.num_tokens for r in session.replies) == 12

@@ -252,6 +252,9 @@ class AgentSession:
             holding them); empty: any conversation.
         max_tokens_over_budget: a request's ``max_tokens`` above what the episode has left:
             "cap" lowers it (the response carries ``x-relax-max-tokens``), "refuse" answers 400.
+        max_sampled_tokens: most tokens sampled for the episode over all its requests (a request's
+            ``max_new_tokens x n`` is reserved while it runs); past it requests get 400
+            (``episode_token_budget_exceeded``); None: no cap.
     """
 
     spec: EpisodeSpec
@@ -264,6 +267,7 @@ class AgentSession:
     model_name: str = "policy"
     task_messages: Sequence[dict[str, Any]] = ()
     max_tokens_over_budget: str = "cap"
+    max_sampled_tokens: int | None = None
     stats: SessionStats = field(default_factory=SessionStats)
     segments: list[Segment] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)
@@ -274,6 +278,7 @@ class AgentSession:
     _calls: int = 0
     _by_answer: dict[str, list[Reply]] = field(default_factory=dict)
     _seen: set[str] = field(default_factory=set)
+    _reserved: int = 0
 
     def __post_init__(self) -> None:
         self._streams = streams_tokens(self.engine)
@@ -310,12 +315,22 @@ class AgentSession:
         params = self._sampling(req, plan, notes)
         turn = self._started
         self._started += 1
+        reserved = params.max_new_tokens * req.n
+        self._reserved += reserved
         task = asyncio.ensure_future(self._answer(req, plan, params, turn, on_text))
+        task.add_done_callback(lambda t: self._settle(t, reserved))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._answers[body_key] = task
         task.add_done_callback(lambda t: self._forget_failed(body_key, t))
         return asyncio.ensure_future(asyncio.shield(task))
+
+    def _settle(self, task: asyncio.Future, reserved: int) -> None:
+        """Replace a finished request's reservation of sampled tokens by what it sampled (nothing when
+        it failed before returning: a refused or aborted request costs the episode nothing)."""
+        self._reserved -= reserved
+        if not task.cancelled() and task.exception() is None:
+            self._reserved += task.result().completion_tokens
 
     def _forget_failed(self, body_key: str, task: asyncio.Future) -> None:
         if (task.cancelled() or task.exception() is not None) and self._answers.get(body_key) is task:
@@ -409,16 +424,25 @@ class AgentSession:
                                f"rollout.max_total_tokens={self.spec.max_total_tokens}", "messages",
                                code="context_length_exceeded")
         limit = min(base.max_new_tokens, room)
+        why = f"rollout.max_new_tokens={base.max_new_tokens}, {room} tokens left of " \
+              f"rollout.max_total_tokens={self.spec.max_total_tokens}"
+        if self.max_sampled_tokens is not None:
+            left = self.max_sampled_tokens - self._reserved
+            if left < req.n:
+                raise RequestError(f"this episode has sampled (or is sampling) {self._reserved} tokens over its requests, "
+                                   f"its budget rollout.agent.max_episode_sampled_tokens={self.max_sampled_tokens} leaves "
+                                   f"{max(left, 0)} for {req.n} choice(s); end the episode",
+                                   code="episode_token_budget_exceeded")
+            limit = min(limit, left // req.n)
+            why += f", {left} tokens left of rollout.agent.max_episode_sampled_tokens={self.max_sampled_tokens}"
+        wanted = req.max_tokens if req.max_tokens is not None else base.max_new_tokens
         if req.max_tokens is not None and req.max_tokens > limit:
             if self.max_tokens_over_budget == "refuse":
                 raise RequestError(f"max_tokens={req.max_tokens} is above the {limit} tokens this request may sample "
-                                   f"(rollout.max_new_tokens={base.max_new_tokens}, {room} tokens left of "
-                                   f"rollout.max_total_tokens={self.spec.max_total_tokens}); ask for at most {limit}",
-                                   "max_tokens", code="max_tokens_exceeded")
+                                   f"({why}); ask for at most {limit}", "max_tokens", code="max_tokens_exceeded")
             self.stats.capped_max_tokens += 1
-            if notes is not None:
-                notes["x-relax-max-tokens"] = str(limit)
-        wanted = req.max_tokens if req.max_tokens is not None else base.max_new_tokens
+        if wanted > limit and notes is not None:
+            notes["x-relax-max-tokens"] = str(limit)
         return dataclasses.replace(
             base, temperature=req.temperature if req.temperature is not None else base.temperature,
             top_p=req.top_p if req.top_p is not None else base.top_p,
