@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 import json
 
@@ -433,3 +434,26 @@ def test_the_episode_token_cap_holds_across_requests(server, policy):
         client.chat.completions.create(model="m", messages=USER)
     assert err.value.body["code"] == "episode_token_budget_exceeded" and "12" in err.value.body["message"]
     assert sum(r.num_tokens for r in session.replies) == 12
+
+
+def test_a_huge_history_does_not_stall_another_episode(policy):
+    _, tok = policy
+    srv = EndpointServer(max_request_bytes=8 * 1024 * 1024).start()
+    try:
+        big_session, big = open_session(srv, ScriptedEngine(ids_of(tok, "x")), tok, max_total_tokens=10**7)
+        _, small = open_session(srv, ScriptedEngine(ids_of(tok, "fine")), tok)
+        planned_at: list[float] = []
+        plan = big_session._plan
+        big_session._plan = lambda req: (plan(req), planned_at.append(time.monotonic()))[0]
+        worker = threading.Thread(target=lambda: big.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "lorem ipsum dolor sit amet, " * 50_000}]))
+        worker.start()
+        while big_session.stats.requests == 0:  # the big request is being tokenized
+            time.sleep(0.01)
+        for _ in range(3):
+            assert small.chat.completions.create(model="m", messages=USER).choices[0].message.content == "fine"
+        small_done = time.monotonic()
+        worker.join(120)
+        assert planned_at and small_done < planned_at[0], "the small episode waited for the big one's tokenization"
+    finally:
+        srv.close()

@@ -224,18 +224,13 @@ def build_app(endpoint: EndpointServer) -> Any:
         try:
             session = endpoint.session_of(request.headers.get("authorization"))
             raw = await _read_body(request, endpoint.max_request_bytes)
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(f"the request body is not valid JSON: {exc}") from exc
-            req = parse_chat_request(body)
             idem = request.headers.get("idempotency-key")
-            body_key = f"idem:{idem}" if idem else hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+            req, body_key = await asyncio.to_thread(_parse_body, raw, idem)  # off the shared loop
             replay = idem is not None or _retry_count(request.headers.get("x-stainless-retry-count")) > 0
             if req.stream:
-                events = _start_stream(session, req, body_key, replay, notes)
+                events = await _start_stream(session, req, body_key, replay, notes)
                 return StreamingResponse(events, media_type="text/event-stream", headers=notes)
-            answer = await session.submit(req, body_key, replay, notes=notes)
+            answer = await (await session.submit(req, body_key, replay, notes=notes))
         except RequestError as exc:
             if exc.status < 500:
                 endpoint.refused.append(((request.headers.get("authorization") or "").removeprefix("Bearer ").strip(),
@@ -255,6 +250,18 @@ def build_app(endpoint: EndpointServer) -> Any:
     return app
 
 
+def _parse_body(raw: bytes, idempotency_key: str | None) -> tuple[ChatRequest, str]:
+    """The validated request and its replay key (the idempotency key, else a hash of the body)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+    req = parse_chat_request(body)
+    if idempotency_key:
+        return req, f"idem:{idempotency_key}"
+    return req, hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _retry_count(header: str | None) -> int:
     try:
         return int(header) if header else 0
@@ -262,8 +269,8 @@ def _retry_count(header: str | None) -> int:
         return 0
 
 
-def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay: bool,
-                  notes: dict[str, str]) -> AsyncIterator[str]:
+async def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay: bool,
+                        notes: dict[str, str]) -> AsyncIterator[str]:
     """Submit a streamed request and return its server-sent events. The request is submitted before
     the response starts, so a refused one still gets a plain 400."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -275,7 +282,7 @@ def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay
         if delta:
             queue.put_nowait((index, delta))
 
-    fut = session.submit(req, body_key, replay, on_text, notes)
+    fut = await session.submit(req, body_key, replay, on_text, notes)
     fut.add_done_callback(lambda _: queue.put_nowait(None))
     return _events(session, req, fut, streamers, queue, body_key)
 

@@ -290,9 +290,11 @@ class AgentSession:
         self._task = [normalise(m) for m in self.task_messages if m.get("role") not in ("system", "developer")]
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None,
-               notes: dict[str, str] | None = None) -> asyncio.Future:
-        """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`.
+    async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None,
+                     notes: dict[str, str] | None = None) -> asyncio.Future:
+        """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`. The
+        request's messages are matched and tokenized in a worker thread, never on the event loop
+        other episodes are served from (a large history cannot stall them).
 
         Args:
             body_key: hash of the request body (retries are recognised by it).
@@ -311,7 +313,10 @@ class AgentSession:
         if replay and body_key in self._answers:
             self.stats.replayed += 1
             return asyncio.ensure_future(asyncio.shield(self._answers[body_key]))
-        plan = self._plan(req)
+        plan = await asyncio.to_thread(self._plan, req)
+        if self.closed:
+            raise RequestError("this episode's session has ended (the agent's API key is no longer valid)",
+                               status=401, code="invalid_api_key")
         params = self._sampling(req, plan, notes)
         turn = self._started
         self._started += 1
