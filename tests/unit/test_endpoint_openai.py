@@ -457,3 +457,15 @@ def test_a_huge_history_does_not_stall_another_episode(policy):
         assert planned_at and small_done < planned_at[0], "the small episode waited for the big one's tokenization"
     finally:
         srv.close()
+
+
+def test_streaming_decodes_each_token_once_not_the_whole_reply_per_token(server, policy):
+    _, tok = policy
+    reply = ids_of(tok, "word " * 600 + "🦜 end")
+    session, client = open_session(server, ScriptedEngine(reply), tok, max_new_tokens=1000)
+    decoded = [0]
+    decode = session._decode
+    session._decode = lambda ids: (decoded.__setitem__(0, decoded[0] + len(ids)), decode(ids))[1]
+    text, _, _, _ = _streamed(client, model="m", messages=USER)
+    assert text == "word " * 600 + "🦜 end"
+    assert decoded[0] < 12 * len(reply)  # re-decoding the reply per token: ~len(reply)**2 / 2

@@ -505,6 +505,7 @@ class AgentSession:
         version = [self.engine.policy_version]
         loop = asyncio.get_running_loop()
         hit: asyncio.Future = loop.create_future()
+        detok = IncrementalText(self._decode)
 
         def push(tok: int, lp: float, v: int) -> None:
             if hit.done():
@@ -512,7 +513,7 @@ class AgentSession:
             tokens.append(tok)
             lps.append(lp)
             version[0] = v
-            text = forced_text + self._decode(tokens)
+            text = forced_text + detok.push(tok)
             cut = _marker_cut(text, markers)
             if cut is not None:
                 hit.set_result(len(tokens))
@@ -742,6 +743,34 @@ class AgentSession:
                 "agent/undelivered": float(sum(r.delivered is False for r in self.replies)),
                 "agent/duplicate_replies": float(s.duplicate_replies),
                 "agent/capped_max_tokens": float(s.capped_max_tokens)}
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoding only a short window at its end per token
+    (constant work per token instead of re-decoding the whole reply), after vLLM's incremental
+    detokenization (``detokenize_incrementally``: a prefix window decoded with and without the new
+    tokens; text is released only once it no longer ends in a partial UTF-8 character).
+
+    Args:
+        decode: token ids -> text (the tokenizer's decode, special tokens skipped).
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; the text so far (its last partial character held back)."""
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self._prefix:self._read])
+        after = self.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
 
 
 def _byte_decoder() -> dict[str, int]:
