@@ -7,9 +7,13 @@ with, in its environment:
 - ``OPENAI_BASE_URL``: the rollout's OpenAI-compatible endpoint on 127.0.0.1
   (:mod:`relax_agent.rollout.proxy.server`), ``OPENAI_API_KEY``: a key valid for this episode only;
 - ``RELAX_TASK_FILE``: a JSON file ``{"id", "sample_id", "messages", "tools", "metadata"}``
-  (``metadata`` is the task dict);
+  (``metadata``: the task dict's ``rollout.agent.task_keys``, none by default: the ground truth
+  stays with the env);
 - ``RELAX_OUTPUT_FILE``: where the agent may write JSON ``{"reward": float, "answer": str,
-  "metrics": {name: number}}`` (all optional, unless ``rollout.agent.reward: agent`` needs ``reward``).
+  "metrics": {name: number}}`` (all optional, unless ``rollout.agent.reward: agent`` needs ``reward``);
+- ``TMPDIR``: the episode's private directory (mode 0700, removed after the episode);
+
+and of relax-agent's own environment only ``rollout.agent.inherit_env`` (plus ``rollout.agent.env``).
 
 Every request of the agent is answered by the policy and recorded token-in/token-out by the
 episode's :class:`~relax_agent.rollout.proxy.session.AgentSession`. When the agent exits, the
@@ -143,9 +147,11 @@ class AgentDriver:
             EnvError: the agent exited non-zero, or wrote an output file that is not a JSON object.
         """
         task_file, out_file, log = tmp / "task.json", tmp / "output.json", tmp / "stderr.log"
+        metadata = {k: spec.task[k] for k in self.cfg.task_keys if k in spec.task}
         task_file.write_text(json.dumps({"id": spec.task_id, "sample_id": spec.sample_id, "messages": messages,
-                                         "tools": tools, "metadata": spec.task}, default=str))
-        env = {**os.environ, **self.cfg.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key,
+                                         "tools": tools, "metadata": metadata}, default=str))
+        env = {**agent_environment(os.environ, self.cfg.inherit_env), **self.cfg.env,
+               "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key, "TMPDIR": str(tmp),
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
         argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
         with log.open("wb") as err:
@@ -250,6 +256,15 @@ def _output_metrics(output: dict[str, Any]) -> dict[str, float]:
         raise EnvError(f"'metrics' in the agent's RELAX_OUTPUT_FILE must be an object, got {type(metrics).__name__}")
     return {f"agent/{k}": float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def agent_environment(parent: Any, inherit: list[str]) -> dict[str, str]:
+    """The variables of ``parent`` named by ``inherit`` (a trailing ``*`` matches a prefix; ``"*"`` all),
+    without any ``OPENAI_*`` (the agent gets the episode's own)."""
+    def wanted(name: str) -> bool:
+        return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in inherit)
+
+    return {k: v for k, v in parent.items() if wanted(k) and not k.startswith("OPENAI_")}
 
 
 def _kill_group(pid: int, sig: int) -> None:

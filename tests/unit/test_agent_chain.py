@@ -113,7 +113,7 @@ def test_the_chain_follows_the_reply_sent_back_past_an_abandoned_one(tok, tmp_pa
     call = _ids(tok, f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>')
     slow, final = _ids(tok, WRONG), _ids(tok, ANSWER)
     engine = CallEngine([(slow, 2.5 / len(slow)), (call, 0.0), (final, 0.0)])
-    traj = _play(_driver(tok, engine, tmp_path, MULTI_TURN_ABANDON))
+    traj = _play(_driver(tok, engine, tmp_path, MULTI_TURN_ABANDON, task_keys=["answer"]))
     assert traj.error is None, traj.error
     assert [list(t.token_ids) for t in traj.turns] == [call, final] and traj.reward == 1.0
     assert [list(t.logprobs) for t in traj.turns] == [[-0.5] * len(call), [-0.5] * len(final)]
@@ -129,7 +129,7 @@ json.dump({"answer": best[0]}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
 def test_the_sibling_the_agent_answered_with_is_the_trained_one(tok, tmp_path):
     replies = [_ids(tok, WRONG), _ids(tok, ANSWER), _ids(tok, "I am not sure")]
     engine = CallEngine([(r, 0.0) for r in replies])
-    traj = _play(_driver(tok, engine, tmp_path, PICK_SECOND))
+    traj = _play(_driver(tok, engine, tmp_path, PICK_SECOND, task_keys=["answer"]))
     assert traj.error is None, traj.error
     assert [list(t.token_ids) for t in traj.turns] == [replies[1]] and traj.reward == 1.0
     assert traj.metrics["agent/siblings"] == 2.0 and traj.metrics["agent/dropped_replies"] == 2.0
