@@ -33,7 +33,9 @@ Faults are records, never exceptions: a non-zero exit (cause names the code and 
 agent's stderr), no request at all, a missing or bad output file, an env failure. Past
 ``rollout.agent.timeout_s`` (or the episode's ``episode_timeout_s``) the process group gets
 SIGTERM, then SIGKILL after ``kill_grace_s``, and every generation still running for the session
-is aborted in the engine before :meth:`AgentDriver.play` returns (a timeout record).
+is aborted in the engine before :meth:`AgentDriver.play` returns (a timeout record). When the
+agent is gone, its process group is killed, and so is every process still carrying the episode's
+key in its environment (:func:`kill_marked`: children that left the group with ``setsid``).
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ class AgentDriver:
                 if proc.returncode is None:  # cancelled: never leave the agent running
                     await self._stop(proc)
                 _kill_group(proc.pid, signal.SIGKILL)  # processes the agent left behind
+                await asyncio.to_thread(kill_marked, f"OPENAI_API_KEY={session.key}")  # and those that left its group
         if code != 0:
             tail = log.read_text(errors="replace")[-_STDERR_TAIL:].strip()
             raise EnvError(f"agent exited with code {code}" + (f"; its stderr ends: {tail}" if tail else ""))
@@ -265,6 +268,38 @@ def agent_environment(parent: Any, inherit: list[str]) -> dict[str, str]:
         return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in inherit)
 
     return {k: v for k, v in parent.items() if wanted(k) and not k.startswith("OPENAI_")}
+
+
+def kill_marked(marker: str, proc_dir: str = "/proc") -> list[int]:
+    """SIGKILL every process (but this one) whose environment holds the variable ``marker``
+    (``NAME=value``): the processes an agent started, wherever they went (a new session or
+    process group, a double fork) — each inherited the episode's key. Linux ``/proc`` only; a
+    process that scrubbed its environment or runs as another user is not found.
+
+    Returns:
+        the pids signalled.
+    """
+    needle = marker.encode() + b"\0"
+    killed = []
+    try:
+        pids = [int(name) for name in os.listdir(proc_dir) if name.isdigit()]
+    except OSError:
+        return killed
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"{proc_dir}/{pid}/environ", "rb") as f:
+                environ = f.read() + b"\0"
+        except OSError:  # gone, or not ours
+            continue
+        if environ.startswith(needle) or b"\0" + needle in environ:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
 
 
 def _kill_group(pid: int, sig: int) -> None:

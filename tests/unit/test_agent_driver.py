@@ -194,3 +194,21 @@ json.dump({{"task": open(os.environ["RELAX_TASK_FILE"]).read(), "env": dict(os.e
     assert "OPENAI_API_BASE" not in got["env"] and "RUN_SECRET_TOKEN" not in got["env"]
     assert got["env"]["AGENT_MODE"] == "x" and got["env"]["PATH"] == os.environ["PATH"]
     assert got["tmp"] == got["env"]["TMPDIR"] != tempfile.gettempdir() and got["mode"] == 0o700
+
+
+def test_a_child_that_left_the_process_group_is_gone_with_the_episode(tok, tmp_path):
+    pids = tmp_path / "pids.json"
+    script = ONE_CALL + ("import subprocess\n"
+                         "child = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"  # escapes killpg
+                         f"json.dump([child.pid, os.getpgid(child.pid) != os.getpgid(0)], open({str(pids)!r}, 'w'))\n")
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script))
+    assert traj.error is None, traj.error
+    pid, escaped = json.loads(pids.read_text())
+    assert escaped  # it really left the agent's process group
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive
