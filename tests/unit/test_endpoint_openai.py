@@ -469,3 +469,11 @@ def test_streaming_decodes_each_token_once_not_the_whole_reply_per_token(server,
     text, _, _, _ = _streamed(client, model="m", messages=USER)
     assert text == "word " * 600 + "🦜 end"
     assert decoded[0] < 12 * len(reply)  # re-decoding the reply per token: ~len(reply)**2 / 2
+
+
+def test_response_ids_are_opaque_and_unique(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    ids = [client.chat.completions.create(model="m", messages=USER).id for _ in range(2)]
+    assert len(set(ids)) == 2 and all(i.startswith("chatcmpl-") for i in ids)
+    assert not any(session.key[-6:] in i or session.key[:6] in i for i in ids)  # nothing of the key leaks
