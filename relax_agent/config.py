@@ -75,14 +75,21 @@ class EnvConfig(Section):
     past it the episode becomes a failed record naming this key."""
 
 
+DEFAULT_AGENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM",
+                     "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "CONDA_PREFIX", "SSL_CERT_FILE", "SSL_CERT_DIR",
+                     "REQUESTS_CA_BUNDLE", "HF_HOME", "HF_HUB_OFFLINE")
+"""What ``rollout.agent.inherit_env`` passes by default: what a program needs to run, no credentials."""
+
+
 class AgentConfig(Section):
     """Bring your own agent (``rollout.driver: agent``): the program that plays each episode.
 
     Per episode the command runs as its own process group with ``OPENAI_BASE_URL`` (the
     rollout's OpenAI-compatible endpoint on 127.0.0.1), ``OPENAI_API_KEY`` (a key for this
     episode only), ``RELAX_TASK_FILE`` (JSON: ``id``, ``sample_id``, ``messages``, ``tools``,
-    ``metadata``) and ``RELAX_OUTPUT_FILE`` (where it may write JSON ``{"reward", "answer",
-    "metrics"}``) in its environment.
+    ``metadata``: the task's ``task_keys``), ``RELAX_OUTPUT_FILE`` (where it may write JSON
+    ``{"reward", "answer", "metrics"}``) and ``TMPDIR`` (the episode's private directory) in an
+    environment of only ``inherit_env`` and ``env``.
     """
 
     command: list[str] = Field(default_factory=list)
@@ -91,7 +98,14 @@ class AgentConfig(Section):
     cwd: str | None = None
     """Working directory of the agent; None: the directory relax-agent runs in."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables for the agent (added to relax-agent's own)."""
+    """Extra environment variables for the agent (added to those of ``inherit_env``)."""
+    inherit_env: list[str] = Field(default_factory=lambda: list(DEFAULT_AGENT_ENV))
+    """Variables of relax-agent's own environment the agent gets (names; a trailing ``*`` matches a
+    prefix, ``["*"]`` everything); nothing else is passed, so the run's credentials and a parent's
+    ``OPENAI_API_BASE`` / proxies never reach it. ``OPENAI_*`` variables are always the episode's."""
+    task_keys: list[str] = Field(default_factory=list)
+    """Keys of the task dict copied to ``metadata`` in the agent's task file. Default none: the
+    ground truth (``answer``...) stays with the env, which scores the agent's answer."""
     timeout_s: float = Field(default=600.0, gt=0.0)
     """Most seconds one agent process may run; past it its process group is killed, generations
     still running for its episode are aborted, and the episode is a failed record (status "timeout")."""
@@ -109,6 +123,19 @@ class AgentConfig(Section):
     """False: a request's ``temperature``/``top_p`` must equal ``rollout.temperature``/``rollout.top_p``
     (the trainer scores log-probs at ``rollout.temperature``), else HTTP 400 naming the field;
     True: requests sample at their own values (evaluation, or when you correct for it)."""
+    max_tokens_over_budget: Literal["cap", "refuse"] = "cap"
+    """A request whose ``max_tokens`` / ``max_completion_tokens`` is above what it may sample
+    (``rollout.max_new_tokens``, or what is left of ``rollout.max_total_tokens``): "cap" samples at
+    most that many and says so in the response header ``x-relax-max-tokens`` (the granted number;
+    counted in ``agent/capped_max_tokens``); "refuse" answers HTTP 400 naming ``max_tokens``."""
+    max_episode_sampled_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens the policy samples for one episode over all its requests (replies, siblings and
+    side branches alike; a running request reserves ``max_tokens x n``): a request's ``max_tokens``
+    is lowered to what is left (``x-relax-max-tokens``), and once nothing is left requests get HTTP
+    400 (``episode_token_budget_exceeded``). None: only ``timeout_s`` bounds an agent that loops."""
+    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest request body the endpoint reads; a larger one gets HTTP 413 (OpenAI error body)
+    before anything of it is parsed or tokenized."""
 
 
 class DynamicSamplingConfig(Section):

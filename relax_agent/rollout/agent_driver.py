@@ -7,18 +7,25 @@ with, in its environment:
 - ``OPENAI_BASE_URL``: the rollout's OpenAI-compatible endpoint on 127.0.0.1
   (:mod:`relax_agent.rollout.proxy.server`), ``OPENAI_API_KEY``: a key valid for this episode only;
 - ``RELAX_TASK_FILE``: a JSON file ``{"id", "sample_id", "messages", "tools", "metadata"}``
-  (``metadata`` is the task dict);
+  (``metadata``: the task dict's ``rollout.agent.task_keys``, none by default: the ground truth
+  stays with the env);
 - ``RELAX_OUTPUT_FILE``: where the agent may write JSON ``{"reward": float, "answer": str,
-  "metrics": {name: number}}`` (all optional, unless ``rollout.agent.reward: agent`` needs ``reward``).
+  "metrics": {name: number}}`` (all optional, unless ``rollout.agent.reward: agent`` needs ``reward``);
+- ``TMPDIR``: the episode's private directory (mode 0700, removed after the episode);
+
+and of relax-agent's own environment only ``rollout.agent.inherit_env`` (plus ``rollout.agent.env``).
 
 Every request of the agent is answered by the policy and recorded token-in/token-out by the
 episode's :class:`~relax_agent.rollout.proxy.session.AgentSession`. When the agent exits, the
-episode's trajectory is the *primary* segment (the conversation its last request continued);
-other segments (history rewrites, ``n > 1`` siblings) are counted in the ``agent/*`` metrics
-and returned by :meth:`AgentDriver.play_segments`.
+episode's trajectory is the *trained chain*: the replies the agent kept (sent back in a later
+request), linked by prefix, ending at its final answer (see the session's module doc); replies
+off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls after the answer,
+rewritten histories) are counted in the ``agent/*`` metrics (``agent/dropped_replies``) and
+returned after it by :meth:`AgentDriver.play_segments`, never trained or scored.
 
 Reward (``rollout.agent.reward``): "env" steps the env once with the agent's final answer (the
-last assistant message of the primary segment, or ``answer`` from the output file when given);
+last reply of the trained chain, or ``answer`` from the output file when given, which also ends
+the chain at the reply with that content);
 "agent" takes the output file's ``reward``. A configured reward service re-scores afterwards, as
 for env-driven runs (the runner does that).
 
@@ -26,12 +33,15 @@ Faults are records, never exceptions: a non-zero exit (cause names the code and 
 agent's stderr), no request at all, a missing or bad output file, an env failure. Past
 ``rollout.agent.timeout_s`` (or the episode's ``episode_timeout_s``) the process group gets
 SIGTERM, then SIGKILL after ``kill_grace_s``, and every generation still running for the session
-is aborted in the engine before :meth:`AgentDriver.play` returns (a timeout record).
+is aborted in the engine before :meth:`AgentDriver.play` returns (a timeout record). When the
+agent is gone, its process group is killed, and so is every process still carrying the episode's
+key in its environment (:func:`kill_marked`: children that left the group with ``setsid``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -57,6 +67,8 @@ from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
 _STDERR_TAIL = 1500
 """Characters of the agent's stderr kept in a failed record's cause."""
+_GROUPS_KEPT = 4096
+"""Groups whose trained chains :meth:`AgentDriver._group_duplicate` remembers."""
 
 
 class AgentDriver:
@@ -78,7 +90,8 @@ class AgentDriver:
         self.renderer = renderer
         self.parser = parser
         self.cfg = cfg
-        self.server = EndpointServer(cfg.port, cfg.model_name)
+        self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes)
+        self._group_chains: dict[str, set[str]] = {}
         weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
 
     def close(self) -> None:
@@ -90,8 +103,8 @@ class AgentDriver:
         return (await self.play_segments(spec, params))[0]
 
     async def play_segments(self, spec: EpisodeSpec, params: SamplingParams) -> list[Trajectory]:
-        """Play ``spec`` with the agent; every segment of the episode as a trajectory, the primary
-        first (a failed episode: one failed record)."""
+        """Play ``spec`` with the agent; the trained chain's trajectory first, then every other
+        segment of the episode (side branches, same reward; a failed episode: one failed record)."""
         deadline = Deadline(min(spec.episode_timeout_s, self.cfg.timeout_s))
         try:
             env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, step_timeout_cause(spec))
@@ -109,7 +122,9 @@ class AgentDriver:
         except Exception as exc:
             return [TrajectoryRecorder(spec).fail_with(exc)]
         session = AgentSession(spec, f"relax-{secrets.token_urlsafe(24)}", self.engine, self.renderer, self.parser,
-                               params, self.cfg.honor_request_sampling, self.cfg.model_name)
+                               params, self.cfg.honor_request_sampling, self.cfg.model_name, task_messages=obs,
+                               max_tokens_over_budget=self.cfg.max_tokens_over_budget,
+                               max_sampled_tokens=self.cfg.max_episode_sampled_tokens)
         self.server.start()
         self.server.open(session)
         try:
@@ -117,8 +132,7 @@ class AgentDriver:
                 output = await self._run_agent(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
         except Exception as exc:  # a crashed, failed or timed-out agent is a failed record
             await self.server.end(session)
-            rec = session.primary.rec if session.primary is not None else TrajectoryRecorder(spec)
-            rec.spec = spec
+            rec = session.trained() or TrajectoryRecorder(spec)
             return [rec.fail_with(exc)]
         except BaseException:
             await self.server.end(session)
@@ -135,9 +149,11 @@ class AgentDriver:
             EnvError: the agent exited non-zero, or wrote an output file that is not a JSON object.
         """
         task_file, out_file, log = tmp / "task.json", tmp / "output.json", tmp / "stderr.log"
+        metadata = {k: spec.task[k] for k in self.cfg.task_keys if k in spec.task}
         task_file.write_text(json.dumps({"id": spec.task_id, "sample_id": spec.sample_id, "messages": messages,
-                                         "tools": tools, "metadata": spec.task}, default=str))
-        env = {**os.environ, **self.cfg.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key,
+                                         "tools": tools, "metadata": metadata}, default=str))
+        env = {**agent_environment(os.environ, self.cfg.inherit_env), **self.cfg.env,
+               "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key, "TMPDIR": str(tmp),
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
         argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
         with log.open("wb") as err:
@@ -159,6 +175,7 @@ class AgentDriver:
                 if proc.returncode is None:  # cancelled: never leave the agent running
                     await self._stop(proc)
                 _kill_group(proc.pid, signal.SIGKILL)  # processes the agent left behind
+                await asyncio.to_thread(kill_marked, f"OPENAI_API_KEY={session.key}")  # and those that left its group
         if code != 0:
             tail = log.read_text(errors="replace")[-_STDERR_TAIL:].strip()
             raise EnvError(f"agent exited with code {code}" + (f"; its stderr ends: {tail}" if tail else ""))
@@ -184,22 +201,37 @@ class AgentDriver:
 
     async def _finish(self, session: AgentSession, calls: EnvCalls, spec: EpisodeSpec,
                       output: dict[str, Any]) -> list[Trajectory]:
-        recs = session.recorders()
+        answer = output.get("answer") if isinstance(output.get("answer"), str) else None
+        recs = session.recorders(answer)
         if not recs:
             return [TrajectoryRecorder(spec).fail_with(EnvError("the agent made no chat completion requests"))]
-        primary = recs[0][1]
+        primary = recs[0]
         try:
-            metrics = {**session.metrics(), **_output_metrics(output)}
+            metrics = {**session.metrics(answer), **_output_metrics(output),
+                       "agent/group_duplicates": self._group_duplicate(spec, primary)}
             reward, env_metrics = await self._reward(calls, primary, output)
         except Exception as exc:
             return [primary.fail_with(exc)]
         metrics.update(env_metrics)
         out = []
-        for _, rec in recs:
+        for rec in recs:
             last = rec.turns[-1]
             stop = StopReason.LENGTH if last.finish_reason == "length" else StopReason.TERMINATED
             out.append(rec.finish(reward, dict(metrics), stop))
         return out
+
+    def _group_duplicate(self, spec: EpisodeSpec, rec: TrajectoryRecorder) -> float:
+        """1.0 when an earlier episode of ``spec``'s group trained exactly these sampled tokens (the
+        group's samples collapsed, e.g. on a seed the agent fixed), else 0.0. Remembers the last
+        :data:`_GROUPS_KEPT` groups."""
+        key = hashlib.sha256(json.dumps([list(t.token_ids) for t in rec.turns]).encode()).hexdigest()
+        seen = self._group_chains.pop(spec.group_id, set())
+        self._group_chains[spec.group_id] = seen  # most recent last
+        while len(self._group_chains) > _GROUPS_KEPT:
+            self._group_chains.pop(next(iter(self._group_chains)))
+        duplicate = key in seen
+        seen.add(key)
+        return float(duplicate)
 
     async def _reward(self, calls: EnvCalls, primary: TrajectoryRecorder,
                       output: dict[str, Any]) -> tuple[float, dict[str, float]]:
@@ -227,6 +259,47 @@ def _output_metrics(output: dict[str, Any]) -> dict[str, float]:
         raise EnvError(f"'metrics' in the agent's RELAX_OUTPUT_FILE must be an object, got {type(metrics).__name__}")
     return {f"agent/{k}": float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def agent_environment(parent: Any, inherit: list[str]) -> dict[str, str]:
+    """The variables of ``parent`` named by ``inherit`` (a trailing ``*`` matches a prefix; ``"*"`` all),
+    without any ``OPENAI_*`` (the agent gets the episode's own)."""
+    def wanted(name: str) -> bool:
+        return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in inherit)
+
+    return {k: v for k, v in parent.items() if wanted(k) and not k.startswith("OPENAI_")}
+
+
+def kill_marked(marker: str, proc_dir: str = "/proc") -> list[int]:
+    """SIGKILL every process (but this one) whose environment holds the variable ``marker``
+    (``NAME=value``): the processes an agent started, wherever they went (a new session or
+    process group, a double fork) — each inherited the episode's key. Linux ``/proc`` only; a
+    process that scrubbed its environment or runs as another user is not found.
+
+    Returns:
+        the pids signalled.
+    """
+    needle = marker.encode() + b"\0"
+    killed = []
+    try:
+        pids = [int(name) for name in os.listdir(proc_dir) if name.isdigit()]
+    except OSError:
+        return killed
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"{proc_dir}/{pid}/environ", "rb") as f:
+                environ = f.read() + b"\0"
+        except OSError:  # gone, or not ours
+            continue
+        if environ.startswith(needle) or b"\0" + needle in environ:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
 
 
 def _kill_group(pid: int, sig: int) -> None:

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_the_agent_can_score_itself(tok, tmp_path):
 def test_an_answer_in_the_output_file_is_what_the_env_scores(tok, tmp_path):
     script = ONE_CALL + ('json.dump({"answer": "Answer: " + str(task["metadata"]["answer"])}, '
                          'open(os.environ["RELAX_OUTPUT_FILE"], "w"))\n')
-    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "no idea")), tmp_path, script))
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "no idea")), tmp_path, script, task_keys=["answer"]))
     assert traj.error is None and traj.reward == 1.0
 
 
@@ -173,3 +174,41 @@ def test_the_session_key_dies_with_the_episode(tok, tmp_path):
     finally:
         driver.close()
     assert r.status_code == 401
+
+
+def test_the_agent_gets_no_ground_truth_and_a_clean_private_environment(tok, tmp_path, monkeypatch):
+    seen = tmp_path / "seen.json"
+    script = ONE_CALL + f"""
+import stat, tempfile
+mode = stat.S_IMODE(os.stat(os.environ["TMPDIR"]).st_mode)
+json.dump({{"task": open(os.environ["RELAX_TASK_FILE"]).read(), "env": dict(os.environ),
+           "tmp": tempfile.gettempdir(), "mode": mode}}, open({str(seen)!r}, "w"))
+"""
+    monkeypatch.setenv("OPENAI_API_BASE", "http://127.0.0.9:1/v1")
+    monkeypatch.setenv("RUN_SECRET_TOKEN", "s3cret")
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script, env={"AGENT_MODE": "x"}))
+    assert traj.error is None, traj.error
+    got = json.loads(seen.read_text())
+    task = json.loads(got["task"])
+    assert task["metadata"] == {} and "answer" not in got["task"]  # the env keeps the ground truth
+    assert "OPENAI_API_BASE" not in got["env"] and "RUN_SECRET_TOKEN" not in got["env"]
+    assert got["env"]["AGENT_MODE"] == "x" and got["env"]["PATH"] == os.environ["PATH"]
+    assert got["tmp"] == got["env"]["TMPDIR"] != tempfile.gettempdir() and got["mode"] == 0o700
+
+
+def test_a_child_that_left_the_process_group_is_gone_with_the_episode(tok, tmp_path):
+    pids = tmp_path / "pids.json"
+    script = ONE_CALL + ("import subprocess\n"
+                         "child = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"  # escapes killpg
+                         f"json.dump([child.pid, os.getpgid(child.pid) != os.getpgid(0)], open({str(pids)!r}, 'w'))\n")
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script))
+    assert traj.error is None, traj.error
+    pid, escaped = json.loads(pids.read_text())
+    assert escaped  # it really left the agent's process group
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive

@@ -78,7 +78,7 @@ def test_rewritten_history_starts_a_branch_and_keeps_both_segments_intact(server
     delta = renderer.observation_delta([{"role": "user", "content": "go on"}], closed=True)
     assert segments["first"].token_ids == prompt + replies[0] + delta + replies[2]
     assert segments["branch"].token_ids == list(renderer.render_prompt(edited).token_ids) + replies[1]
-    for _, rec in session.recorders():
+    for rec in session.recorders():
         traj = rec.finish(0.0, {}, "terminated")
         for turn in traj.turns:
             assert list(traj.token_ids[turn.start:turn.start + len(turn.token_ids)]) == list(turn.token_ids)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import time
 import json
 
 import httpx
@@ -206,10 +208,10 @@ def test_n4_gives_four_sibling_segments_of_one_prompt(server, policy):
     assert len({c.message.content for c in out.choices}) > 1
     recs = session.recorders()
     assert len(recs) == 4 and session.stats.siblings == 3
-    starts = {rec.turns[0].start for _, rec in recs}
-    prompts = {tuple(rec.token_ids[:rec.turns[0].start]) for _, rec in recs}
+    starts = {rec.turns[0].start for rec in recs}
+    prompts = {tuple(rec.token_ids[:rec.turns[0].start]) for rec in recs}
     assert len(starts) == 1 and len(prompts) == 1
-    for (_, rec), choice in zip(recs, out.choices):
+    for rec, choice in zip(recs, out.choices):
         assert tok.decode(rec.turns[0].token_ids, skip_special_tokens=True) == choice.message.content
 
 
@@ -304,3 +306,174 @@ def test_an_sdk_retry_replays_the_recorded_answer(server, policy):
                        timeout=30)
     assert again.json()["id"] == out.id and len(engine.prompts) == 2  # a first attempt is sampled anew
     assert fresh.json()["id"] != out.id
+
+
+# -- request hygiene: body cap, error bodies, models.retrieve, tool_choice, tool_call_id, max_tokens ------
+
+
+def test_a_body_over_the_cap_gets_413_and_the_episode_beside_it_is_served(policy):
+    _, tok = policy
+    srv = EndpointServer(max_request_bytes=4096).start()
+    try:
+        _, big = open_session(srv, ScriptedEngine(ids_of(tok, "x")), tok)
+        _, good = open_session(srv, ScriptedEngine(ids_of(tok, "fine")), tok)
+        with pytest.raises(openai.APIStatusError) as err:
+            big.chat.completions.create(model="m", messages=[{"role": "user", "content": "y" * 10_000}])
+        assert err.value.status_code == 413 and err.value.body["code"] == "request_too_large"
+        assert "4096" in err.value.body["message"]
+        chunked = httpx.post(f"{srv.base_url}/chat/completions", headers={"Authorization": f"Bearer {big.api_key}"},
+                             content=(b"x" * 1024 for _ in range(8)), timeout=30)  # no Content-Length
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+        assert good.chat.completions.create(model="m", messages=USER).choices[0].message.content == "fine"
+    finally:
+        srv.close()
+
+
+def test_404_and_405_carry_openai_error_bodies(server):
+    missing = httpx.get(f"{server.base_url}/nothing", timeout=10)
+    wrong = httpx.get(f"{server.base_url}/chat/completions", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert "/v1/nothing" in missing.json()["error"]["message"]
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_models_retrieve_through_the_sdk(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    model = client.models.retrieve("policy")
+    assert model.id == "policy" and model.object == "model" and model.owned_by == "relax-agent"
+    assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"  # requests may name any model
+
+
+def test_a_tool_result_for_an_unknown_call_id_is_refused(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", tools=TOOLS, messages=USER + [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "3"}])
+    assert err.value.body["param"] == "messages[2].tool_call_id" and "call_9" in err.value.body["message"]
+
+
+def test_tool_choice_required_never_returns_a_reply_without_a_call(server, policy):
+    _, tok = policy
+    good = 'add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    engine = ScriptedEngine(lambda prompt: ids_of(tok, "no call here" if len(engine.prompts) == 1 else good))
+    session, client = open_session(server, engine, tok)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model="m", messages=USER, tools=TOOLS, tool_choice="required")
+    assert err.value.body["code"] == "invalid_tool_call" and err.value.body["param"] == "tool_choice"
+    out = client.with_options(max_retries=1).chat.completions.create(
+        model="m", messages=USER, tools=TOOLS, tool_choice="required")  # a request that resamples
+    assert out.choices[0].message.tool_calls[0].function.name == "add"
+    assert session.final_reply().content == "" and session.metrics()["agent/undelivered"] == 1.0
+
+
+def test_max_tokens_over_the_budget_is_capped_with_a_header_or_refused(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, "word " * 40)), tok, max_new_tokens=8)
+    raw = client.chat.completions.with_raw_response.create(model="m", messages=USER, max_tokens=500)
+    assert raw.headers["x-relax-max-tokens"] == "8"
+    assert raw.parse().usage.completion_tokens == 8 and session.metrics()["agent/capped_max_tokens"] == 1.0
+    plain = client.chat.completions.with_raw_response.create(model="m", messages=USER, max_tokens=4)
+    assert "x-relax-max-tokens" not in plain.headers
+    _, strict = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok, max_new_tokens=8,
+                             max_tokens_over_budget="refuse")
+    with pytest.raises(openai.BadRequestError) as err:
+        strict.chat.completions.create(model="m", messages=USER, max_tokens=500)
+    assert err.value.body["param"] == "max_tokens" and err.value.body["code"] == "max_tokens_exceeded"
+
+
+def test_an_out_of_range_seed_is_refused(server, policy):
+    _, tok = policy
+    _, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=USER, seed=2**70)
+    assert err.value.body["param"] == "seed"
+
+
+def test_a_closed_stream_aborts_its_generation(server, policy):
+    _, tok = policy
+    engine = ScriptedEngine(ids_of(tok, "word " * 40), delay_s=0.1)  # ~4 s of sampling
+    session, client = open_session(server, engine, tok)
+    stream = client.chat.completions.create(model="m", messages=USER, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+    deadline = time.monotonic() + 3.0
+    while engine.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.cancelled == 1  # aborted well before the reply's end
+    assert session.stats.aborted == 1 and session.replies == []  # nothing of it is recorded
+
+
+def test_logprob_bytes_of_tokens_that_split_a_character_join_to_the_text(server, policy):
+    _, tok = policy
+    text = "ok 🦜 漢字のテスト"
+    ids = ids_of(tok, text)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some tokens hold part of a character
+    _, client = open_session(server, ScriptedEngine(ids), tok)
+    out = client.chat.completions.create(model="m", messages=USER, logprobs=True)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == len(ids)
+    assert bytes(b for e in entries[:-1] for b in e.bytes).decode() == text == out.choices[0].message.content
+
+
+def test_the_episode_token_cap_holds_across_requests(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, "word " * 40)), tok, max_new_tokens=8,
+                                   max_sampled_tokens=12)
+    first = client.chat.completions.with_raw_response.create(model="m", messages=USER)
+    assert first.parse().usage.completion_tokens == 8 and "x-relax-max-tokens" not in first.headers
+    second = client.chat.completions.with_raw_response.create(model="m", messages=USER)
+    assert second.headers["x-relax-max-tokens"] == "4" and second.parse().usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=USER)
+    assert err.value.body["code"] == "episode_token_budget_exceeded" and "12" in err.value.body["message"]
+    assert sum(r.num_tokens for r in session.replies) == 12
+
+
+def test_a_huge_history_does_not_stall_another_episode(policy):
+    _, tok = policy
+    srv = EndpointServer(max_request_bytes=8 * 1024 * 1024).start()
+    try:
+        big_session, big = open_session(srv, ScriptedEngine(ids_of(tok, "x")), tok, max_total_tokens=10**7)
+        _, small = open_session(srv, ScriptedEngine(ids_of(tok, "fine")), tok)
+        planned_at: list[float] = []
+        plan = big_session._plan
+        big_session._plan = lambda req: (plan(req), planned_at.append(time.monotonic()))[0]
+        worker = threading.Thread(target=lambda: big.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "lorem ipsum dolor sit amet, " * 50_000}]))
+        worker.start()
+        while big_session.stats.requests == 0:  # the big request is being tokenized
+            time.sleep(0.01)
+        for _ in range(3):
+            assert small.chat.completions.create(model="m", messages=USER).choices[0].message.content == "fine"
+        small_done = time.monotonic()
+        worker.join(120)
+        assert planned_at and small_done < planned_at[0], "the small episode waited for the big one's tokenization"
+    finally:
+        srv.close()
+
+
+def test_streaming_decodes_each_token_once_not_the_whole_reply_per_token(server, policy):
+    _, tok = policy
+    reply = ids_of(tok, "word " * 600 + "🦜 end")
+    session, client = open_session(server, ScriptedEngine(reply), tok, max_new_tokens=1000)
+    decoded = [0]
+    decode = session._decode
+    session._decode = lambda ids: (decoded.__setitem__(0, decoded[0] + len(ids)), decode(ids))[1]
+    text, _, _, _ = _streamed(client, model="m", messages=USER)
+    assert text == "word " * 600 + "🦜 end"
+    assert decoded[0] < 12 * len(reply)  # re-decoding the reply per token: ~len(reply)**2 / 2
+
+
+def test_response_ids_are_opaque_and_unique(server, policy):
+    _, tok = policy
+    session, client = open_session(server, ScriptedEngine(ids_of(tok, "x")), tok)
+    ids = [client.chat.completions.create(model="m", messages=USER).id for _ in range(2)]
+    assert len(set(ids)) == 2 and all(i.startswith("chatcmpl-") for i in ids)
+    assert not any(session.key[-6:] in i or session.key[:6] in i for i in ids)  # nothing of the key leaks

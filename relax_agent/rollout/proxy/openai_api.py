@@ -3,7 +3,7 @@
 :func:`parse_chat_request` turns a request body into a :class:`ChatRequest` or raises
 :class:`RequestError` (HTTP 400, OpenAI error body, ``param`` naming the field). Every field of
 the body is either used or refused: a field the endpoint cannot honour is never dropped
-silently. Fields accepted only at their no-op value (``presence_penalty: 0``...) are listed in
+silently. A ``tool`` message must answer a tool call of an earlier assistant message by its id. Fields accepted only at their no-op value (``presence_penalty: 0``...) are listed in
 :data:`NOOP_FIELDS`.
 """
 
@@ -42,7 +42,8 @@ class RequestError(DataError):
     Args:
         message: what is wrong and what was expected.
         param: the request field (``"messages[2].content"``), or None.
-        status: HTTP status (400 bad request, 401 bad key, 404 unknown path).
+        status: HTTP status (400 bad request, 401 bad key, 404 unknown path, 405 wrong method, 413 body
+            too large, 500 a reply that cannot satisfy ``tool_choice``).
         code: OpenAI error code (``"context_length_exceeded"``), or None.
     """
 
@@ -55,7 +56,8 @@ class RequestError(DataError):
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error body."""
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -172,8 +174,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
         raise RequestError(f"stream_options supports only include_usage, got {stream_options!r}", "stream_options")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise RequestError(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and (not _is_int(seed) or not -2**63 <= seed < 2**64):
+        raise RequestError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}", "seed")
     model = body.get("model", "")
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, got {model!r}", "model")
@@ -190,7 +192,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
 def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(raw, list) or not raw:
         raise RequestError("messages must be a non-empty list of chat messages", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
+    call_ids: set[str] = set()
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
@@ -213,6 +216,11 @@ def _messages(raw: Any) -> tuple[dict[str, Any], ...]:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise RequestError(f"{where}.tool_calls[{k}] must be {{'type': 'function', 'function': "
                                    "{'name': ..., 'arguments': ...}}", f"{where}.tool_calls[{k}]")
+        call_ids.update(c.get("id") for c in m.get("tool_calls") or () if isinstance(c.get("id"), str))
+        if m["role"] == "tool" and m.get("tool_call_id") not in call_ids:
+            raise RequestError(f"{where} is a tool result for tool_call_id {m.get('tool_call_id')!r}, which no earlier "
+                               f"assistant message's tool_calls has (known ids: {sorted(call_ids)}); a tool message must "
+                               "answer a preceding tool call by its id", f"{where}.tool_call_id")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({**m, "role": role})
     return tuple(out)
@@ -270,6 +278,8 @@ class Choice:
         tool_calls: OpenAI tool calls (``arguments`` a JSON string).
         finish_reason: "stop", "length" or "tool_calls".
         tokens / logprobs: [n] the sampled tokens' text and log-probs (``logprobs: true``).
+        token_bytes: [n] each token's raw bytes (a token may hold part of a UTF-8 character);
+            empty: the UTF-8 of ``tokens``.
     """
 
     content: str | None
@@ -277,6 +287,7 @@ class Choice:
     finish_reason: str
     tokens: tuple[str, ...] = ()
     logprobs: tuple[float, ...] = ()
+    token_bytes: tuple[bytes, ...] = ()
 
     def message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -285,8 +296,9 @@ class Choice:
         return msg
 
     def logprobs_body(self) -> dict[str, Any]:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(self.tokens, self.logprobs)], "refusal": None}
+        raw = self.token_bytes or tuple(t.encode() for t in self.tokens)
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
+                            for t, lp, b in zip(self.tokens, self.logprobs, raw)], "refusal": None}
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,18 @@
 """The OpenAI-compatible endpoint agents call: FastAPI on 127.0.0.1, in a thread of the rollout service.
 
 Routes: ``POST /v1/chat/completions`` (JSON or, with ``stream: true``, server-sent events as
-tokens are sampled), ``GET /v1/models``. Each episode's agent authenticates with its own key
-(``Authorization: Bearer <key>``), which selects its :class:`~relax_agent.rollout.proxy.session.AgentSession`;
-an unknown or ended key gets 401. Refused requests get the OpenAI error body with ``param``
-naming the field (400).
+tokens are sampled), ``GET /v1/models``, ``GET /v1/models/{model}``. Each episode's agent
+authenticates with its own key (``Authorization: Bearer <key>``), which selects its
+:class:`~relax_agent.rollout.proxy.session.AgentSession`; an unknown or ended key gets 401.
+Every error status comes with the OpenAI error body (``{"error": {"message", "type", "param",
+"code"}}``): refused requests (400, ``param`` naming the field), a body over ``max_request_bytes``
+(413, checked before anything is parsed), unknown paths (404) and methods (405).
+
+Delivery: when the agent has hung up before its (non-streamed) answer is ready, or a stream is
+closed before its end, the session is told the reply was not delivered (an abandoned request is
+never the trained chain, see :meth:`AgentSession.final_reply`); a stream closed while its reply
+is still sampled aborts that generation (nothing of it is recorded). A ``max_tokens`` lowered to the
+episode's budget is announced in the ``x-relax-max-tokens`` header.
 
 The server runs uvicorn on its own event loop in a daemon thread, so it outlives any one
 ``asyncio.run`` of the control loop; the engine's calls are made from that loop (the HF engine
@@ -19,6 +27,7 @@ the reply is parsed, then the finish reason, with all log-probs in the choice's 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -30,6 +39,7 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relax_agent.errors import EngineError
 from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
@@ -49,13 +59,17 @@ class EndpointServer:
     Args:
         port: TCP port on 127.0.0.1; 0 picks a free one.
         model_name: the model id ``/v1/models`` lists.
+        max_request_bytes: largest request body read; larger ones get 413.
 
     Attributes:
         base_url: ``http://127.0.0.1:{port}/v1`` (what agents get as ``OPENAI_BASE_URL``).
     """
 
-    def __init__(self, port: int = 0, model_name: str = "policy") -> None:
+    def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024) -> None:
         self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
+        self.refused: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
+        """(API key as sent, message) of the latest refused requests (4xx), for ``relax-agent agent check``."""
         self.sessions: dict[str, AgentSession] = {}
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -151,37 +165,77 @@ async def _until_started(server: Any) -> None:
         await asyncio.sleep(0.01)
 
 
+def _error(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), exc.status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (by its Content-Length before reading,
+    else as it arrives)."""
+    too_big = RequestError(f"the request body is larger than this endpoint's limit of {limit} bytes "
+                           "(rollout.agent.max_request_bytes); send less history or raise the limit",
+                           status=413, code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_big
+        parts.append(part)
+    return b"".join(parts)
+
+
 def build_app(endpoint: EndpointServer) -> Any:
     """The FastAPI app of ``endpoint``."""
     app = FastAPI(title="relax-agent policy endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"unknown path {request.url.path}: this endpoint serves /v1/chat/completions and /v1/models",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error(RequestError(message, status=exc.status_code, code=code), dict(exc.headers or {}))
+
+    def model_card(model: str) -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "relax-agent"}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         try:
             endpoint.session_of(request.headers.get("authorization"))
         except RequestError as exc:
-            return JSONResponse(exc.body(), exc.status)
-        return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model", "created": 0,
-                                            "owned_by": "relax-agent"}]}
+            return _error(exc)
+        return {"object": "list", "data": [model_card(endpoint.model_name)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Any:
+        """Any model id: the policy answers requests naming any model."""
+        try:
+            endpoint.session_of(request.headers.get("authorization"))
+        except RequestError as exc:
+            return _error(exc)
+        return model_card(model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        notes: dict[str, str] = {}
         try:
             session = endpoint.session_of(request.headers.get("authorization"))
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise RequestError(f"the request body is not valid JSON: {exc}") from exc
-            req = parse_chat_request(body)
+            raw = await _read_body(request, endpoint.max_request_bytes)
             idem = request.headers.get("idempotency-key")
-            body_key = f"idem:{idem}" if idem else hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+            req, body_key = await asyncio.to_thread(_parse_body, raw, idem)  # off the shared loop
             replay = idem is not None or _retry_count(request.headers.get("x-stainless-retry-count")) > 0
             if req.stream:
-                return StreamingResponse(_start_stream(session, req, body_key, replay), media_type="text/event-stream")
-            answer = await session.submit(req, body_key, replay)
+                events = await _start_stream(session, req, body_key, replay, notes)
+                return StreamingResponse(events, media_type="text/event-stream", headers=notes)
+            answer = await (await session.submit(req, body_key, replay, notes=notes))
         except RequestError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            if exc.status < 500:
+                endpoint.refused.append(((request.headers.get("authorization") or "").removeprefix("Bearer ").strip(),
+                                         f"{exc.status}: {exc}"))
+            return _error(exc)
         except EngineError as exc:
             return JSONResponse({"error": {"message": f"the policy engine failed: {exc}", "type": "server_error",
                                            "param": None, "code": None}}, 500)
@@ -190,9 +244,22 @@ def build_app(endpoint: EndpointServer) -> Any:
                 return JSONResponse({"error": {"message": "the episode ended while this request was answered",
                                                "type": "server_error", "param": None, "code": None}}, 503)
             raise
-        return JSONResponse(answer.completion())
+        session.delivered(answer.id, not await request.is_disconnected())
+        return JSONResponse(answer.completion(), headers=notes)
 
     return app
+
+
+def _parse_body(raw: bytes, idempotency_key: str | None) -> tuple[ChatRequest, str]:
+    """The validated request and its replay key (the idempotency key, else a hash of the body)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+    req = parse_chat_request(body)
+    if idempotency_key:
+        return req, f"idem:{idempotency_key}"
+    return req, hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _retry_count(header: str | None) -> int:
@@ -202,7 +269,8 @@ def _retry_count(header: str | None) -> int:
         return 0
 
 
-def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay: bool) -> AsyncIterator[str]:
+async def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay: bool,
+                        notes: dict[str, str]) -> AsyncIterator[str]:
     """Submit a streamed request and return its server-sent events. The request is submitted before
     the response starts, so a refused one still gets a plain 400."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -214,33 +282,44 @@ def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay
         if delta:
             queue.put_nowait((index, delta))
 
-    fut = session.submit(req, body_key, replay, on_text)
+    fut = await session.submit(req, body_key, replay, on_text, notes)
     fut.add_done_callback(lambda _: queue.put_nowait(None))
-    return _events(session, req, fut, streamers, queue)
+    return _events(session, req, fut, streamers, queue, body_key)
 
 
 async def _events(session: AgentSession, req: ChatRequest, fut: asyncio.Future, streamers: list["ContentStreamer"],
-                  queue: asyncio.Queue) -> AsyncIterator[str]:
-    stream_id, model, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", req.model or session.model_name, now_s()
-    for i in range(req.n):
-        yield chunk(stream_id, model, created, i, {"role": "assistant", "content": ""})
-    while (item := await queue.get()) is not None:
-        index, delta = item
-        yield chunk(stream_id, model, created, index, {"content": delta})
-    if fut.cancelled() or fut.exception() is not None:
-        error = "the episode ended while this request was answered" if fut.cancelled() else str(fut.exception())
-        yield sse({"error": {"message": error, "type": "server_error", "param": None, "code": None}})
-        return
-    answer: Answer = dataclasses.replace(fut.result(), id=stream_id, model=model, created=created)
-    for i, c in enumerate(answer.choices):
-        rest = streamers[i].finish(c.content)
-        if rest:
-            yield chunk(stream_id, model, created, i, {"content": rest})
-        for event in final_chunks(answer, i):
-            yield event
-    if req.include_usage:
-        yield usage_chunk(answer)
-    yield SSE_DONE
+                  queue: asyncio.Queue, body_key: str) -> AsyncIterator[str]:
+    stream_id, model, created = f"chatcmpl-{uuid.uuid4().hex}", req.model or session.model_name, now_s()
+    answer_id, finished = None, False
+    try:
+        for i in range(req.n):
+            yield chunk(stream_id, model, created, i, {"role": "assistant", "content": ""})
+        while (item := await queue.get()) is not None:
+            index, delta = item
+            yield chunk(stream_id, model, created, index, {"content": delta})
+        if fut.cancelled() or fut.exception() is not None:
+            error = "the episode ended while this request was answered" if fut.cancelled() else str(fut.exception())
+            yield sse({"error": {"message": error, "type": "server_error", "param": None, "code": None}})
+            return
+        answer_id = fut.result().id
+        answer: Answer = dataclasses.replace(fut.result(), id=stream_id, model=model, created=created)
+        for i, c in enumerate(answer.choices):
+            rest = streamers[i].finish(c.content)
+            if rest:
+                yield chunk(stream_id, model, created, i, {"content": rest})
+            for event in final_chunks(answer, i):
+                yield event
+        if req.include_usage:
+            yield usage_chunk(answer)
+        yield SSE_DONE
+        finished = True
+    finally:  # the stream was closed before its end: the agent never got this reply
+        if answer_id is None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            answer_id = fut.result().id
+        if answer_id is not None:
+            session.delivered(answer_id, finished)
+        elif not fut.done():  # still sampling: abort the generation, the agent will never read it
+            session.abandon(body_key)
 
 
 class ContentStreamer:

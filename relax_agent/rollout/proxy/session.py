@@ -11,13 +11,36 @@ started a sub-conversation) is rendered afresh and starts a new segment, a *bran
 ``1..n-1`` of an ``n > 1`` request are *siblings* of the segment choice 0 went to (same prefix,
 one turn each). Nothing of a past assistant turn is ever re-tokenized.
 
+What trains: every sampled reply is a node of the episode's *reply tree* (:class:`Reply`), whose
+parent is the earlier reply the request's messages contain (matched by prefix, as above; a
+fresh render has none). A reply the agent sent back has children: it was *kept*. The trained
+chain (:meth:`AgentSession.final_reply`) is the path that the agent built on: from the root
+conversation holding the task's messages (of those, the one the agent continued furthest, then
+a delivered one, then the first), down through the child the agent continued furthest, to a
+reply it never sent back: the episode's final answer. Among children continued equally far, a reply whose HTTP
+response the agent had already hung up on (an abandoned request) loses, then the later
+request wins (a retry supersedes), then the lower choice index. When the agent names its
+``answer`` (output file), the chain ends at the latest delivered reply whose content is that
+answer. Replies off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls such
+as a title after the answer, rewritten histories) are recorded side branches: not trained, not
+scored, counted in ``agent/dropped_replies`` and ``agent/dropped_tokens``.
+
+Seeds: a request without ``seed`` samples with ``spec.seed * 1009 + k`` (``k``: the request's
+number in the episode, choice ``i`` adds ``i``); a request's own ``seed`` is mixed with the
+episode's seed and ``k`` (:func:`mixed_seed`), so a framework's fixed seed neither collapses a
+GRPO group (every episode has its own seed) nor repeats a sample within an episode. Replies
+identical to an earlier one of the episode from the same prompt are counted in
+``agent/duplicate_replies``.
+
 Retries: a request whose ``x-stainless-retry-count`` header is above 0 (the OpenAI SDK's retry)
 or whose ``Idempotency-Key`` was seen, with a body identical to an earlier one, gets the
 recorded answer (waiting for it if it is still being sampled) instead of a new sample.
 
 ``tool_choice``: "required" and a named function are enforced by a forced opening of the
 parser's call format (``<tool_call>\\n{"name": "`` for hermes, plus the name for a named
-function) appended to the prompt as context tokens (loss mask 0) before sampling; "none"
+function) appended to the prompt as context tokens (loss mask 0) before sampling; a reply that
+still has no well-formed call of an allowed tool is not returned (HTTP 500, code
+``invalid_tool_call``; it stays recorded as an undelivered side branch); "none"
 returns the text as content, never parsed. ``parallel_tool_calls: false`` stops the reply at the
 first closing ``</tool_call>`` (hermes parsers). Stop strings end the reply at their first
 occurrence (the engine's row is aborted as soon as one is sampled when it streams tokens); the
@@ -28,8 +51,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import inspect
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -55,7 +80,9 @@ class SessionStats:
         branches: segments started by a request that extended no earlier segment (the first excluded).
         siblings: segments made by choices ``1..n-1`` of ``n > 1`` requests.
         tool_parse_failures: replies whose tool-call text did not parse (returned as plain content).
-        aborted: generations cancelled when the session closed.
+        aborted: generations cancelled when the session closed or their stream was closed.
+        duplicate_replies: replies whose tokens equal an earlier reply of the episode to the same prompt.
+        capped_max_tokens: requests whose ``max_tokens`` was lowered to the episode's budget.
     """
 
     requests: int = 0
@@ -64,6 +91,55 @@ class SessionStats:
     siblings: int = 0
     tool_parse_failures: int = 0
     aborted: int = 0
+    duplicate_replies: int = 0
+    capped_max_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Reply:
+    """One sampled reply (a choice of a request): a node of the episode's reply tree.
+
+    Attributes:
+        order: its position among the episode's replies, in the order they were recorded.
+        request: the number of the request it answers (in the order requests arrived).
+        choice: its choice index in that request.
+        segment / state: the segment holding it and :meth:`Segment.state` right after it (the
+            chain ending at this reply is that segment cut back to ``state``).
+        parent: the reply the request's messages contained last (None: a fresh render).
+        content: the text the agent got as ``content`` ("" for a reply of only tool calls).
+        num_tokens: its sampled tokens.
+        on_task: its conversation holds the task's opening messages.
+        delivered: False when the agent had hung up before the response was sent (abandoned);
+            True once any response (a replay included) carrying it was delivered; None: not known.
+        children: replies of requests that sent this one back.
+    """
+
+    order: int
+    request: int
+    choice: int
+    segment: "Segment"
+    state: tuple[int, int, int, bool]
+    parent: "Reply | None"
+    content: str
+    num_tokens: int
+    on_task: bool = True
+    delivered: bool | None = None
+    children: list["Reply"] = field(default_factory=list)
+
+    def chain(self) -> list["Reply"]:
+        """[k] the replies from the root down to this one."""
+        out, node = [], self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+def mixed_seed(request_seed: int, episode_seed: int, request: int) -> int:
+    """A request's own ``seed`` mixed with its episode's seed and the request's number: an integer in
+    [0, 2**31 - 65) (room for ``n`` choices), equal for equal inputs. SHA-256 of the three numbers."""
+    digest = hashlib.sha256(f"{request_seed}:{episode_seed}:{request}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % (2**31 - 65)
 
 
 @dataclass
@@ -78,6 +154,7 @@ class Segment:
         kind: "first", "branch" or "sibling".
         version: bumped on every extension (concurrent requests that extended an older state fork).
         marks: :meth:`state` after each of its turns (a request may continue from any of them).
+        replies: the :class:`Reply` of each mark.
     """
 
     rec: TrajectoryRecorder
@@ -87,6 +164,7 @@ class Segment:
     kind: str = "first"
     version: int = 0
     marks: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
 
     def state(self) -> tuple[int, int, int, bool]:
         """(tokens, convo messages, recorded messages, closed) now: where a fork can cut it back to."""
@@ -101,8 +179,9 @@ class Segment:
         rec.logprobs = self.rec.logprobs[:num_tokens]
         rec.turns = [t for t in self.rec.turns if t.start < num_tokens]
         rec.messages = self.rec.messages[:num_messages]
-        marks = [m for m in self.marks if m[0] <= num_tokens]
-        return Segment(rec, self.convo[:num_convo], self.tools_key, closed, kind, marks=marks)
+        kept = [i for i, m in enumerate(self.marks) if m[0] <= num_tokens]
+        return Segment(rec, self.convo[:num_convo], self.tools_key, closed, kind,
+                       marks=[self.marks[i] for i in kept], replies=[self.replies[i] for i in kept])
 
 
 def normalise(message: dict[str, Any]) -> str:
@@ -169,6 +248,13 @@ class AgentSession:
         params: the run's sampling parameters (temperature, top_p, max_new_tokens, stop ids).
         honor_request_sampling: requests may set their own temperature / top_p.
         model_name: the model id answers carry.
+        task_messages: the task's opening messages (the trained chain starts from a conversation
+            holding them); empty: any conversation.
+        max_tokens_over_budget: a request's ``max_tokens`` above what the episode has left:
+            "cap" lowers it (the response carries ``x-relax-max-tokens``), "refuse" answers 400.
+        max_sampled_tokens: most tokens sampled for the episode over all its requests (a request's
+            ``max_new_tokens x n`` is reserved while it runs); past it requests get 400
+            (``episode_token_budget_exceeded``); None: no cap.
     """
 
     spec: EpisodeSpec
@@ -179,15 +265,20 @@ class AgentSession:
     params: SamplingParams
     honor_request_sampling: bool = False
     model_name: str = "policy"
+    task_messages: Sequence[dict[str, Any]] = ()
+    max_tokens_over_budget: str = "cap"
+    max_sampled_tokens: int | None = None
     stats: SessionStats = field(default_factory=SessionStats)
     segments: list[Segment] = field(default_factory=list)
-    primary: Segment | None = None
-    """The segment choice 0 of the last answered request went to (the episode's trajectory)."""
+    replies: list[Reply] = field(default_factory=list)
     closed: bool = False
     _answers: dict[str, asyncio.Future] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     _started: int = 0
     _calls: int = 0
+    _by_answer: dict[str, list[Reply]] = field(default_factory=dict)
+    _seen: set[str] = field(default_factory=set)
+    _reserved: int = 0
 
     def __post_init__(self) -> None:
         self._streams = streams_tokens(self.engine)
@@ -196,16 +287,21 @@ class AgentSession:
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         self._close_ids = frozenset(self.renderer.end_of_turn_ids[:1]) | frozenset(eos_ids)
         self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+        self._task = [normalise(m) for m in self.task_messages if m.get("role") not in ("system", "developer")]
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None) -> asyncio.Future:
-        """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`.
+    async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None,
+                     notes: dict[str, str] | None = None) -> asyncio.Future:
+        """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`. The
+        request's messages are matched and tokenized in a worker thread, never on the event loop
+        other episodes are served from (a large history cannot stall them).
 
         Args:
             body_key: hash of the request body (retries are recognised by it).
             replay: the request is a retry (SDK retry header or a known idempotency key): answer it
                 from the record when an identical body was answered or is being answered.
             on_text: streaming listener, called as the text of each choice grows.
+            notes: filled with response headers to send (``x-relax-max-tokens`` when capped).
 
         Raises:
             RequestError: the session has ended (401), or the request cannot be honoured (400).
@@ -217,20 +313,43 @@ class AgentSession:
         if replay and body_key in self._answers:
             self.stats.replayed += 1
             return asyncio.ensure_future(asyncio.shield(self._answers[body_key]))
-        plan = self._plan(req)
-        params = self._sampling(req, plan)
+        plan = await asyncio.to_thread(self._plan, req)
+        if self.closed:
+            raise RequestError("this episode's session has ended (the agent's API key is no longer valid)",
+                               status=401, code="invalid_api_key")
+        params = self._sampling(req, plan, notes)
         turn = self._started
         self._started += 1
+        reserved = params.max_new_tokens * req.n
+        self._reserved += reserved
         task = asyncio.ensure_future(self._answer(req, plan, params, turn, on_text))
+        task.add_done_callback(lambda t: self._settle(t, reserved))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._answers[body_key] = task
         task.add_done_callback(lambda t: self._forget_failed(body_key, t))
         return asyncio.ensure_future(asyncio.shield(task))
 
+    def _settle(self, task: asyncio.Future, reserved: int) -> None:
+        """Replace a finished request's reservation of sampled tokens by what it sampled (nothing when
+        it failed before returning: a refused or aborted request costs the episode nothing)."""
+        self._reserved -= reserved
+        if not task.cancelled() and task.exception() is None:
+            self._reserved += task.result().completion_tokens
+
     def _forget_failed(self, body_key: str, task: asyncio.Future) -> None:
         if (task.cancelled() or task.exception() is not None) and self._answers.get(body_key) is task:
             del self._answers[body_key]
+
+    def abandon(self, body_key: str) -> bool:
+        """Abort the generation answering ``body_key`` (its stream was closed by the agent): nothing of
+        it is recorded. True when one was still running (counted in ``agent/aborted``)."""
+        task = self._answers.get(body_key)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        self.stats.aborted += 1
+        return True
 
     async def aclose(self) -> None:
         """End the session: refuse new requests and abort generations still running (awaits them)."""
@@ -296,7 +415,7 @@ class AgentSession:
                 out.append({k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")})
         return out
 
-    def _sampling(self, req: ChatRequest, plan: _Plan) -> SamplingParams:
+    def _sampling(self, req: ChatRequest, plan: _Plan, notes: dict[str, str] | None = None) -> SamplingParams:
         base = self.params
         for key, asked, run in (("temperature", req.temperature, base.temperature), ("top_p", req.top_p, base.top_p)):
             if asked is not None and asked != run and not self.honor_request_sampling:
@@ -309,11 +428,30 @@ class AgentSession:
             raise RequestError(f"the conversation is {used} tokens, at or past this episode's budget "
                                f"rollout.max_total_tokens={self.spec.max_total_tokens}", "messages",
                                code="context_length_exceeded")
+        limit = min(base.max_new_tokens, room)
+        why = f"rollout.max_new_tokens={base.max_new_tokens}, {room} tokens left of " \
+              f"rollout.max_total_tokens={self.spec.max_total_tokens}"
+        if self.max_sampled_tokens is not None:
+            left = self.max_sampled_tokens - self._reserved
+            if left < req.n:
+                raise RequestError(f"this episode has sampled (or is sampling) {self._reserved} tokens over its requests, "
+                                   f"its budget rollout.agent.max_episode_sampled_tokens={self.max_sampled_tokens} leaves "
+                                   f"{max(left, 0)} for {req.n} choice(s); end the episode",
+                                   code="episode_token_budget_exceeded")
+            limit = min(limit, left // req.n)
+            why += f", {left} tokens left of rollout.agent.max_episode_sampled_tokens={self.max_sampled_tokens}"
         wanted = req.max_tokens if req.max_tokens is not None else base.max_new_tokens
+        if req.max_tokens is not None and req.max_tokens > limit:
+            if self.max_tokens_over_budget == "refuse":
+                raise RequestError(f"max_tokens={req.max_tokens} is above the {limit} tokens this request may sample "
+                                   f"({why}); ask for at most {limit}", "max_tokens", code="max_tokens_exceeded")
+            self.stats.capped_max_tokens += 1
+        if wanted > limit and notes is not None:
+            notes["x-relax-max-tokens"] = str(limit)
         return dataclasses.replace(
             base, temperature=req.temperature if req.temperature is not None else base.temperature,
             top_p=req.top_p if req.top_p is not None else base.top_p,
-            max_new_tokens=min(wanted, base.max_new_tokens, room), seed=None)
+            max_new_tokens=min(wanted, limit), seed=None)
 
     def _forced_text(self, req: ChatRequest) -> str:
         mode = req.tool_choice.mode
@@ -348,13 +486,15 @@ class AgentSession:
                       on_text: OnText | None) -> Answer:
         forced_text, forced = self._forced_text(req), self._forced_ids(req)
         markers = self._markers(req)
-        seed = req.seed if req.seed is not None else self.spec.seed * 1009 + turn
+        seed = self.spec.seed * 1009 + turn if req.seed is None else mixed_seed(req.seed, self.spec.seed, turn)
         prompt = list(plan.prompt_ids) + list(forced)
         sampled = await asyncio.gather(*(
             self._sample(i, prompt, dataclasses.replace(params, seed=seed + i), markers, forced_text, on_text)
             for i in range(req.n)))
-        choices = [self._record(req, plan, s, forced, i) for i, s in enumerate(sampled)]
-        return Answer(f"chatcmpl-{self.key[-8:]}-{turn}", req.model or self.model_name, tuple(choices),
+        answer_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = [self._record(req, plan, s, forced, i, turn, answer_id, prompt) for i, s in enumerate(sampled)]
+        self._check_tool_choice(req, choices, answer_id)
+        return Answer(answer_id, req.model or self.model_name, tuple(choices),
                       len(plan.prompt_ids), sum(len(s.gen.token_ids) for s in sampled), req.logprobs, now_s())
 
     async def _sample(self, index: int, prompt: list[int], params: SamplingParams, markers: list[tuple[str, bool]],
@@ -365,6 +505,7 @@ class AgentSession:
         version = [self.engine.policy_version]
         loop = asyncio.get_running_loop()
         hit: asyncio.Future = loop.create_future()
+        detok = IncrementalText(self._decode)
 
         def push(tok: int, lp: float, v: int) -> None:
             if hit.done():
@@ -372,7 +513,7 @@ class AgentSession:
             tokens.append(tok)
             lps.append(lp)
             version[0] = v
-            text = forced_text + self._decode(tokens)
+            text = forced_text + detok.push(tok)
             cut = _marker_cut(text, markers)
             if cut is not None:
                 hit.set_result(len(tokens))
@@ -414,8 +555,9 @@ class AgentSession:
         routes = gen.routed_experts[:k] if gen.routed_experts is not None else None
         return Generation(gen.token_ids[:k], gen.logprobs[:k], "stop", gen.policy_version, routes)
 
-    def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int) -> Choice:
-        """Add choice ``index`` to its segment and return it as the agent sees it."""
+    def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int,
+                request: int, answer_id: str, prompt: list[int]) -> Choice:
+        """Add choice ``index`` to its segment and to the reply tree; return it as the agent sees it."""
         content, calls, internal, failed = self._reply(req, s.text)
         self.stats.tool_parse_failures += failed
         seg = self._segment_for(plan, index)
@@ -428,15 +570,61 @@ class AgentSession:
         seg.rec.add_turn(s.gen)
         seg.rec.add_messages([internal])
         seg.closed = bool(s.gen.token_ids) and s.gen.token_ids[-1] in self._close_ids
-        tokens = tuple(self.renderer.tokenizer.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
+        tok = self.renderer.tokenizer
+        tokens = tuple(tok.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
         choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
-                        tokens, s.gen.logprobs if req.logprobs else ())
+                        tokens, s.gen.logprobs if req.logprobs else (),
+                        token_bytes(tok, s.gen.token_ids) if req.logprobs else ())
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
-        seg.marks.append(seg.state())
-        if index == 0:
-            self.primary = seg
+        parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else None
+        on_task = parent.on_task if parent is not None else self._holds_task(plan.convo)
+        reply = Reply(len(self.replies), request, index, seg, seg.state(), parent, choice.content or "",
+                      len(s.gen.token_ids), on_task)
+        if parent is not None:
+            parent.children.append(reply)
+        self.replies.append(reply)
+        self._by_answer.setdefault(answer_id, []).append(reply)
+        seg.marks.append(reply.state)
+        seg.replies.append(reply)
+        key = hashlib.sha256(json.dumps([prompt, list(s.gen.token_ids)]).encode()).hexdigest()
+        self.stats.duplicate_replies += key in self._seen
+        self._seen.add(key)
         return choice
+
+    def _check_tool_choice(self, req: ChatRequest, choices: Sequence[Choice], answer_id: str) -> None:
+        """Refuse an answer that does not honour ``tool_choice`` "required" / a named function: every
+        choice must call an allowed tool (the named one). The replies stay recorded, undelivered.
+
+        Raises:
+            RequestError: HTTP 500 (as OpenAI's "the model produced invalid content"), code
+                ``invalid_tool_call``; the request is not replayed, so a retry samples anew.
+        """
+        mode = req.tool_choice.mode
+        if mode not in ("required", "function"):
+            return
+        allowed = {req.tool_choice.name} if mode == "function" else {t["function"]["name"] for t in req.tools}
+        for i, c in enumerate(choices):
+            names = [call["function"]["name"] for call in c.tool_calls]
+            if not names or not set(names) <= allowed:
+                self.delivered(answer_id, False)
+                got = f"calls of {names}" if names else f"no parseable call (text {(c.content or '')[:200]!r})"
+                raise RequestError(f"tool_choice={mode if mode == 'required' else req.tool_choice.name!r} needs a call "
+                                   f"of {sorted(allowed)}, but choice {i} of the policy's reply has {got}; retry the "
+                                   "request (a retry samples anew) or use tool_choice 'auto'", "tool_choice",
+                                   status=500, code="invalid_tool_call")
+
+    def _holds_task(self, convo: Sequence[str]) -> bool:
+        """The conversation holds every non-system opening message of the task, in order."""
+        it = iter(convo)
+        return all(any(m == t for m in it) for t in self._task)
+
+    def delivered(self, answer_id: str, delivered: bool) -> None:
+        """Whether the response of ``answer_id`` reached the agent (False: it had hung up first).
+        A reply once delivered (e.g. by a retry's replay) stays delivered."""
+        for reply in self._by_answer.get(answer_id, ()):
+            if reply.delivered is not True:
+                reply.delivered = delivered
 
     def _segment_for(self, plan: _Plan, index: int) -> Segment:
         """Choice 0 extends the planned segment in place when nobody extended it meanwhile; otherwise
@@ -477,25 +665,148 @@ class AgentSession:
         return content, tuple(calls), internal, 0
 
     # -- the episode's records ----------------------------------------------------------------
-    def recorders(self) -> list[tuple[Segment, TrajectoryRecorder]]:
-        """Every segment with a turn, the primary first; the primary keeps the episode's sample id,
-        the others get ``{sample_id}/seg{k}``."""
-        ordered = [s for s in [self.primary] + [s for s in self.segments if s is not self.primary]
-                   if s is not None and s.rec.turns]
-        out = []
-        for k, seg in enumerate(ordered):
-            spec = self.spec if k == 0 else dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{k}")
-            seg.rec.spec = spec
-            out.append((seg, seg.rec))
+    def final_reply(self, answer: str | None = None) -> Reply | None:
+        """The last reply of the trained chain (see the module doc); None before any reply.
+
+        Args:
+            answer: the agent's own final answer (output file): the chain ends at the latest
+                delivered reply whose content is that text, when there is one.
+        """
+        if not self.replies:
+            return None
+        if answer is not None and answer.strip():
+            named = [r for r in self.replies if r.delivered is not False and r.content.strip() == answer.strip()]
+            if named:
+                return named[-1]
+        heights: dict[int, int] = {}
+
+        def height(r: Reply) -> int:
+            if id(r) not in heights:
+                heights[id(r)] = 1 + max((height(c) for c in r.children), default=0)
+            return heights[id(r)]
+
+        roots = [r for r in self.replies if r.parent is None]
+        node = max(roots, key=lambda r: (r.on_task, height(r), r.delivered is not False, -r.order))
+        while node.children:
+            node = max(node.children, key=lambda c: (height(c), c.delivered is not False, c.request, -c.choice))
+        return node
+
+    @property
+    def primary(self) -> Segment | None:
+        """The segment holding the trained chain's last reply (None before any reply)."""
+        final = self.final_reply()
+        return final.segment if final is not None else None
+
+    def trained(self, answer: str | None = None) -> TrajectoryRecorder | None:
+        """The trained chain's record: its segment cut back to right after :meth:`final_reply`
+        (prompt, the kept replies with their log-probs, the deltas between them); None before any reply."""
+        final = self.final_reply(answer)
+        if final is None:
+            return None
+        seg = final.segment
+        rec = seg.rec if final.state == seg.state() else seg.fork(final.state, seg.kind).rec
+        rec.spec = self.spec
+        return rec
+
+    def recorders(self, answer: str | None = None) -> list[TrajectoryRecorder]:
+        """The trained chain's record first (the episode's sample id), then every other segment with
+        a turn (side branches, not trained), as ``{sample_id}/seg{k}``."""
+        first = self.trained(answer)
+        if first is None:
+            return []
+        out = [first]
+        for seg in self.segments:
+            if seg.rec is first or not seg.rec.turns:
+                continue
+            seg.rec.spec = dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{len(out)}")
+            out.append(seg.rec)
         return out
 
-    def metrics(self) -> dict[str, float]:
-        """The ``agent/*`` metrics of the episode."""
+    def metrics(self, answer: str | None = None) -> dict[str, float]:
+        """The ``agent/*`` metrics of the episode (``answer``: as for :meth:`final_reply`).
+
+        ``agent/replies``: replies sampled; ``agent/chain_replies``: those in the trained chain;
+        ``agent/dropped_replies`` / ``agent/dropped_tokens``: replies (sampled tokens) off the chain,
+        not trained; ``agent/undelivered``: replies whose response the agent had hung up on.
+        """
         s = self.stats
+        final = self.final_reply(answer)
+        chain = final.chain() if final is not None else []
+        dropped = [r for r in self.replies if all(r is not c for c in chain)]
         return {"agent/requests": float(s.requests), "agent/replayed": float(s.replayed),
                 "agent/branches": float(s.branches), "agent/siblings": float(s.siblings),
                 "agent/tool_parse_failures": float(s.tool_parse_failures), "agent/aborted": float(s.aborted),
-                "agent/segments": float(sum(1 for seg in self.segments if seg.rec.turns))}
+                "agent/segments": float(sum(1 for seg in self.segments if seg.rec.turns)),
+                "agent/replies": float(len(self.replies)), "agent/chain_replies": float(len(chain)),
+                "agent/dropped_replies": float(len(dropped)),
+                "agent/dropped_tokens": float(sum(r.num_tokens for r in dropped)),
+                "agent/undelivered": float(sum(r.delivered is False for r in self.replies)),
+                "agent/duplicate_replies": float(s.duplicate_replies),
+                "agent/capped_max_tokens": float(s.capped_max_tokens)}
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoding only a short window at its end per token
+    (constant work per token instead of re-decoding the whole reply), after vLLM's incremental
+    detokenization (``detokenize_incrementally``: a prefix window decoded with and without the new
+    tokens; text is released only once it no longer ends in a partial UTF-8 character).
+
+    Args:
+        decode: token ids -> text (the tokenizer's decode, special tokens skipped).
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; the text so far (its last partial character held back)."""
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self._prefix:self._read])
+        after = self.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level BPE alphabet (``bytes_to_unicode`` of its reference
+    implementation, openai/gpt-2 ``encoder.py``): printable character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs, extra = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Any, ids: Sequence[int]) -> tuple[bytes, ...]:
+    """[n] the raw bytes of each token (a token may hold part of a UTF-8 character, which its own
+    decoded text cannot show): byte-level BPE pieces mapped back through GPT-2's byte alphabet,
+    SentencePiece byte pieces (``<0xE2>``) as that byte, other pieces as their decoded text's UTF-8."""
+    out = []
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
+        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                out.append(bytes([int(piece[3:5], 16)]))
+                continue
+            except ValueError:
+                pass
+        if isinstance(piece, str) and piece and all(ch in _BYTE_DECODER for ch in piece):
+            out.append(bytes(_BYTE_DECODER[ch] for ch in piece))
+        else:
+            out.append(tokenizer.decode([i]).encode())
+    return tuple(out)
 
 
 def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:

@@ -1,0 +1,190 @@
+"""What trains in an agent episode is the chain of replies the agent kept: abandoned requests, side
+calls after the answer and unchosen ``n > 1`` siblings are side branches (counted, never trained or
+scored); a fixed ``seed`` from the agent neither collapses a group nor repeats a sample. Each test
+runs a real agent process (the ``openai`` SDK) against the endpoint on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from relax_agent.config import ModelConfig
+from relax_agent.models import load_tokenizer
+from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, SamplingParams
+from relax_agent.rollout.proxy.session import mixed_seed
+from tests.unit.test_agent_driver import ONE_CALL, TASK, _driver, _ids, _play
+from tests.unit.test_endpoint_openai import ScriptedEngine
+
+ANSWER = f"Answer: {TASK['answer']}"
+WRONG = f"Answer: {TASK['answer'] + 1}"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(ModelConfig(path=str(tiny_model_dir)))
+
+
+class CallEngine:
+    """Reply ``k`` of ``script`` to the k-th call, each token after ``delay_s`` (streams like the HF engine)."""
+
+    def __init__(self, script):
+        self.script = script
+        self.prompts: list[list[int]] = []
+        self.seeds: list[int] = []
+        self.policy_version = 0
+
+    async def generate(self, prompt_ids, params: SamplingParams, on_token=None) -> Generation:
+        ids, delay_s = self.script[len(self.prompts)]
+        self.prompts.append(list(prompt_ids))
+        self.seeds.append(params.seed)
+        for t in ids:
+            await asyncio.sleep(delay_s)
+            if on_token is not None:
+                on_token(t, -0.5, 0)
+        return Generation(tuple(ids), tuple(-0.5 for _ in ids), "stop", 0)
+
+
+ABANDON = """
+import json, os, time
+import openai
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+try:  # the first attempt is given up on by the client
+    openai.OpenAI(max_retries=0, timeout=0.5).chat.completions.create(model="policy", messages=task["messages"])
+    raise SystemExit("the slow request was expected to time out")
+except openai.APITimeoutError:
+    pass
+reply = openai.OpenAI(max_retries=0).chat.completions.create(model="policy", messages=task["messages"])
+time.sleep(2.5)  # the abandoned request finishes before the agent exits
+"""
+
+
+def test_an_abandoned_request_that_finishes_last_is_not_the_trained_episode(tok, tmp_path):
+    slow, fast = _ids(tok, WRONG), _ids(tok, ANSWER)
+    engine = CallEngine([(slow, 1.5 / len(slow)), (fast, 0.0)])
+    traj = _play(_driver(tok, engine, tmp_path, ABANDON))
+    assert len(engine.prompts) == 2, "the agent did not make both requests"
+    assert traj.error is None, traj.error
+    assert [list(t.token_ids) for t in traj.turns] == [fast]
+    assert traj.reward == 1.0  # the env scored the reply the agent got, not the abandoned one
+    assert traj.metrics["agent/chain_replies"] == 1.0 and traj.metrics["agent/dropped_replies"] == 1.0
+    assert traj.metrics["agent/dropped_tokens"] == float(len(slow))
+    assert traj.metrics["agent/undelivered"] == 1.0
+
+
+SIDE_CALL = ONE_CALL + """
+title = OpenAI().chat.completions.create(model="policy", messages=[
+    {"role": "user", "content": "Give this conversation a short title: " + (reply.choices[0].message.content or "")}])
+"""
+
+
+def test_a_side_call_after_the_answer_is_neither_trained_nor_scored(tok, tmp_path):
+    answer, title = _ids(tok, ANSWER), _ids(tok, "Adding numbers")
+    engine = CallEngine([(answer, 0.0), (title, 0.0)])
+    traj = _play(_driver(tok, engine, tmp_path, SIDE_CALL))
+    assert traj.error is None, traj.error
+    assert [list(t.token_ids) for t in traj.turns] == [answer] and traj.reward == 1.0
+    assert traj.metrics["agent/dropped_replies"] == 1.0 and traj.metrics["agent/branches"] == 1.0
+
+
+MULTI_TURN_ABANDON = """
+import json, os, time
+import openai
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+messages = list(task["messages"])
+try:
+    openai.OpenAI(max_retries=0, timeout=0.5).chat.completions.create(model="policy", messages=messages,
+                                                                     tools=task["tools"])
+except openai.APITimeoutError:
+    pass
+client = openai.OpenAI(max_retries=0)
+first = client.chat.completions.create(model="policy", messages=messages, tools=task["tools"]).choices[0].message
+messages += [first.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": str(task["metadata"]["answer"])}]
+client.chat.completions.create(model="policy", messages=messages, tools=task["tools"])
+time.sleep(2.5)
+"""
+
+
+def test_the_chain_follows_the_reply_sent_back_past_an_abandoned_one(tok, tmp_path):
+    a, op, b = TASK["expression"].split()
+    name = {"+": "add", "-": "subtract"}[op]
+    call = _ids(tok, f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>')
+    slow, final = _ids(tok, WRONG), _ids(tok, ANSWER)
+    engine = CallEngine([(slow, 2.5 / len(slow)), (call, 0.0), (final, 0.0)])
+    traj = _play(_driver(tok, engine, tmp_path, MULTI_TURN_ABANDON, task_keys=["answer"]))
+    assert traj.error is None, traj.error
+    assert [list(t.token_ids) for t in traj.turns] == [call, final] and traj.reward == 1.0
+    assert [list(t.logprobs) for t in traj.turns] == [[-0.5] * len(call), [-0.5] * len(final)]
+    assert traj.metrics["agent/chain_replies"] == 2.0 and traj.metrics["agent/dropped_replies"] == 1.0
+
+
+PICK_SECOND = ONE_CALL.replace('tools=task["tools"])', 'tools=task["tools"], n=3)') + """
+best = [c.message.content for c in reply.choices if c.message.content.startswith("Answer: " + str(task["metadata"]["answer"]))]
+json.dump({"answer": best[0]}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
+"""
+
+
+def test_the_sibling_the_agent_answered_with_is_the_trained_one(tok, tmp_path):
+    replies = [_ids(tok, WRONG), _ids(tok, ANSWER), _ids(tok, "I am not sure")]
+    engine = CallEngine([(r, 0.0) for r in replies])
+    traj = _play(_driver(tok, engine, tmp_path, PICK_SECOND, task_keys=["answer"]))
+    assert traj.error is None, traj.error
+    assert [list(t.token_ids) for t in traj.turns] == [replies[1]] and traj.reward == 1.0
+    assert traj.metrics["agent/siblings"] == 2.0 and traj.metrics["agent/dropped_replies"] == 2.0
+
+
+FIXED_SEED = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+for _ in range(2):  # e.g. self-consistency with the seed a framework fixed
+    OpenAI(max_retries=0).chat.completions.create(model="policy", messages=task["messages"], seed=7)
+"""
+
+
+class SeedEngine(ScriptedEngine):
+    """Replies with the text of its sampling seed (a policy whose sample is a function of the seed)."""
+
+    def __init__(self, tok):
+        super().__init__(lambda prompt: _ids(tok, f"seed {self.seed}"))
+        self.seed = None
+
+    async def generate(self, prompt_ids, params, on_token=None):
+        self.seed = params.seed
+        return await super().generate(prompt_ids, params, on_token)
+
+
+def _play_group(driver, seeds):
+    async def main():
+        return [await driver.play(EpisodeSpec(f"g/{i}", "g", TASK["id"], TASK, seed=s), SamplingParams(max_new_tokens=32))
+                for i, s in enumerate(seeds)]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        driver.close()
+
+
+def test_a_fixed_agent_seed_is_mixed_with_the_episode_seed(tok, tmp_path):
+    engine = SeedEngine(tok)
+    first, second = _play_group(_driver(tok, engine, tmp_path, FIXED_SEED), seeds=[3, 4])
+    assert first.error is None and second.error is None, (first.error, second.error)
+    texts = [tok.decode(t.token_ids, skip_special_tokens=True) for t in (first.turns[0], second.turns[0])]
+    assert texts == [f"seed {mixed_seed(7, 3, 0)}", f"seed {mixed_seed(7, 4, 0)}"] and texts[0] != texts[1]
+    assert first.metrics["agent/duplicate_replies"] == 0.0  # the two requests of one episode differ too
+    assert second.metrics["agent/group_duplicates"] == 0.0
+
+
+def test_duplicate_replies_are_counted_in_the_episode_and_the_group(tok, tmp_path):
+    engine = ScriptedEngine(_ids(tok, ANSWER))  # ignores the seed: every sample is the same
+    first, second = _play_group(_driver(tok, engine, tmp_path, FIXED_SEED), seeds=[3, 4])
+    assert first.metrics["agent/duplicate_replies"] == 1.0 and second.metrics["agent/duplicate_replies"] == 1.0
+    assert first.metrics["agent/group_duplicates"] == 0.0 and second.metrics["agent/group_duplicates"] == 1.0
+
+
+def test_mixed_seeds_are_in_range_and_deterministic():
+    seeds = {mixed_seed(7, e, k) for e in range(50) for k in range(4)}
+    assert len(seeds) == 200 and all(0 <= s < 2**31 - 65 for s in seeds)
+    assert mixed_seed(-(2**63), 2**40, 3) == mixed_seed(-(2**63), 2**40, 3)
