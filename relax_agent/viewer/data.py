@@ -221,12 +221,14 @@ class RunReader:
 
     def eval_files(self) -> dict[str, Path]:
         """Evaluation sample files by name: ``step_000004`` / ``warmup`` for ``eval/<name>.samples.jsonl``,
-        ``<name>`` for ``<name>.samples.jsonl`` at the top of the run folder."""
+        ``<name>`` for ``<name>.samples.jsonl`` at the top of the run folder (``top-<name>`` when
+        ``eval/`` has that name too)."""
         out: dict[str, Path] = {}
-        for folder, prefix in ((self.dir / "eval", ""), (self.dir, "top:")):
+        for folder in (self.dir / "eval", self.dir):
             if folder.is_dir():
                 for p in sorted(folder.glob("*.samples.jsonl")):
-                    out[prefix + p.name[: -len(".samples.jsonl")]] = p
+                    name = p.name[: -len(".samples.jsonl")]
+                    out[name if name not in out else f"top-{name}"] = p
         return out
 
     # -- metrics ----------------------------------------------------------------------------

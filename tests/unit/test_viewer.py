@@ -177,3 +177,18 @@ def test_view_command_prints_the_url_and_refuses_a_missing_folder(tmp_path: Path
     assert res.exit_code == 2 and "does not exist or is not a folder" in res.output
     res = CliRunner().invoke(cli.app, ["view", str(run), "--port", "70000"])
     assert res.exit_code == 2 and "--port=70000" in res.output
+
+
+def test_reads_the_main_jobs_committed_run():
+    """The main job's own run (docs/results/bfcl-smollm2-sft-grpo: 8 GRPO steps of 6 groups x 8)."""
+    reader = RunReader(Path(__file__).resolve().parents[2] / "docs" / "results" / "bfcl-smollm2-sft-grpo")
+    ov = reader.overview()
+    assert [s["step"] for s in ov["steps"]] == list(range(1, 9)) and {s["episodes"] for s in ov["steps"]} == {48}
+    assert ov["steps"][-1]["reward"] == pytest.approx(0.75) and ov["steps"][-1]["accuracy"] == pytest.approx(0.6875)
+    assert ov["partial_files"] == [] and ov["bad_lines"] == {} and len(ov["sft"]) == 10
+    assert [(e["step"], round(e["accuracy"], 3)) for e in ov["evals"]] == [(0, 0.0), (8, 0.373)]
+    st = reader.step(8)
+    assert [len(g["episodes"]) for g in st["groups"]] == [8] * 6 and st["groups"][0]["group_id"] == "s7/g0"
+    ev = reader.eval_samples("eval_step_000008", EpisodeFilter(failed=True))
+    assert (ev["total"], ev["correct"], len(ev["samples"])) == (150, 56, 94)
+    assert ev["reasons"][0] == ("ok", 56)

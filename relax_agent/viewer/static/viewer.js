@@ -22,6 +22,7 @@ function h(tag, attrs, ...children) {
 }
 
 const fmt = (x, d = 3) => (x === null || x === undefined ? "–" : typeof x === "number" ? (Number.isInteger(x) ? String(x) : x.toFixed(d)) : String(x));
+const fmtR = x => (typeof x === "number" ? x.toFixed(3) : fmt(x));  // rewards, accuracies: always 3 decimals
 const enc = encodeURIComponent;
 const badge = (cls, text, title) => h("span", { class: "badge " + cls, title }, text);
 
@@ -80,7 +81,7 @@ async function overviewPage() {
     h("tr", {}, ["step", "reward", "accuracy", "well-formed", "episodes", "failed", "trained", "dropped (stale)", "filtered"].map(t => h("th", {}, t))),
     ov.steps.map(s => h("tr", { class: "step", "data-step": s.step },
       h("td", {}, s.has_rollouts ? h("a", { href: `#/step/${s.step}` }, `step ${s.step}`) : `step ${s.step}`),
-      [s.reward, s.accuracy, s.well_formed].map(x => h("td", { class: "num" }, fmt(x))),
+      [s.reward, s.accuracy, s.well_formed].map(x => h("td", { class: "num" }, fmtR(x))),
       [s.episodes, s.failed, s.trained, s.dropped_stale, s.filtered].map(x => h("td", { class: "num" }, fmt(x)))))));
   out.append(h("h2", {}, "Held-out evaluations"));
   const listed = new Set(ov.evals.map(e => e.name));
@@ -181,8 +182,8 @@ async function stepPage(step, params) {
             if (ev.target.checked) compare.add(e.sample_id); else compare.delete(e.sample_id);
             updateCompare(); } })),
           h("td", {}, h("a", { href: `#/episode/${step}/${e.sample_id.split("/").map(enc).join("/")}` }, e.sample_id)),
-          h("td", { class: "num reward" }, fmt(e.reward)),
-          h("td", { class: "num" }, fmt(e.vs_group_mean)),
+          h("td", { class: "num reward" }, fmtR(e.reward)),
+          h("td", { class: "num" }, fmtR(e.vs_group_mean)),
           h("td", {}, e.reward_status, e.error ? h("div", { class: "error" }, e.error) : null),
           h("td", { class: "stop" }, e.stop_reason),
           h("td", {}, flags(e)),
@@ -234,7 +235,7 @@ function episodePanel(ep) {
     h("h2", {}, `Episode ${ep.sample_id}`, " ", flags(ep)),
     h("dl", { class: "facts" },
       h("dt", {}, "task"), h("dd", {}, ep.task_id),
-      h("dt", {}, "reward"), h("dd", { class: "reward" }, fmt(ep.reward), ep.vs_group_mean !== null ? h("span", { class: "muted" }, ` (group mean ${ep.vs_group_mean >= 0 ? "+" : ""}${fmt(ep.vs_group_mean)})`) : null),
+      h("dt", {}, "reward"), h("dd", { class: "reward" }, fmtR(ep.reward), ep.vs_group_mean !== null ? h("span", { class: "muted" }, ` (${ep.vs_group_mean >= 0 ? "+" : ""}${fmtR(ep.vs_group_mean)} vs its group's mean)`) : null),
       h("dt", {}, "reward status"), h("dd", {}, ep.reward_status),
       h("dt", {}, "stop reason"), h("dd", { class: "stop" }, ep.stop_reason),
       ep.error ? [h("dt", {}, "error"), h("dd", { class: "error" }, ep.error)] : null,
@@ -291,7 +292,7 @@ async function evalPage(name, params) {
     const v = s.verdict || {};
     out.append(h("div", { class: "card sample", "data-task": s.task_id, "data-sample": s.sample_id },
       h("h3", {}, `${s.task_id}`, h("span", { class: "muted" }, ` · ${s.sample_id} · seed ${s.seed} · `),
-        v.correct ? badge("ok", "correct") : badge("bad", "wrong"), h("span", { class: "muted" }, ` reward ${fmt(v.reward)} · stop ${v.stop_reason}`)),
+        v.correct ? badge("ok", "correct") : badge("bad", "wrong"), h("span", { class: "muted" }, ` reward ${fmtR(v.reward)} · stop ${v.stop_reason}`)),
       h("div", { class: "verdict-reason" + (v.correct ? "" : " error") }, v.reason),
       v.error ? h("div", { class: "error" }, "error: " + v.error) : null,
       h("details", {}, h("summary", {}, "prompt"), (s.prompt || []).map(messageView)),
