@@ -364,7 +364,8 @@ class RunReader:
         ``policy_version``, ``token_versions``), ``messages`` (when the dump has them: role, content,
         tool calls, tool results, parse errors), ``tokens`` (when the dump has :data:`TOKEN_FIELDS`:
         ``token_ids``, ``loss_mask``, ``logprobs``, ``prompt_len``, ``text``, ``advantage``; else None,
-        with ``tokens_missing`` naming the absent fields) and ``siblings`` (the group's other sample ids).
+        with ``tokens_missing`` naming the absent fields), ``group_reward_mean`` and ``siblings`` (every
+        episode of its group, itself included, as :meth:`episode_brief`).
 
         Raises DataError when the step or the sample is not in the dump.
         """
@@ -376,7 +377,8 @@ class RunReader:
         gid = group_of(sample_id)[0]
         group = [r for sid, r in rows.items() if group_of(sid)[0] == gid]
         rewards = [float(r["reward"]) for r in group if not is_failed(r)]
-        brief = self.episode_brief(row, sum(rewards) / len(rewards) if rewards else None)
+        mean = sum(rewards) / len(rewards) if rewards else None
+        brief = self.episode_brief(row, mean)
         responses = row.get("response") or []
         versions = row.get("policy_versions") or []
         token_versions = row.get("token_versions") or []
@@ -396,7 +398,8 @@ class RunReader:
         return {**brief, "step": step, "group_id": gid, "metrics": row.get("metrics") or {}, "turn_list": turns,
                 "messages": row.get("messages") if isinstance(row.get("messages"), list) else None,
                 "tokens": tokens, "tokens_missing": missing,
-                "siblings": sorted((s for s in rows if group_of(s)[0] == gid), key=lambda s: group_of(s)[1])}
+                "group_reward_mean": mean,
+                "siblings": sorted((self.episode_brief(r, mean) for r in group), key=lambda e: e["index"])}
 
     def eval_samples(self, name: str, flt: EpisodeFilter = EpisodeFilter(), reason: str = "") -> dict[str, Any]:
         """Samples of the evaluation ``name`` (a key of :meth:`eval_files`), each with its verdict.

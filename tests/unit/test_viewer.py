@@ -112,7 +112,9 @@ def test_episode_turns_messages_and_tokens(server):
     ep = get(server, "/api/steps/1/episode", sample="s1/g0/0").json()
     assert [t["response"] for t in ep["turn_list"]] == ['<tool_call>{"name": "add"}</tool_call>', "The sum is 5."]
     assert [t["policy_version"] for t in ep["turn_list"]] == [3, 3]
-    assert ep["siblings"] == ["s1/g0/0", "s1/g0/1"] and ep["group_id"] == "s1/g0"
+    assert [(e["sample_id"], e["reward"], e["stop_reason"]) for e in ep["siblings"]] == [
+        ("s1/g0/0", 1.0, "terminated"), ("s1/g0/1", 0.25, "length")]
+    assert ep["group_id"] == "s1/g0" and ep["group_reward_mean"] == pytest.approx(0.625)
     assert ep["messages"] is None and ep["tokens"] is None
     assert ep["tokens_missing"] == ["token_ids", "loss_mask", "rollout_logprobs"]
     crossed = get(server, "/api/steps/1/episode", sample="s1/g0/1").json()

@@ -63,6 +63,7 @@ def test_overview_page(browser: Browser, server):
     assert browser.wait("document.querySelector('img.curves')?.naturalWidth") == 40  # the PNG loaded
     assert text(browser, "#evals a") == "step_000002"
     assert "checkpoints/step_000002" in text(browser, "#summary")
+    assert text(browser, "#heldout") == "eval end: accuracy 0.500, reward 0.600, well-formed 1.000"
 
 
 def test_step_page_lists_groups_episodes_and_flags(browser: Browser, server):
@@ -121,6 +122,11 @@ def test_episode_page_without_token_fields_says_what_is_missing(browser: Browser
         '<tool_call>{"name": "add"}</tool_call>', "The sum is 5."]
     assert text(browser, "#no-tokens") == ("Token view unavailable: this rollout dump does not record "
                                            "token_ids, loss_mask, rollout_logprobs.")
+    sib = browser.js("[...document.querySelectorAll('#siblings tr.sibling')].map(r => [...r.cells].slice(0, 3).map(c => c.textContent))")
+    assert sib == [["s1/g0/0", "1.000", "terminated"], ["s1/g0/1", "0.250", "length"]]
+    browser.act("document.querySelector('#siblings a.compare').click()")
+    assert browser.js("[...document.querySelectorAll('#compare .episode-panel')].map(p => p.dataset.sample)") == [
+        "s1/g0/0", "s1/g0/1"]
     browser.open(server.url + "#/episode/1/s1/g0/1")
     assert "token versions 3→4 (an update landed inside)" in text(browser, ".turn")
 
@@ -148,6 +154,10 @@ def test_eval_page_shows_verdicts_reasons_and_filters(browser: Browser, server):
     browser.act("document.getElementById('f-failed').value = ''; document.getElementById('f-reason').value = 'ok';"
                 "document.getElementById('apply').click()")
     assert browser.js("[...document.querySelectorAll('.sample')].map(c => c.dataset.task)") == ["h-1"]
+    browser.open(server.url + "#/eval/step_000002")
+    browser.act("[...document.querySelectorAll('#reasons a')].find(a => a.textContent.startsWith('parameter')).click()")
+    assert browser.js("[...document.querySelectorAll('.sample')].map(c => c.dataset.task)") == ["h-2"]
+    assert browser.js("document.getElementById('f-reason').value") == "parameter 'city': 'Rome' is not one of ['Paris']"
 
 
 def test_unknown_step_shows_the_reason(browser: Browser, server):

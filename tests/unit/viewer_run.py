@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUMMARY = {"last": {"step": 2, "rollout/reward": 0.75}, "checkpoint": "checkpoints/step_000002"}
+SUMMARY = {"eval_end": {"eval/accuracy": 0.5, "eval/accuracy_std": 0.0, "eval/reward": 0.6, "eval/well_formed": 1.0},
+           "last": {"step": 2, "rollout/reward": 0.75}, "checkpoint": "checkpoints/step_000002"}
 
 
 def episode(sample_id: str, task_id: str, reward: float, **over: Any) -> dict[str, Any]:

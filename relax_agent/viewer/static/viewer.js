@@ -73,7 +73,17 @@ async function overviewPage() {
     out.append(h("p", { class: "note" }, "Still being written (last line skipped): " + ov.partial_files.join(", ")));
   for (const [file, lines] of Object.entries(ov.bad_lines))
     out.append(h("p", { class: "note" }, `${file}: lines ${lines.join(", ")} did not parse and are skipped`));
-  if (ov.summary) out.append(h("h2", {}, "Summary"), summaryTable(ov.summary));
+  if (ov.summary) {
+    const s = ov.summary;
+    const heldout = ["eval_start", "eval_warmup", "eval_end"].filter(k => s[k]).map(k => {
+      const e = Object.fromEntries(Object.entries(s[k]).map(([key, v]) => [key.split("/").pop(), v]));
+      return h("li", {}, `${k.replace("_", " ")}: accuracy ${fmtR(e.accuracy)}` + (e.accuracy_std ? ` ± ${fmtR(e.accuracy_std)}` : "") +
+        `, reward ${fmtR(e.reward)}, well-formed ${fmtR(e.well_formed)}`);
+    });
+    out.append(h("h2", {}, "Summary"), heldout.length ? h("ul", { id: "heldout" }, heldout) : null,
+      s.checkpoint ? h("p", {}, "checkpoint ", h("code", {}, s.checkpoint)) : null,
+      h("details", {}, h("summary", {}, "everything in summary.json"), summaryTable(s)));
+  }
   if (ov.has_curves) out.append(h("h2", {}, "Curves"), h("img", { class: "curves", src: "/curves.png?t=" + Date.now(), alt: "training curves" }));
   out.append(h("h2", {}, "Steps"));
   if (!ov.steps.length) out.append(h("p", { class: "muted" }, "No step yet."));
@@ -91,8 +101,8 @@ async function overviewPage() {
     ov.evals.map(e => h("tr", {},
       h("td", {}, e.has_samples ? h("a", { href: `#/eval/${enc(e.name)}` }, e.name) : e.name),
       h("td", { class: "num" }, e.step),
-      h("td", { class: "num" }, fmt(e.accuracy) + (e.accuracy_std ? " ± " + fmt(e.accuracy_std) : "")),
-      h("td", { class: "num" }, fmt(e.reward)), h("td", { class: "num" }, fmt(e.well_formed)))),
+      h("td", { class: "num" }, fmtR(e.accuracy) + (e.accuracy_std ? " ± " + fmtR(e.accuracy_std) : "")),
+      h("td", { class: "num" }, fmtR(e.reward)), h("td", { class: "num" }, fmtR(e.well_formed)))),
     ov.eval_files.filter(n => !listed.has(n)).map(n => h("tr", {},
       h("td", {}, h("a", { href: `#/eval/${enc(n)}` }, n)), h("td", { colspan: 4, class: "muted" }, "samples only")))));
   if (ov.sft.length) {
@@ -165,7 +175,7 @@ async function stepPage(step, params) {
   const m = st.metrics || {};
   const out = h("div", { id: "step" },
     h("h1", {}, `Step ${step}`),
-    h("p", {}, `reward ${fmt(m["rollout/reward"])} · accuracy ${fmt(m["rollout/accuracy"])} · well-formed ${fmt(m["rollout/well_formed"])} · `,
+    h("p", {}, `reward ${fmtR(m["rollout/reward"])} · accuracy ${fmtR(m["rollout/accuracy"])} · well-formed ${fmtR(m["rollout/well_formed"])} · `,
       h("span", { id: "shown-count" }, `${st.shown} of ${st.total} episodes shown`), ` in ${st.groups.length} groups`),
     st.partial ? h("p", { class: "note" }, "The dump's last line is still being written; it is skipped.") : null,
     filterForm(params, st.stop_reasons, base,
@@ -176,14 +186,14 @@ async function stepPage(step, params) {
     out.append(h("div", { class: "card group", "data-group": g.group_id },
       h("h3", {}, `group ${g.group_id}`, h("span", { class: "muted" }, ` · task ${g.task_id} · ${g.size} episodes · reward mean ${fmt(g.reward_mean)} ± ${fmt(g.reward_std)}`)),
       h("table", {},
-        h("tr", {}, ["", "episode", "reward", "− group mean", "status", "stop reason", "flags", "versions (sampled → trained; per turn)", "turns"].map(t => h("th", {}, t))),
+        h("tr", {}, ["", "episode", "reward", "vs group mean", "status", "stop reason", "flags", "versions (sampled → trained; per turn)", "turns"].map(t => h("th", {}, t))),
         g.episodes.map(e => h("tr", { class: "episode" + (e.failed ? " failed" : ""), "data-sample": e.sample_id },
           h("td", {}, h("input", { type: "checkbox", title: "compare", class: "pick", onchange: ev => {
             if (ev.target.checked) compare.add(e.sample_id); else compare.delete(e.sample_id);
             updateCompare(); } })),
-          h("td", {}, h("a", { href: `#/episode/${step}/${e.sample_id.split("/").map(enc).join("/")}` }, e.sample_id)),
+          h("td", {}, h("a", { href: episodeHref(step, e.sample_id) }, e.sample_id)),
           h("td", { class: "num reward" }, fmtR(e.reward)),
-          h("td", { class: "num" }, fmtR(e.vs_group_mean)),
+          h("td", { class: "num" }, (e.vs_group_mean > 0 ? "+" : "") + fmtR(e.vs_group_mean)),
           h("td", {}, e.reward_status, e.error ? h("div", { class: "error" }, e.error) : null),
           h("td", { class: "stop" }, e.stop_reason),
           h("td", {}, flags(e)),
@@ -257,14 +267,19 @@ function episodePanel(ep) {
   return out;
 }
 
+const episodeHref = (step, sid) => `#/episode/${step}/${sid.split("/").map(enc).join("/")}`;
+
 async function episodePage(step, sample) {
   const ep = await api(`/api/steps/${step}/episode?sample=${enc(sample)}`);
   setCrumbs(h("a", { href: "#/" }, "run"), h("a", { href: `#/step/${step}` }, `step ${step}`), sample);
-  const others = ep.siblings.filter(s => s !== sample);
   return h("div", { id: "episode" }, episodePanel(ep),
-    h("h3", {}, `Group ${ep.group_id}`),
-    h("p", {}, others.length ? others.map(s => h("span", {}, h("a", { href: `#/episode/${step}/${s.split("/").map(enc).join("/")}` }, s),
-      " (", h("a", { href: `#/compare/${step}/${enc(sample)}/${enc(s)}`, class: "compare" }, "side by side"), ") ")) : "no other episode"));
+    h("h3", {}, `Its group ${ep.group_id}`, h("span", { class: "muted" }, ` · reward mean ${fmtR(ep.group_reward_mean)}`)),
+    h("table", { id: "siblings" },
+      h("tr", {}, ["episode", "reward", "stop reason", "flags", ""].map(t => h("th", {}, t))),
+      ep.siblings.map(e => h("tr", { class: "sibling", "data-sample": e.sample_id },
+        h("td", {}, e.sample_id === sample ? h("b", {}, e.sample_id) : h("a", { href: episodeHref(step, e.sample_id) }, e.sample_id)),
+        h("td", { class: "num" }, fmtR(e.reward)), h("td", {}, e.stop_reason), h("td", {}, flags(e)),
+        h("td", {}, e.sample_id === sample ? "" : h("a", { href: `#/compare/${step}/${enc(sample)}/${enc(e.sample_id)}`, class: "compare" }, "side by side"))))));
 }
 
 async function comparePage(step, a, b) {
@@ -274,6 +289,12 @@ async function comparePage(step, a, b) {
 }
 
 // -- evaluation ----------------------------------------------------------------------------------
+function reasonsTable(reasons, base, id) {
+  return h("table", { id }, h("tr", {}, h("th", {}, "count"), h("th", {}, "reason (click: samples with it)")),
+    reasons.map(([r, n]) => h("tr", {}, h("td", { class: "num" }, n),
+      h("td", {}, h("a", { href: `${base}?reason=${enc(r)}` }, r)))));
+}
+
 async function evalPage(name, params) {
   const ev = await api(`/api/evals/${enc(name)}` + apiQuery(params));
   setCrumbs(h("a", { href: "#/" }, "run"), `evaluation ${name}`);
@@ -285,8 +306,8 @@ async function evalPage(name, params) {
     filterForm(params, ev.stop_reasons, base,
       h("label", {}, "verdict reason contains", h("input", { name: "reason", id: "f-reason", value: params.get("reason") || "" }))),
     h("h2", {}, "Verdict reasons"),
-    h("table", { id: "reasons" }, h("tr", {}, h("th", {}, "count"), h("th", {}, "reason")),
-      ev.reasons.map(([r, n]) => h("tr", {}, h("td", { class: "num" }, n), h("td", {}, r)))),
+    reasonsTable(ev.reasons.slice(0, 8), base, "reasons"),
+    ev.reasons.length > 8 ? h("details", {}, h("summary", {}, `all ${ev.reasons.length} reasons`), reasonsTable(ev.reasons.slice(8), base, "more-reasons")) : null,
     h("h2", {}, "Samples"));
   for (const s of ev.samples) {
     const v = s.verdict || {};
