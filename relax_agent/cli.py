@@ -288,7 +288,10 @@ def view(
         console.print(f"[yellow]--host {host} is not a loopback address: anyone who reaches it can read the run[/]")
     console.print(f"viewing {server.reader.dir}; Ctrl-C stops")
     typer.echo(server.url)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn installed its handler
+        pass
 
 
 @envs_app.command("list")

@@ -25,7 +25,7 @@ def find_chromium() -> Optional[str]:
     """Path of a Chromium binary (``RELAX_CHROMIUM`` or ``chromium`` / ``chromium-browser`` on PATH), or None."""
     env = os.environ.get("RELAX_CHROMIUM")
     if env:
-        return env
+        return shutil.which(env)
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 

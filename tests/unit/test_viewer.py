@@ -194,3 +194,21 @@ def test_reads_the_main_jobs_committed_run():
     ev = reader.eval_samples("eval_step_000008", EpisodeFilter(failed=True))
     assert (ev["total"], ev["correct"], len(ev["samples"])) == (150, 56, 94)
     assert ev["reasons"][0] == ("ok", 56)
+
+
+@pytest.mark.parametrize("ci,outcome", [("", "1 skipped"), ("true", "1 error")])
+def test_browser_tests_skip_without_chromium_only_outside_ci(tmp_path: Path, ci: str, outcome: str):
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "CI": ci, "RELAX_CHROMIUM": str(tmp_path / "no-chromium")}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                          str(here / "test_viewer_browser.py"), "-k", "overview"],
+                         capture_output=True, text=True, env=env, cwd=here.parents[1], timeout=120)
+    assert outcome in res.stdout, res.stdout + res.stderr
+    if ci:
+        assert res.returncode != 0 and "CI=true but no chromium binary" in res.stdout
+    else:
+        assert res.returncode == 0 and "no chromium binary" in res.stdout
