@@ -102,7 +102,7 @@ def test_episode_page_renders_tokens_mask_and_messages_as_recorded(browser: Brow
     browser.open(server.url + "#/episode/1/s1/g1/1")
     toks = browser.js("[...document.querySelectorAll('#tokens .tok')].map(t => [t.textContent, t.dataset.mask, "
                       "Number(t.dataset.logprob), getComputedStyle(t).backgroundColor])")
-    assert [t[0] for t in toks] == ["Div", "ide", "It", " is", "\n", " 2."]
+    assert [t[0] for t in toks] == ["Div", "ide", "It", " is", "↵\n", " 2."]
     assert [t[1] for t in toks] == ["0", "0", "1", "1", "0", "1"]
     assert [t[2] for t in toks] == [0.0, 0.0, -0.05, -2.5, 0.0, -0.7]
     assert toks[0][3] == "rgba(0, 0, 0, 0)"  # outside the loss mask: no log-prob colour

@@ -229,7 +229,7 @@ function tokenView(t) {
   const spans = t.token_ids.map((id, i) => {
     const mask = t.loss_mask[i] ? 1 : 0;
     const lp = t.logprobs[i];
-    const text = t.text ? t.text[i] : `⟨${id}⟩`;
+    const text = t.text ? String(t.text[i]).replace(/\n/g, "↵\n") : `⟨${id}⟩`;  // newlines visible
     return h("span", { class: "tok", "data-i": i, "data-mask": mask, "data-logprob": lp, style: mask ? `background:${lp2color(lp)}` : null,
       title: `#${i} id ${id} · loss mask ${mask}` + (mask ? ` · log-prob ${fmt(lp, 4)}` : "") + (t.prompt_len !== null && i < t.prompt_len ? " · prompt" : "") }, text);
   });
