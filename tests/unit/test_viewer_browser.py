@@ -1,5 +1,5 @@
 """``relax-agent view`` in a real headless Chromium (Debian's package, ``scripts/setup_viewer.sh``),
-driven over the DevTools protocol (tests/unit/cdp.py): the pages load, an episode's tokens and
+driven over the DevTools protocol (tests/unit/viewer_cdp.py): the pages load, an episode's tokens and
 loss mask render as recorded, filters and the side-by-side view work, and a run in progress shows
 new rows on reload.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cdp import Browser, find_chromium
+from viewer_cdp import Browser, find_chromium
 from relax_agent.viewer import ViewerConfig, build
 from viewer_run import episode, make_run
 
