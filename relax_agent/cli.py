@@ -269,6 +269,9 @@ def view(
     run_dir: Path = typer.Argument(..., help="A run's run.output_dir (finished or still training)."),
     port: int = typer.Option(0, "--port", help="TCP port; 0 picks a free one."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (keep it loopback unless you mean to share)."),
+    tokenizer: str = typer.Option("auto", "--tokenizer",
+                                  help="Tokenizer folder or hub id to show token ids as text; auto: the run's latest "
+                                       "checkpoint's; none: ids only."),
 ) -> None:
     """Browse a run in a local web page: steps, groups, episodes, evaluation samples, curves."""
     from pydantic import ValidationError
@@ -278,7 +281,8 @@ def view(
 
     try:
         try:
-            server = build(ViewerConfig(run_dir=run_dir, host=host, port=port))
+            server = build(ViewerConfig(run_dir=run_dir, host=host, port=port,
+                                        tokenizer=None if tokenizer == "none" else tokenizer))
         except ValidationError as exc:
             raise ConfigError(f"view: --port={port}: expected 0..65535 ({exc.errors()[0]['msg']})") from None
     except RelaxError as exc:

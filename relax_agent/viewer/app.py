@@ -32,11 +32,14 @@ class ViewerConfig(BaseModel):
         host: address to bind; a loopback one (127.0.0.0/8, ``localhost``) unless you mean to share
             the run with your network.
         port: TCP port; 0 picks a free one.
+        tokenizer: shows token ids as text: a tokenizer folder or hub id; "auto" takes the run's
+            latest checkpoint's (``checkpoints/step_N/model``); None shows ids only.
     """
 
     run_dir: Path
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
+    tokenizer: Optional[str] = "auto"
 
 
 def build_app(reader: RunReader) -> Any:
@@ -116,7 +119,7 @@ class ViewerServer:
         import uvicorn
 
         self.cfg = cfg
-        self.reader = RunReader(cfg.run_dir)
+        self.reader = RunReader(cfg.run_dir, cfg.tokenizer)
         try:
             infos = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM)
             family, _, _, _, addr = infos[0]

@@ -5,12 +5,15 @@ written. :func:`read_jsonl` skips it (and counts it) instead of failing; a broke
 else is skipped and counted too, so one bad line never hides the rest of a run.
 
 Files read (see README "The two commands"): ``summary.json``, ``metrics.jsonl``, ``sft.jsonl``,
-``rollouts/step_NNNNNN.jsonl``, ``eval/*.samples.jsonl`` (and ``*.samples.jsonl`` at the top, as
-``relax-agent eval`` writes without ``--output``), ``plots/curves.png``.
+``rollouts/step_NNNNNN.jsonl``, the token record ``rollouts/tokens/step_NNNNNN.jsonl.gz`` (token ids,
+loss mask, rollout log-probs, turns, messages; ``logging.token_record``), ``eval/*.samples.jsonl`` (and
+``*.samples.jsonl`` at the top, as ``relax-agent eval`` writes without ``--output``), ``plots/curves.png``,
+and, to show token ids as text, a tokenizer (by default the latest checkpoint's).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -36,15 +39,22 @@ class JsonlRead:
 
 
 def read_jsonl(path: Path) -> JsonlRead:
-    """Rows of ``path`` (one JSON object per line; empty lines skipped). Missing file: no rows.
+    """Rows of ``path`` (one JSON object per line; empty lines skipped; ``.gz``: gzip-compressed).
+    Missing file: no rows.
 
     Never raises on content: an unparsable last line is reported as ``partial``, any other as a
     bad line. Raises OSError only when the file exists but cannot be read.
     """
     try:
-        text = path.read_text(errors="replace")
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", errors="replace") as f:
+                text = f.read()
+        else:
+            text = path.read_text(errors="replace")
     except FileNotFoundError:
         return JsonlRead([])
+    except (EOFError, gzip.BadGzipFile):  # a gzip file cut short: nothing trustworthy in it yet
+        return JsonlRead([], partial=True)
     lines = text.split("\n")
     rows, bad, partial = [], [], False
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
@@ -153,9 +163,59 @@ def _std(xs: list[float]) -> Optional[float]:
 
 
 TOKEN_FIELDS = ("token_ids", "loss_mask", "rollout_logprobs")
-"""Trajectory fields an episode needs for the token view (sampled tokens coloured by loss mask and
-log-prob). Shown when a rollout row carries them (with ``prompt_len`` and, optionally,
-``token_text``: one decoded string per token, and ``advantage``); the current dump does not."""
+"""Trajectory fields an episode needs for the token view (tokens coloured by loss mask and log-prob):
+taken from the step's token record (``rollouts/tokens/step_NNNNNN.jsonl.gz``), or from the rollout
+dump's row when it carries them (then optionally with ``token_text``, one string per token, and
+``advantage``)."""
+
+
+class TokenDecoder:
+    """Token ids -> text, one string per token, with a Hugging Face tokenizer loaded on first use.
+
+    Args:
+        source: a tokenizer folder or hub id (``AutoTokenizer.from_pretrained``), or None (no text).
+
+    A tokenizer that fails to load is reported by :attr:`error` (and ids stay ids); nothing raises.
+    """
+
+    def __init__(self, source: Optional[str]):
+        self.source = source
+        self.error: Optional[str] = None
+        self._tok: Any = None
+        self._lock = threading.Lock()
+
+    def texts(self, ids: list[int]) -> Optional[list[str]]:
+        """``[decode([id]) for id in ids]``, or None without a (loadable) tokenizer."""
+        if self.source is None:
+            return None
+        with self._lock:
+            if self._tok is None and self.error is None:
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tok = AutoTokenizer.from_pretrained(self.source)
+                except Exception as exc:  # any loader failure: show ids, say why
+                    self.error = f"tokenizer {self.source!r} did not load: {type(exc).__name__}: {exc}"
+            tok = self._tok
+        if tok is None:
+            return None
+        try:
+            return [tok.decode([int(i)]) for i in ids]
+        except Exception as exc:  # an id outside this tokenizer's vocabulary
+            self.error = f"tokenizer {self.source!r} cannot decode these ids: {type(exc).__name__}: {exc}"
+            return None
+
+
+def checkpoint_tokenizer(run_dir: Path) -> Optional[Path]:
+    """The ``model`` folder of the run's latest checkpoint when it holds a tokenizer, else None."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return None
+    for ckpt in sorted(folder.glob("step_*"), reverse=True):
+        model = ckpt / "model"
+        if (model / "tokenizer_config.json").is_file() or (model / "tokenizer.json").is_file():
+            return model
+    return None
 
 
 class RunReader:
@@ -165,16 +225,20 @@ class RunReader:
 
     Args:
         run_dir: the run's ``run.output_dir``.
+        tokenizer: shows token ids as text: a tokenizer folder or hub id; "auto" (default) takes the
+            latest checkpoint's ``model`` folder when there is one; None: ids only.
 
     Raises:
         ConfigError: ``run_dir`` is not a folder.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, tokenizer: Optional[str] = "auto"):
         self.dir = Path(run_dir).expanduser().resolve()
         if not self.dir.is_dir():
             raise ConfigError(f"run folder {str(run_dir)!r} does not exist or is not a folder; "
                               "expected a run's run.output_dir (it holds metrics.jsonl, rollouts/, eval/)")
+        self.tokenizer_spec = tokenizer
+        self._decoder: Optional[TokenDecoder] = None
         self._cache: dict[Path, tuple[tuple[int, int], JsonlRead]] = {}
         self._lock = threading.Lock()
 
@@ -219,6 +283,23 @@ class RunReader:
                 out[int(m.group(1))] = p
         return dict(sorted(out.items()))
 
+    def token_record(self, step: int) -> dict[str, dict[str, Any]]:
+        """Sample id -> row of ``rollouts/tokens/step_NNNNNN.jsonl.gz`` (empty without one)."""
+        read = self.jsonl(self.dir / "rollouts" / "tokens" / f"step_{step:06d}.jsonl.gz")
+        return {str(r.get("sample_id")): r for r in read.rows}
+
+    @property
+    def decoder(self) -> TokenDecoder:
+        """The :class:`TokenDecoder` of ``tokenizer`` ("auto" is resolved now: a checkpoint written
+        after the first look is used once the current one cannot be found)."""
+        if self._decoder is None or (self.tokenizer_spec == "auto" and self._decoder.source is None):
+            spec = self.tokenizer_spec
+            if spec == "auto":
+                found = checkpoint_tokenizer(self.dir)
+                spec = str(found) if found else None
+            self._decoder = TokenDecoder(spec)
+        return self._decoder
+
     def eval_files(self) -> dict[str, Path]:
         """Evaluation sample files by name: ``step_000004`` / ``warmup`` for ``eval/<name>.samples.jsonl``,
         ``<name>`` for ``<name>.samples.jsonl`` at the top of the run folder (``top-<name>`` when
@@ -256,7 +337,8 @@ class RunReader:
 
         Each step: ``step``, ``reward``, ``accuracy``, ``well_formed`` (from ``metrics.jsonl``, None
         before its row is written), ``episodes``, ``failed``, ``trained``, ``dropped_stale``,
-        ``filtered`` (counted in its rollout dump; None without one), ``has_rollouts``.
+        ``filtered`` (counted in its rollout dump; None without one), ``has_rollouts``, ``has_tokens``
+        (its token record exists).
         """
         step_rows, eval_rows, mread = self.metrics()
         files = self.step_files()
@@ -268,6 +350,7 @@ class RunReader:
             item: dict[str, Any] = {
                 "step": step, "reward": _num(r.get("rollout/reward")), "accuracy": _num(r.get("rollout/accuracy")),
                 "well_formed": _num(r.get("rollout/well_formed")), "has_rollouts": step in files,
+                "has_tokens": (self.dir / "rollouts" / "tokens" / f"step_{step:06d}.jsonl.gz").is_file(),
                 "episodes": None, "failed": None, "trained": None, "dropped_stale": None, "filtered": None,
             }
             if step in files:
@@ -362,9 +445,9 @@ class RunReader:
     def episode(self, step: int, sample_id: str) -> dict[str, Any]:
         """One episode in full: :meth:`episode_brief` plus ``metrics``, ``turns`` (per turn: ``response``,
         ``policy_version``, ``token_versions``), ``messages`` (when the dump has them: role, content,
-        tool calls, tool results, parse errors), ``tokens`` (when the dump has :data:`TOKEN_FIELDS`:
-        ``token_ids``, ``loss_mask``, ``logprobs``, ``prompt_len``, ``text``, ``advantage``; else None,
-        with ``tokens_missing`` naming the absent fields), ``group_reward_mean`` and ``siblings`` (every
+        tool calls, tool results, parse errors; from the dump row or the step's token record),
+        ``tokens`` (when the dump row or the token record has :data:`TOKEN_FIELDS`: see :meth:`_tokens`;
+        else None, with ``tokens_missing`` naming the absent fields), ``media_kinds``, ``group_reward_mean`` and ``siblings`` (every
         episode of its group, itself included, as :meth:`episode_brief`).
 
         Raises DataError when the step or the sample is not in the dump.
@@ -386,20 +469,44 @@ class RunReader:
                   "policy_version": versions[i] if i < len(versions) else None,
                   "token_versions": token_versions[i] if i < len(token_versions) else []}
                  for i, text in enumerate(responses)]
-        missing = [f for f in TOKEN_FIELDS if not isinstance(row.get(f), list)]
+        record = self.token_record(step).get(sample_id)
+        src, source = row, "rollout dump"
+        if any(not isinstance(row.get(f), list) for f in TOKEN_FIELDS) and record is not None:
+            src, source = record, f"rollouts/tokens/step_{step:06d}.jsonl.gz"
+        missing = [f for f in TOKEN_FIELDS if not isinstance(src.get(f), list)]
         tokens = None
         if not missing:
-            n = len(row["token_ids"])
-            text = row.get("token_text")
-            tokens = {"token_ids": row["token_ids"], "loss_mask": row["loss_mask"][:n],
-                      "logprobs": row["rollout_logprobs"][:n], "prompt_len": row.get("prompt_len"),
-                      "text": text if isinstance(text, list) and len(text) == n else None,
-                      "advantage": _num(row.get("advantage"))}
+            tokens = self._tokens(src, source)
+        messages = row.get("messages") if isinstance(row.get("messages"), list) else None
+        if messages is None and record is not None and isinstance(record.get("messages"), list):
+            messages = record["messages"]
         return {**brief, "step": step, "group_id": gid, "metrics": row.get("metrics") or {}, "turn_list": turns,
-                "messages": row.get("messages") if isinstance(row.get("messages"), list) else None,
-                "tokens": tokens, "tokens_missing": missing,
+                "messages": messages, "tokens": tokens, "tokens_missing": missing,
+                "media_kinds": (record or {}).get("media_kinds") or [],
                 "group_reward_mean": mean,
                 "siblings": sorted((self.episode_brief(r, mean) for r in group), key=lambda e: e["index"])}
+
+    def _tokens(self, src: dict[str, Any], source: str) -> dict[str, Any]:
+        """The token view of one trajectory row: ids, mask, log-probs, the turn and policy version of
+        each sampled token (from ``turns``: ``start``, ``token_ids``, ``policy_version``), text."""
+        ids = [int(i) for i in src["token_ids"]]
+        n = len(ids)
+        turn_of: list[Optional[int]] = [None] * n
+        version_of: list[Optional[int]] = [None] * n
+        for k, turn in enumerate(src.get("turns") or []):
+            start = turn.get("start")
+            if not isinstance(start, int):
+                continue
+            for i in range(start, min(start + len(turn.get("token_ids") or ()), n)):
+                turn_of[i], version_of[i] = k, turn.get("policy_version")
+        text = src.get("token_text")
+        if not (isinstance(text, list) and len(text) == n):
+            text = self.decoder.texts(ids)
+        return {"source": source, "token_ids": ids, "loss_mask": list(src["loss_mask"][:n]),
+                "logprobs": list(src["rollout_logprobs"][:n]), "prompt_len": src.get("prompt_len"),
+                "turn": turn_of, "policy_version": version_of, "text": text,
+                "tokenizer": self.decoder.source, "tokenizer_error": self.decoder.error,
+                "advantage": _num(src.get("advantage"))}
 
     def eval_samples(self, name: str, flt: EpisodeFilter = EpisodeFilter(), reason: str = "") -> dict[str, Any]:
         """Samples of the evaluation ``name`` (a key of :meth:`eval_files`), each with its verdict.

@@ -109,23 +109,49 @@ def test_bad_filter_and_unknown_ids_answer_with_the_reason(server):
 
 
 def test_episode_turns_messages_and_tokens(server):
-    ep = get(server, "/api/steps/1/episode", sample="s1/g0/0").json()
-    assert [t["response"] for t in ep["turn_list"]] == ['<tool_call>{"name": "add"}</tool_call>', "The sum is 5."]
-    assert [t["policy_version"] for t in ep["turn_list"]] == [3, 3]
+    ep = get(server, "/api/steps/1/episode", sample="s1/g0/1").json()
+    assert [t["response"] for t in ep["turn_list"]] == ["cut off mid-sent"]
+    assert [t["policy_version"] for t in ep["turn_list"]] == [3]
     assert [(e["sample_id"], e["reward"], e["stop_reason"]) for e in ep["siblings"]] == [
         ("s1/g0/0", 1.0, "terminated"), ("s1/g0/1", 0.25, "length")]
     assert ep["group_id"] == "s1/g0" and ep["group_reward_mean"] == pytest.approx(0.625)
     assert ep["messages"] is None and ep["tokens"] is None
     assert ep["tokens_missing"] == ["token_ids", "loss_mask", "rollout_logprobs"]
-    crossed = get(server, "/api/steps/1/episode", sample="s1/g0/1").json()
-    assert crossed["turn_list"][0]["token_versions"] == [3, 3, 4, 4]
+    assert ep["turn_list"][0]["token_versions"] == [3, 3, 4, 4]
     rich = get(server, "/api/steps/1/episode", sample="s1/g1/1").json()
     assert [m["role"] for m in rich["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert rich["messages"][1]["tool_calls"][0]["function"]["name"] == "divide"
-    assert rich["tokens"] == {"token_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 0, 1, 1, 0, 1],
+    assert rich["tokens"] == {"source": "rollout dump", "token_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [0, 0, 1, 1, 0, 1],
                               "logprobs": [0.0, 0.0, -0.05, -2.5, 0.0, -0.7], "prompt_len": 2,
-                              "text": ["Div", "ide", "It", " is", "\n", " 2."], "advantage": 0.125}
+                              "turn": [None] * 6, "policy_version": [None] * 6,
+                              "text": ["Div", "ide", "It", " is", "\n", " 2."], "tokenizer": None,
+                              "tokenizer_error": None, "advantage": 0.125}
     assert rich["tokens_missing"] == []
+
+
+def test_episode_tokens_and_messages_from_the_token_record(server):
+    ep = get(server, "/api/steps/1/episode", sample="s1/g0/0").json()
+    assert [t["response"] for t in ep["turn_list"]] == ['<tool_call>{"name": "add"}</tool_call>', "The sum is 5."]
+    t = ep["tokens"]
+    assert t["source"] == "rollouts/tokens/step_000001.jsonl.gz"
+    assert t["token_ids"] == [10, 11, 12, 13, 14, 15, 16, 17] and t["loss_mask"] == [0, 0, 1, 1, 0, 1, 1, 1]
+    assert t["logprobs"] == [0.0, 0.0, -0.1, -0.2, 0.0, -0.3, -1.5, -0.01]
+    assert t["turn"] == [None, None, 0, 0, None, 1, 1, 1] and t["policy_version"] == [None, None, 3, 3, None, 3, 3, 3]
+    assert t["text"] is None and t["tokenizer"] is None  # no checkpoint with a tokenizer in this run
+    assert [m["role"] for m in ep["messages"]] == ["user", "assistant", "tool", "assistant"]
+    assert ep["messages"][2]["content"] == "5" and ep["media_kinds"] == []
+    ov = get(server, "/api/overview").json()
+    assert [s["has_tokens"] for s in ov["steps"]] == [True, False]
+
+
+def test_token_text_from_the_latest_checkpoints_tokenizer(tmp_path: Path):
+    run = make_run(tmp_path, tokenizer=True)
+    t = RunReader(run).episode(1, "s1/g0/0")["tokens"]
+    assert t["tokenizer"] == str(run / "checkpoints" / "step_000001" / "model")
+    assert t["text"] == ["Add", " 2+3", "<call>", "add", "5", "The", " sum", " 5"] and t["tokenizer_error"] is None
+    assert RunReader(run, tokenizer=None).episode(1, "s1/g0/0")["tokens"]["text"] is None
+    bad = RunReader(run, tokenizer=str(tmp_path / "nowhere")).episode(1, "s1/g0/0")["tokens"]
+    assert bad["text"] is None and bad["tokenizer_error"].startswith(f"tokenizer {str(tmp_path / 'nowhere')!r} did not load")
 
 
 def test_eval_samples_with_verdicts_reasons_and_filters(server):

@@ -29,7 +29,7 @@ if CHROMIUM is None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_run(tmp_path_factory.mktemp("viewer-browser"))
+    return make_run(tmp_path_factory.mktemp("viewer-browser"), tokenizer=True)
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +116,33 @@ def test_episode_page_renders_tokens_mask_and_messages_as_recorded(browser: Brow
     assert "sampled at 3, trained at 4" in text(browser, ".facts")
 
 
-def test_episode_page_without_token_fields_says_what_is_missing(browser: Browser, server):
+def test_episode_page_renders_the_token_record_with_the_checkpoints_tokenizer(browser: Browser, server):
     browser.open(server.url + "#/episode/1/s1/g0/0")
     assert browser.js("[...document.querySelectorAll('.turn .response')].map(t => t.textContent)") == [
         '<tool_call>{"name": "add"}</tool_call>', "The sum is 5."]
-    assert text(browser, "#no-tokens") == ("Token view unavailable: this rollout dump does not record "
-                                           "token_ids, loss_mask, rollout_logprobs.")
+    toks = browser.js("[...document.querySelectorAll('#tokens .tok')].map(t => [t.textContent, t.dataset.mask, "
+                      "t.dataset.turn ?? null, t.title])")
+    assert [t[0] for t in toks] == ["Add", " 2+3", "<call>", "add", "5", "The", " sum", " 5"]
+    assert [t[1] for t in toks] == ["0", "0", "1", "1", "0", "1", "1", "1"]
+    assert [t[2] for t in toks] == [None, None, "0", "0", None, "1", "1", "1"]
+    assert toks[6][3] == "#6 id 16 · loss mask 1 · log-prob -1.5000 · turn 2, policy version 3"
+    assert toks[4][3] == "#4 id 14 · loss mask 0 · observation" and toks[0][3].endswith("· prompt")
+    assert "8 tokens (from rollouts/tokens/step_000001.jsonl.gz), 5 in the loss" in text(browser, "#tokens")
+    assert browser.js("document.getElementById('no-tokenizer')") is None
+    assert text(browser, "#messages .tool-call") == '→ add({"a": 2, "b": 3})'
+
+
+def test_episode_page_without_token_fields_says_what_is_missing(browser: Browser, server):
+    browser.open(server.url + "#/episode/1/s1/g0/1")
+    assert text(browser, "#no-tokens") == ("Token view unavailable: neither the rollout dump nor a token record "
+                                           "(logging.token_record) has token_ids, loss_mask, rollout_logprobs "
+                                           "for this step.")
+    assert "token versions 3→4 (an update landed inside)" in text(browser, ".turn")
     sib = browser.js("[...document.querySelectorAll('#siblings tr.sibling')].map(r => [...r.cells].slice(0, 3).map(c => c.textContent))")
     assert sib == [["s1/g0/0", "1.000", "terminated"], ["s1/g0/1", "0.250", "length"]]
     browser.act("document.querySelector('#siblings a.compare').click()")
     assert browser.js("[...document.querySelectorAll('#compare .episode-panel')].map(p => p.dataset.sample)") == [
-        "s1/g0/0", "s1/g0/1"]
-    browser.open(server.url + "#/episode/1/s1/g0/1")
-    assert "token versions 3→4 (an update landed inside)" in text(browser, ".turn")
+        "s1/g0/1", "s1/g0/0"]
 
 
 def test_two_episodes_of_a_group_side_by_side(browser: Browser, server):

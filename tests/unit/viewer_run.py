@@ -3,12 +3,16 @@
 Step 1 (complete): group ``s1/g0`` (task ``t-add``) with rewards 1.0 and 0.25, the second crossed by
 a weight update and cut at ``length``; group ``s1/g1`` (task ``t-div``) with a failed episode (env
 error, reward status ``error``) and a 0.5 one whose dump row also carries messages and the token
-fields. Step 2 (in progress): one complete row, then a half-written line. ``metrics.jsonl`` also
-ends in a half-written line. One evaluation after step 2 with a correct and a wrong sample.
+fields. Step 1's token record (``rollouts/tokens/step_000001.jsonl.gz``) holds the two-turn episode
+``s1/g0/0``: prompt (2 tokens), turn 1 (2), a tool result (1), turn 2 (3). Step 2 (in progress): one
+complete row, then a half-written line. ``metrics.jsonl`` also ends in a half-written line. One
+evaluation after step 2 with a correct and a wrong sample. With ``tokenizer=True``, a word-level
+tokenizer of :data:`VOCAB` in ``checkpoints/step_000001/model``.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,20 @@ STEP1 = [
             rollout_logprobs=[0.0, 0.0, -0.05, -2.5, 0.0, -0.7], prompt_len=2,
             token_text=["Div", "ide", "It", " is", "\n", " 2."], advantage=0.125),
 ]
+VOCAB = {"[UNK]": 0, "Add": 10, " 2+3": 11, "<call>": 12, "add": 13, "5": 14, "The": 15, " sum": 16, " 5": 17}
+TOKENS = {  # the token record of s1/g0/0, as write_token_record writes it
+    "sample_id": "s1/g0/0", "task_id": "t-add", "sample_version": 3,
+    "token_ids": [10, 11, 12, 13, 14, 15, 16, 17], "loss_mask": [0, 0, 1, 1, 0, 1, 1, 1],
+    "rollout_logprobs": [0.0, 0.0, -0.1, -0.2, 0.0, -0.3, -1.5, -0.01], "prompt_len": 2,
+    "turns": [{"start": 2, "token_ids": [12, 13], "logprobs": [-0.1, -0.2], "policy_version": 3, "finish_reason": "stop"},
+              {"start": 5, "token_ids": [15, 16, 17], "logprobs": [-0.3, -1.5, -0.01], "policy_version": 3,
+               "finish_reason": "stop"}],
+    "messages": [{"role": "user", "content": "Add 2+3"},
+                 {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+                 {"role": "tool", "name": "add", "content": "5"},
+                 {"role": "assistant", "content": "The sum 5"}],
+    "trainable": True, "media_kinds": [],
+}
 STEP2 = [episode("s2/g0/0", "t-mul", 0.75, sample_version=4, trained_at_version=5, filtered=True, trained=False)]
 
 EVAL = [
@@ -68,12 +86,22 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]], tail: str = "") -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
 
 
-def make_run(root: Path) -> Path:
+def make_run(root: Path, tokenizer: bool = False) -> Path:
     """Write the synthetic run under ``root / "run"`` and return that folder."""
     from PIL import Image
 
     run = root / "run"
     write_jsonl(run / "rollouts" / "step_000001.jsonl", STEP1)
+    (run / "rollouts" / "tokens").mkdir(parents=True)
+    with gzip.open(run / "rollouts" / "tokens" / "step_000001.jsonl.gz", "wt") as f:
+        f.write(json.dumps(TOKENS) + "\n")
+    if tokenizer:
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(
+            run / "checkpoints" / "step_000001" / "model")
     write_jsonl(run / "rollouts" / "step_000002.jsonl", STEP2, tail='{"sample_id": "s2/g0/1", "rew')
     write_jsonl(run / "metrics.jsonl", [
         {"step": 1, "time": 1.0, "rollout/reward": 0.4375, "rollout/accuracy": 0.25, "rollout/well_formed": 1.0},

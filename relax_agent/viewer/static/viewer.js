@@ -230,13 +230,18 @@ function tokenView(t) {
     const mask = t.loss_mask[i] ? 1 : 0;
     const lp = t.logprobs[i];
     const text = t.text ? String(t.text[i]).replace(/\n/g, "↵\n") : `⟨${id}⟩`;  // newlines visible
-    return h("span", { class: "tok", "data-i": i, "data-mask": mask, "data-logprob": lp, style: mask ? `background:${lp2color(lp)}` : null,
-      title: `#${i} id ${id} · loss mask ${mask}` + (mask ? ` · log-prob ${fmt(lp, 4)}` : "") + (t.prompt_len !== null && i < t.prompt_len ? " · prompt" : "") }, text);
+    const where = t.turn[i] !== null ? ` · turn ${t.turn[i] + 1}, policy version ${fmt(t.policy_version[i])}`
+      : (t.prompt_len !== null && i < t.prompt_len ? " · prompt" : " · observation");
+    return h("span", { class: "tok", "data-i": i, "data-mask": mask, "data-logprob": lp, "data-turn": t.turn[i],
+      style: mask ? `background:${lp2color(lp)}` : null,
+      title: `#${i} id ${id} · loss mask ${mask}` + (mask ? ` · log-prob ${fmt(lp, 4)}` : "") + where }, text);
   });
   const sampled = t.loss_mask.filter(Boolean).length;
   return h("div", { id: "tokens" },
-    h("p", { class: "legend" }, `${t.token_ids.length} tokens, ${sampled} in the loss (underlined, background from red = improbable to green = certain); grey: prompt and observations (mask 0).`,
-      t.advantage !== null ? ` Advantage ${fmt(t.advantage, 4)}.` : ""),
+    h("p", { class: "legend" }, `${t.token_ids.length} tokens (from ${t.source}), ${sampled} in the loss: underlined, background from red (improbable) to green (certain) by rollout log-prob; grey: prompt and observations (mask 0). Hover a token for its id, log-prob, turn and policy version.`,
+      t.advantage !== null ? ` Advantage ${fmt(t.advantage, 4)}.` : "",
+      t.text ? "" : h("span", { id: "no-tokenizer" }, t.tokenizer_error ? ` Ids shown: ${t.tokenizer_error}.` :
+        " Ids shown: no tokenizer (the run has no checkpoint with one; pass --tokenizer PATH).")),
     h("div", { class: "tokens" }, spans));
 }
 
@@ -254,6 +259,7 @@ function episodePanel(ep) {
   if (ep.messages) {
     out.append(h("h3", {}, "Conversation"), h("div", { id: "messages" }, ep.messages.map(messageView)));
   }
+  if (ep.media_kinds.length) out.append(h("p", { class: "muted", id: "media" }, `media items: ${ep.media_kinds.join(", ")} (their pixels and samples are not recorded)`));
   out.append(h("h3", {}, "Turns (sampled responses)"));
   for (const t of ep.turn_list) {
     out.append(h("div", { class: "turn", "data-turn": t.index },
@@ -263,7 +269,7 @@ function episodePanel(ep) {
   }
   if (ep.tokens) out.append(h("h3", {}, "Tokens"), tokenView(ep.tokens));
   else out.append(h("p", { class: "muted", id: "no-tokens" },
-    `Token view unavailable: this rollout dump does not record ${ep.tokens_missing.join(", ")}.`));
+    `Token view unavailable: neither the rollout dump nor a token record (logging.token_record) has ${ep.tokens_missing.join(", ")} for this step.`));
   return out;
 }
 
