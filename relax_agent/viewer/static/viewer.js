@@ -221,6 +221,8 @@ function messageView(m) {
   }
   for (const err of m.parse_errors || []) parts.push(h("div", { class: "error" }, "parse error: " + (typeof err === "string" ? err : JSON.stringify(err))));
   if (m.error) parts.push(h("div", { class: "error" }, "error: " + m.error));
+  if (m.role === "system" && parts.length > 1)  // long tool schemas: folded
+    return h("div", { class: "msg system" }, parts[0], h("details", {}, h("summary", {}, "system prompt"), parts.slice(1)));
   return h("div", { class: "msg " + m.role }, parts);
 }
 
@@ -242,7 +244,9 @@ function tokenView(t) {
       t.advantage !== null ? ` Advantage ${fmt(t.advantage, 4)}.` : "",
       t.text ? "" : h("span", { id: "no-tokenizer" }, t.tokenizer_error ? ` Ids shown: ${t.tokenizer_error}.` :
         " Ids shown: no tokenizer (the run has no checkpoint with one; pass --tokenizer PATH).")),
-    h("div", { class: "tokens" }, spans));
+    t.prompt_len ? h("details", { class: "tokens", id: "prompt-tokens" },
+      h("summary", {}, `prompt: ${t.prompt_len} tokens`), spans.slice(0, t.prompt_len)) : null,
+    h("div", { class: "tokens" }, t.prompt_len ? spans.slice(t.prompt_len) : spans));
 }
 
 function episodePanel(ep) {
@@ -256,6 +260,9 @@ function episodePanel(ep) {
       ep.error ? [h("dt", {}, "error"), h("dd", { class: "error" }, ep.error)] : null,
       h("dt", {}, "policy versions"), h("dd", {}, `sampled at ${fmt(ep.sample_version)}, trained at ${fmt(ep.trained_at_version)}; per turn [${ep.policy_versions.join(", ")}]`),
       h("dt", {}, "metrics"), h("dd", {}, Object.entries(ep.metrics).map(([k, v]) => `${k} ${fmt(v)}`).join(" · ") || "–")));
+  if (ep.tokens) out.append(h("h3", {}, "Tokens"), tokenView(ep.tokens));
+  else out.append(h("p", { class: "muted", id: "no-tokens" },
+    `Token view unavailable: neither the rollout dump nor a token record (logging.token_record) has ${ep.tokens_missing.join(", ")} for this step.`));
   if (ep.messages) {
     out.append(h("h3", {}, "Conversation"), h("div", { id: "messages" }, ep.messages.map(messageView)));
   }
@@ -267,9 +274,6 @@ function episodePanel(ep) {
         t.token_versions.length ? ` · token versions ${[...new Set(t.token_versions)].join("→")} (an update landed inside)` : ""),
       h("div", { class: "text response" }, t.response)));
   }
-  if (ep.tokens) out.append(h("h3", {}, "Tokens"), tokenView(ep.tokens));
-  else out.append(h("p", { class: "muted", id: "no-tokens" },
-    `Token view unavailable: neither the rollout dump nor a token record (logging.token_record) has ${ep.tokens_missing.join(", ")} for this step.`));
   return out;
 }
 
