@@ -26,6 +26,8 @@ RULES = [
      "weight sync knows tensors, not trainers"),
     ("relax_agent.records", ("relax_agent.rollout", "relax_agent.train", *WIRING), "records are neutral"),
     ("relax_agent.runtime", ("relax_agent.cli", "relax_agent.control"), "services do not drive the loop"),
+    ("relax_agent.viewer", ("relax_agent.train", "relax_agent.rollout", "relax_agent.control", "relax_agent.runtime",
+                            "relax_agent.weights", "relax_agent.data", *WIRING), "the viewer reads a run's files, nothing else"),
 ]
 
 
