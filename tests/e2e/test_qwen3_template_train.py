@@ -1,8 +1,8 @@
 """A tiny random policy carrying Qwen3's real chat template (thinking on: the generation prompt leaves
 the <think> block to the policy) trains two GRPO steps of the main job's task through the CLI, with
 ``rollout.tool_parser: auto`` choosing the qwen3 parser. The template is not append-only (it drops
-past reasoning); the run is accepted and completes both steps. That every trained token is a sampled
-one is checked per episode in tests/unit/test_rollout_templates.py and test_family_templates.py."""
+past reasoning); the run is accepted and completes both steps, and the replay of its token records
+finds every trained token to be a sampled one, scored by the sampling policy as recorded."""
 
 import json
 import os
@@ -45,3 +45,17 @@ def test_a_qwen3_template_policy_trains_two_steps_with_tool_parser_auto(tiny_mod
     for step in (1, 2):
         samples = [json.loads(line) for line in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert len(samples) == 2 and all(s["error"] is None and s["response"] for s in samples)
+
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_policy
+    from relax_agent.replay import load_token_record, replay_records
+    from relax_agent.rollout.chat import ChatRenderer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model), "auto", None, True)
+    base = load_policy(ModelConfig(path=str(model)))[0]
+    for step in (1, 2):
+        records = load_token_record(out, step)
+        assert sum(len(t["token_ids"]) for r in records for t in r["turns"]) > 0
+        load = {0: base}.get if step == 1 else None  # step 1 was sampled by the initial weights
+        reports = replay_records(records, renderer, load, 0.7, 2e-3)  # examples/bfcl.yaml: temperature 0.7
+        assert [r.divergence for r in reports] == [None] * len(records), [r.divergence for r in reports]
