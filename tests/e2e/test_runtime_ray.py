@@ -111,12 +111,15 @@ print(json.dumps({{"checkpoint": str(summary["checkpoint"])}}))
 def reference(tiny_model_dir, tmp_path_factory):
     """The same run under ``runtime: local`` (async s=0, tcp): rows and final weights.
 
-    It runs in a fresh process, as the Ray actors do: a local run inside this long-lived test process
-    (after the suite's earlier tests) once sampled a near-tie token differently at step 3 than any fresh
-    process did, which a comparison of exact responses cannot tell from a lost or repeated step."""
+    It runs in a fresh process started as Ray starts its workers (``OMP_NUM_THREADS=1``): on some CPUs the
+    OpenMP pool a process starts with changes the last bits of a forward pass even at one torch thread,
+    and a local run inside this test process sampled a near-tie token at step 3 differently from the
+    Ray actors, which a comparison of exact responses cannot tell from a lost or repeated step."""
     out = tmp_path_factory.mktemp("local")
     script = _REFERENCE_RUN.format(repo=str(REPO), model=str(tiny_model_dir), out=str(out))
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     return {"rows": dumped(out), "weights": final_weights(summary)}
