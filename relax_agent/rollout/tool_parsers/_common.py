@@ -90,3 +90,57 @@ def only_space(text: str) -> bool:
 
 NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 """A function name as the families write it."""
+
+
+class SectionParser:
+    """Families whose calls sit in one closed section of closed calls (DeepSeek V3, Kimi K2).
+
+    Subclasses set ``BEGIN``/``END`` (the section), ``CALL_BEGIN``/``CALL_END`` (one call), ``THINK``
+    (reasoning markers), ``END_TOKENS`` (dropped from the reply's end) and implement
+    :meth:`_one_call`. Strict: an unclosed section or call, text between calls or after the section,
+    or a call that does not parse is a parse error and no call; text before the section is content.
+    """
+
+    BEGIN: str
+    END: str
+    CALL_BEGIN: str
+    CALL_END: str
+    THINK: tuple[str, str]
+    END_TOKENS: tuple[str, ...]
+
+    def parse(self, text: str) -> Any:
+        from relax_agent.rollout.parsers import ParsedAction
+
+        reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
+        at = rest.find(self.BEGIN)
+        if at == -1:
+            return ParsedAction(rest.strip(), (), (), reasoning)
+        content, section = rest[:at].strip(), rest[at + len(self.BEGIN):]
+        close = section.find(self.END)
+        if close == -1:
+            return ParsedAction(content, (), (f"tool calls section has no closing {self.END}: {section[:200]!r}",), reasoning)
+        calls, error = self._calls(section[:close])
+        if not error and section[close + len(self.END):].strip():
+            error = f"tool calls section is followed by {section[close + len(self.END):].strip()[:40]!r}"
+        return ParsedAction(content, () if error else tuple(calls), (error,) if error else (), reasoning)
+
+    def _calls(self, section: str) -> tuple[list[dict[str, Any]], str]:
+        calls: list[dict[str, Any]] = []
+        pos = 0
+        while section[pos:].strip():
+            start = section.find(self.CALL_BEGIN, pos)
+            if start == -1 or section[pos:start].strip():
+                return [], f"tool calls section holds {section[pos:][:80]!r} outside a call"
+            end = section.find(self.CALL_END, start)
+            if end == -1:
+                return [], f"tool call has no closing {self.CALL_END}: {section[start:][:200]!r}"
+            name, args, error = self._one_call(section[start + len(self.CALL_BEGIN):end])
+            if error:
+                return [], error
+            calls.append(call(len(calls), name, args))
+            pos = end + len(self.CALL_END)
+        return calls, ""
+
+    def _one_call(self, body: str) -> tuple[str, Any, str]:
+        """(name, arguments, "") of one call's body, or ("", None, error)."""
+        raise NotImplementedError

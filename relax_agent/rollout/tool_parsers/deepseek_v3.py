@@ -13,11 +13,10 @@ import json
 import re
 from typing import Any
 
-from relax_agent.rollout.parsers import ParsedAction
-from relax_agent.rollout.tool_parsers._common import call, json_object, split_reasoning, strip_end_tokens
+from relax_agent.rollout.tool_parsers._common import SectionParser, json_object
 
 
-class DeepSeekV3Parser:
+class DeepSeekV3Parser(SectionParser):
     """Strict: the calls section must be closed, hold only closed calls, each with a JSON object;
     anything else is a parse error and no call. Text before the section is content. Special
     tokens are kept when decoding; the closing ``<｜end▁of▁sentence｜>`` is dropped."""
@@ -37,37 +36,9 @@ class DeepSeekV3Parser:
                        f"{self.CALL_END}" for c in calls)
         return f"{self.BEGIN}{body}{self.END}"
 
-    def parse(self, text: str) -> ParsedAction:
-        reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
-        at = rest.find(self.BEGIN)
-        if at == -1:
-            return ParsedAction(rest.strip(), (), (), reasoning)
-        content, section = rest[:at].strip(), rest[at + len(self.BEGIN):]
-        close = section.find(self.END)
-        if close == -1:
-            return ParsedAction(content, (), (f"tool calls section has no closing {self.END}: {section[:200]!r}",), reasoning)
-        calls, error = self._calls(section[:close])
-        if not error and section[close + len(self.END):].strip():
-            error = f"tool calls section is followed by {section[close + len(self.END):].strip()[:40]!r}"
-        return ParsedAction(content, () if error else tuple(calls), (error,) if error else (), reasoning)
-
-    def _calls(self, section: str) -> tuple[list[dict[str, Any]], str]:
-        calls: list[dict[str, Any]] = []
-        pos = 0
-        while section[pos:].strip():
-            start = section.find(self.CALL_BEGIN, pos)
-            if start == -1 or section[pos:start].strip():
-                return [], f"tool calls section holds {section[pos:][:80]!r} outside a call"
-            end = section.find(self.CALL_END, start)
-            if end == -1:
-                return [], f"tool call has no closing {self.CALL_END}: {section[start:][:200]!r}"
-            body = section[start + len(self.CALL_BEGIN):end]
-            m = self._V3.fullmatch(body) or self._V31.fullmatch(body)
-            if m is None:
-                return [], f"tool call is not NAME{self.SEP}{{arguments}}: {body[:200]!r}"
-            args, error = json_object(m.group(2), f"tool call {m.group(1).strip()!r} arguments")
-            if args is None:
-                return [], error
-            calls.append(call(len(calls), m.group(1).strip(), args))
-            pos = end + len(self.CALL_END)
-        return calls, ""
+    def _one_call(self, body: str) -> tuple[str, Any, str]:
+        m = self._V3.fullmatch(body) or self._V31.fullmatch(body)
+        if m is None:
+            return "", None, f"tool call is not NAME{self.SEP}{{arguments}}: {body[:200]!r}"
+        args, error = json_object(m.group(2), f"tool call {m.group(1).strip()!r} arguments")
+        return m.group(1).strip(), args, "" if args is not None else error
