@@ -69,11 +69,14 @@ class CheckpointManager:
     Args:
         output_dir: the run folder.
         keep_last: how many most recent checkpoints to keep (older ones are deleted).
+        pinned: steps kept whatever ``keep_last`` says.
     """
 
-    def __init__(self, output_dir: str | Path, keep_last: int = 2):
+    def __init__(self, output_dir: str | Path, keep_last: int = 2, pinned: frozenset[int] = frozenset()):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.pinned = pinned
+        """Steps never pruned (the warm-up's ``step_000000``)."""
 
     def save(self, step: int, save_model: Callable[[Path], None], trainer_state: dict[str, Any],
              state: dict[str, Any], config_yaml: str) -> Path:
@@ -96,7 +99,8 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         for old in self.all()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if _step_of(old) not in self.pinned:
+                shutil.rmtree(old, ignore_errors=True)
 
     def all(self) -> list[Path]:
         """Numbered checkpoint folders that hold a ``state.json``, oldest first (other names are ignored)."""

@@ -265,6 +265,11 @@ class CheckpointConfig(Section):
 
     every_steps: int = Field(default=5, ge=0)
     keep_last: int = Field(default=2, ge=1)
+    keep_warmup: bool = True
+    """After the supervised warm-up, save ``checkpoints/step_000000`` (the warm-up's policy version)
+    and keep it beside the ``keep_last`` newest: a crash in RL resumes without warming up again,
+    ``relax-agent eval --checkpoint .../step_000000`` scores the warm-up alone, and ``relax-agent
+    replay`` checks the first RL step's log-probs against it."""
 
 
 class LoggingConfig(Section):

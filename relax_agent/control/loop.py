@@ -102,7 +102,8 @@ class Controller:
         self.reporter = reporter
         self.out = Path(cfg.run.output_dir)
         self.logger = M.MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard)
-        self.ckpts = CheckpointManager(self.out, cfg.checkpoint.keep_last)
+        self.ckpts = CheckpointManager(self.out, cfg.checkpoint.keep_last,
+                                       frozenset({0}) if cfg.checkpoint.keep_warmup else frozenset())
         self.sampler = TaskSampler(len(runtime.train_tasks), cfg.run.seed)
         """Task order at the last step boundary (what a checkpoint saves)."""
         self.step = 0
@@ -151,10 +152,12 @@ class Controller:
         summary: dict[str, Any] = {}
         with self.stop:
             try:
-                if self.cfg.eval.at_start and self.step == 0:
+                if self.cfg.eval.at_start and self.step == 0 and self.version == 0:
                     summary["eval_start"] = self.run_eval()
                 if not self.sft_done:
                     summary["sft"] = self.sft_warmup()
+                    if self.cfg.checkpoint.keep_warmup:
+                        summary["checkpoint_warmup"] = str(self.save())
                     if self.cfg.eval.after_warmup:
                         summary["eval_warmup"] = self.run_eval(name="warmup")
                 if self.step < self.cfg.trainer.steps:
@@ -198,7 +201,8 @@ class Controller:
         of the train split, ``trainer.sft_batch_size`` each, in a seeded order that cycles epoch by
         epoch); its weights are published as the next policy version. Progress goes to
         ``sft.jsonl``; returns the first and last loss. Ctrl-C stops it between updates (nothing
-        is checkpointed: the warm-up starts again on resume)."""
+        is checkpointed: the warm-up starts again on resume); a finished warm-up is saved as
+        ``checkpoints/step_000000`` (``checkpoint.keep_warmup``)."""
         import json
 
         import numpy as np

@@ -45,12 +45,17 @@ def test_a_warm_up_runs_before_rl_and_its_weights_are_the_first_rl_steps_policy(
     cfg = load_config(REPO / "examples/tiny.yaml", [
         f"model.path={tiny_model_dir}", "eval.at_start=false", "eval.at_end=false", "logging.tensorboard=false",
         "logging.plot=false", "trainer.steps=1", "trainer.sft_warmup_steps=3", "trainer.sft_batch_size=4",
-        "trainer.sft_lr=1e-3", "checkpoint.every_steps=1", f"run.output_dir={tmp_path}"])
+        "trainer.sft_lr=1e-3", "checkpoint.every_steps=1", "checkpoint.keep_last=1", f"run.output_dir={tmp_path}"])
     ctrl = build_controller(cfg, build_roles(cfg))
     try:
         summary = ctrl.train()
     finally:
         ctrl.close()
+    # the warm-up's own checkpoint (version 1) survives keep_last=1 beside the newest
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000000", "step_000001"]
+    warm = json.loads((tmp_path / "checkpoints" / "step_000000" / "state.json").read_text())
+    assert (warm["step"], warm["policy_version"], warm["sft_done"], warm["groups_drawn"]) == (0, 1, True, 0)
+    assert summary["checkpoint_warmup"] == str(tmp_path / "checkpoints" / "step_000000")
     sft = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
     assert [r["sft/step"] for r in sft] == [1, 2, 3] and all(r["sft/tokens"] > 0 for r in sft)
     assert summary["sft"]["policy_version"] == 1 and summary["sft"]["sft/demonstrations"] > 300
@@ -58,3 +63,34 @@ def test_a_warm_up_runs_before_rl_and_its_weights_are_the_first_rl_steps_policy(
     assert {r["sample_version"] for r in rows} == {1}  # the first RL rollout ran on the warm-up's weights
     state = json.loads((tmp_path / "checkpoints" / "step_000001" / "state.json").read_text())
     assert state["sft_done"] is True  # a resume does not warm up again
+
+
+def test_a_run_resumed_from_the_warm_up_checkpoint_neither_warms_up_nor_evaluates_the_start_again(tiny_model_dir, tmp_path):
+    from relax_agent.config import load_config
+    from relax_agent.control import build_controller
+    from relax_agent.roles import build_roles
+
+    args = [f"model.path={tiny_model_dir}", "eval.at_end=false", "eval.num_tasks=2", "eval.seeds=[0]",
+            "logging.tensorboard=false", "logging.plot=false", "trainer.sft_warmup_steps=2", "trainer.sft_batch_size=4",
+            "trainer.sft_lr=1e-3", f"run.output_dir={tmp_path}"]
+    cfg = load_config(REPO / "examples/tiny.yaml", args + ["trainer.steps=0"])  # a crash right after the warm-up
+    ctrl = build_controller(cfg, build_roles(cfg))
+    try:
+        first = ctrl.train()
+    finally:
+        ctrl.close()
+    assert "eval_start" in first and first["checkpoint_warmup"].endswith("step_000000")
+    sft_log = (tmp_path / "sft.jsonl").read_text()
+
+    cfg = load_config(REPO / "examples/tiny.yaml", args + ["trainer.steps=1"])
+    ckpt = tmp_path / "checkpoints" / "step_000000"
+    ctrl = build_controller(cfg, build_roles(cfg, model_path=ckpt / "model"))
+    try:
+        ctrl.restore(ckpt)
+        second = ctrl.train()
+    finally:
+        ctrl.close()
+    assert "sft" not in second and "eval_start" not in second  # the untrained policy is gone: no "start" score
+    assert (tmp_path / "sft.jsonl").read_text() == sft_log
+    rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert {r["sample_version"] for r in rows} == {1}
