@@ -3,10 +3,11 @@
 Variants (``--variants``, default all): ``grpo`` (the default recipe), ``grpo_ds`` (+ dynamic
 sampling), ``gspo`` (sequence ratio, ``loss_agg: seq_mean``, clip 3e-4 / 4e-4 as in the paper),
 ``rloo`` (leave-one-out advantages) and ``cispo`` (clipped IS weight, upper clip 4.0 as in the paper),
-plus ``lora`` (the default recipe with ``trainer.lora.rank: 16``) when asked. Each variant runs
-``relax-agent train examples/bfcl.yaml`` in its own process with the same seed, so the supervised
-warm-up (identical demonstrations, order and initial weights, one kernel thread layout) gives every
-variant the same starting policy; the first variant also evaluates that warm-up (``eval.after_warmup``).
+plus ``lora`` (the default recipe with ``trainer.lora.rank: 16``) when asked. The supervised warm-up runs
+once (``relax-agent train examples/bfcl.yaml trainer.steps=0``, evaluated with ``eval.after_warmup``)
+and saves ``checkpoints/step_000000``; each variant then resumes from a copy of that checkpoint in its
+own process (``--resume``), so every variant starts from the same weights, optimizer state and data
+position. ``lora`` warms up its own adapters (a LoRA run cannot resume a full-weight checkpoint).
 Equal rollout budget: every variant trains ``--steps`` steps of ``tasks_per_step x group_size``
 samples; dynamic sampling draws more groups to fill them and the table says how many.
 
@@ -14,7 +15,7 @@ Printed per variant: held-out accuracy (the main job's evaluation: BFCL checker,
 spread, samples/s (trained samples over the training loop), groups drawn, median step time, peak RSS
 and CPU-seconds of the process.
 
-    .venv/bin/python benchmarks/algorithms.py                       # ~4-5 h on 2 idle CPU cores
+    .venv/bin/python benchmarks/algorithms.py                       # ~2.5 h on 2 idle CPU cores
     .venv/bin/python benchmarks/algorithms.py --variants grpo,lora  # LoRA next to full fine-tuning
     .venv/bin/python benchmarks/algorithms.py --steps 1 --warmup-steps 1 --eval-tasks 4 --eval-seeds 0 \\
         --tasks-per-step 2 --group-size 4 --variants grpo,gspo      # a smoke run (minutes)
@@ -25,11 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "bfcl.yaml"
@@ -45,26 +48,43 @@ VARIANTS: dict[str, list[str]] = {
 DEFAULT = ["grpo", "grpo_ds", "gspo", "rloo", "cispo"]
 
 
-def run_variant(name: str, args: argparse.Namespace, out: Path, first: bool) -> dict:
+def _train(name: str, args: argparse.Namespace, out: Path, extra: list[str], resume: bool) -> tuple[Path, Any]:
+    """Run ``relax-agent train`` for one variant in its own process; returns its folder and rusage."""
     run_dir = out / name
     cmd = [sys.executable, "-m", "relax_agent.cli", "train", str(CONFIG), f"run.output_dir={run_dir}",
            f"trainer.steps={args.steps}", f"trainer.sft_warmup_steps={args.warmup_steps}",
            f"rollout.tasks_per_step={args.tasks_per_step}", f"rollout.group_size={args.group_size}",
            f"eval.num_tasks={args.eval_tasks}", f"eval.seeds=[{args.eval_seeds}]", "eval.at_start=false",
-           f"eval.after_warmup={'true' if first else 'false'}", f"run.num_threads={args.threads}",
-           f"checkpoint.every_steps={args.steps}", "logging.tensorboard=false", *VARIANTS[name], "--quiet"]
+           f"run.num_threads={args.threads}", f"checkpoint.every_steps={args.steps}", "logging.tensorboard=false",
+           *extra, "--quiet", *(["--resume"] if resume else [])]
     with (out / f"{name}.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{name} failed; see {out / f'{name}.log'}")
+    return run_dir, usage
+
+
+def warm_up(args: argparse.Namespace, out: Path) -> tuple[Path, tuple[float, float]]:
+    """The shared warm-up: its checkpoint (``step_000000``) and its held-out accuracy (mean, std)."""
+    run_dir, _ = _train("warmup", args, out, ["trainer.steps=0", "eval.after_warmup=true", "eval.at_end=false"],
+                        resume=False)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    warm = next(r for r in rows if "eval_warmup/accuracy" in r)
+    return run_dir / "checkpoints" / "step_000000", (warm["eval_warmup/accuracy"], warm["eval_warmup/accuracy_std"])
+
+
+def run_variant(name: str, args: argparse.Namespace, out: Path, warm_ckpt: Path) -> dict:
+    """Train ``name`` from the shared warm-up checkpoint (``lora``: from its own warm-up)."""
+    own = name == "lora"
+    if not own:
+        shutil.copytree(warm_ckpt, out / name / "checkpoints" / warm_ckpt.name)
+    run_dir, usage = _train(name, args, out, ["eval.after_warmup=false", *VARIANTS[name]], resume=not own)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "rollout/reward" in r]
     end = next(r for r in reversed(rows) if "eval/accuracy" in r)
-    warm = next((r for r in rows if "eval_warmup/accuracy" in r), None)
     groups = sum(r.get("dynamic_sampling/drawn_groups", args.tasks_per_step) for r in steps)
     return {"name": name, "acc": end["eval/accuracy"], "acc_std": end["eval/accuracy_std"],
-            "warmup": (warm["eval_warmup/accuracy"], warm["eval_warmup/accuracy_std"]) if warm else None,
             "samples_per_s": sum(r.get("train/samples", 0.0) for r in steps) / sum(r["timing/step_s"] for r in steps),
             "groups": groups, "step_s": statistics.median(r["timing/step_s"] for r in steps),
             "rss_gb": usage.ru_maxrss / 2**20, "cpu_s": usage.ru_utime + usage.ru_stime}
@@ -89,12 +109,12 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="algorithms-"))
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
-    rows = [run_variant(n, args, out, first=i == 0) for i, n in enumerate(names)]
+    warm_ckpt, warm = warm_up(args, out)
+    rows = [run_variant(n, args, out, warm_ckpt) for n in names]
     print(f"BFCL simple, {args.warmup_steps} warm-up + {args.steps} RL steps x {args.tasks_per_step} x {args.group_size}, "
           f"{args.threads} threads; held-out {args.eval_tasks} tasks x seeds [{args.eval_seeds}]; "
           f"load at start {load:.1f}, at end {os.getloadavg()[0]:.1f}; work folder {out}")
-    if rows[0]["warmup"]:
-        print(f"warm-up alone: held-out accuracy {rows[0]['warmup'][0]:.3f} ± {rows[0]['warmup'][1]:.3f}")
+    print(f"warm-up alone: held-out accuracy {warm[0]:.3f} ± {warm[1]:.3f} (every variant but lora starts there)")
     print(f"{'variant':<9} {'held-out acc':>14} {'samples/s':>9} {'groups':>6} {'step s':>7} {'peak RSS GB':>11} {'CPU s':>7}")
     for r in rows:
         print(f"{r['name']:<9} {r['acc']:>7.3f} ± {r['acc_std']:.3f} {r['samples_per_s']:>9.3f} {r['groups']:>6.0f} "

@@ -173,9 +173,9 @@ class Controller:
         return summary
 
     def _final_checkpoint(self) -> str | None:
-        if not self.cfg.trainer.steps:
-            return None
-        if self.weights_dirty:  # an update failed half-way: the trainer's weights match no step
+        if not self.cfg.trainer.steps or self.weights_dirty:
+            # no RL step configured (the warm-up's checkpoint, if any, is the run's), or an update
+            # failed half-way (the trainer's weights match no step): the newest checkpoint there is
             latest = self.ckpts.latest()
             return None if latest is None else str(latest)
         return str(self.save())

@@ -79,7 +79,7 @@ def test_a_run_resumed_from_the_warm_up_checkpoint_neither_warms_up_nor_evaluate
         first = ctrl.train()
     finally:
         ctrl.close()
-    assert "eval_start" in first and first["checkpoint_warmup"].endswith("step_000000")
+    assert "eval_start" in first and first["checkpoint"] == first["checkpoint_warmup"] == str(tmp_path / "checkpoints" / "step_000000")
     sft_log = (tmp_path / "sft.jsonl").read_text()
 
     cfg = load_config(REPO / "examples/tiny.yaml", args + ["trainer.steps=1"])
