@@ -10,13 +10,25 @@ check is reported (turn, token index, expected and recorded value):
    tokens the policy never chose, or drops ones it did).
 3. ``observation delta``: the tokens between two turns are what the chat template renders for the
    observation messages in between (:meth:`~relax_agent.rollout.chat.ChatRenderer.observation_delta`):
-   a re-rendered or re-tokenized turn shows up here.
-4. ``log-probs``: the policy of the version that sampled the episode (a checkpoint of that version,
-   or the base model for version 0) scores the sampled tokens as recorded, within ``atol``.
+   a re-rendered or re-tokenized turn shows up here. The messages between turn k's assistant
+   message and turn k+1's are the observation (the record's ``turns[k]["message"]``; older records
+   are matched by the turn's decoded text). Agent-driven episodes (the agent endpoint) are judged
+   the same way: the messages the agent sent back are the observation, the forced opening of a
+   ``tool_choice`` (``turns[k]["opening"]`` tokens) is left out of the comparison.
+4. ``media`` (media episodes, with a :class:`~relax_agent.multimodal.render.MediaRenderer`): the
+   prompt's and every observation's media parts are processed again by the model's processor
+   (from the messages, which keep them as data) and each delta re-rendered with its placeholders
+   expanded, as rollout did; each item's kind, placeholder tokens and digest of its arrays must be
+   the record's (:mod:`relax_agent.multimodal.record`). A dropped image is found at its first
+   placeholder token: a delta divergence when its placeholders are gone, a ``media`` one when they
+   stayed. The prompt's own tokens are not re-rendered (the env's tools are not recorded).
+5. ``log-probs``: the policy of the version that sampled the episode (a checkpoint of that version,
+   or the base model for version 0) scores the sampled tokens as recorded, within ``atol``; a media
+   episode's forward gets its re-made media, as the trainer's did.
 
-Episodes a check cannot judge are reported as skipped for that check with the reason (media
-observations, an update landing inside a turn, no weights of that version, messages that do not
-line up with the turns, as agent-driven episodes may).
+Episodes a check cannot judge are reported as skipped for that check with the reason (an update
+landing inside a turn, no weights of that version, messages that do not line up with the turns, a
+media record written before media items were kept, a media part that cannot be processed again).
 """
 
 from __future__ import annotations
@@ -37,11 +49,13 @@ class Divergence:
     """The first place an episode differs from its replay.
 
     Attributes:
-        check: which check failed (``turn tokens``, ``loss mask``, ``observation delta``, ``log-probs``).
-        turn: 1-based assistant turn it belongs to (for a delta: the turn the observation follows);
-            None for the prompt.
-        token: index into the episode's ``token_ids``.
-        expected: the replayed value (a token id, a mask bit, a log-prob; None past the end).
+        check: which check failed (``turn tokens``, ``loss mask``, ``observation delta``, ``media``,
+            ``log-probs``).
+        turn: 1-based assistant turn it belongs to (for a delta or its media: the turn the observation
+            follows); None for the prompt.
+        token: index into the episode's ``token_ids`` (a media item: its first placeholder token).
+        expected: the replayed value (a token id, a mask bit, a log-prob, a media item as
+            ``"{kind} of {n} tokens (digest {d})"``; None past the end or no item).
         recorded: the value in the record.
     """
 
