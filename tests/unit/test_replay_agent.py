@@ -94,3 +94,34 @@ def test_a_re_rendered_history_turn_is_found_at_its_turn_and_token(recorded, tok
     assert (d.check, d.turn, d.token) == (DELTA, 1, at)
     assert (d.expected, d.recorded) == (recorded["token_ids"][at], split[0])
     assert json.dumps(d.expected) and "observation delta at turn 1" in d.describe(tok.decode)
+
+
+def test_a_forced_tool_call_opening_is_left_out_of_the_delta(tok, tmp_path):
+    """tool_choice="required" appends the call's opening as context before the turn: recorded as the
+    turn's ``opening``, not compared with the re-rendered delta, which is still checked."""
+    call = tok('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+               add_special_tokens=False)["input_ids"] + [2]
+    rest = tok('add", "arguments": {"a": 3, "b": 4}}\n</tool_call>', add_special_tokens=False)["input_ids"] + [2]
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) == 1 else rest)
+    server = EndpointServer().start()
+    try:
+        session, client = open_session(server, engine, tok)
+        messages = list(USER)
+        first = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+        messages += [first.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "3"}]
+        second = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required")
+        assert second.choices[0].message.tool_calls[0].function.arguments == '{"a": 3, "b": 4}'
+    finally:
+        server.close()
+    write_token_record(tmp_path / "rollouts" / "tokens" / "step_000001.jsonl.gz",
+                       [(session.trained().finish(0.0, {}, "truncated"), 0)])
+    (rec,) = load_token_record(tmp_path, 1)
+    opening = rec["turns"][1]["opening"]
+    assert opening == len(tok('<tool_call>\n{"name": "', add_special_tokens=False)["input_ids"]) > 0
+    (rep,) = replay_records([rec], ChatRenderer(tok), None, 1.0, 2e-3)
+    assert rep.divergence is None and rep.skipped == {"log-probs": "not asked (--no-logprobs)"}
+    end = rec["turns"][0]["start"] + len(rec["turns"][0]["token_ids"])
+    rec["token_ids"][end + 1] += 1  # a delta token, before the opening: still found
+    (rep,) = replay_records([rec], ChatRenderer(tok), None, 1.0, 2e-3)
+    assert (rep.divergence.check, rep.divergence.turn, rep.divergence.token) == (DELTA, 1, end + 1)
