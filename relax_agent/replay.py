@@ -177,7 +177,10 @@ def _between(messages: Sequence[dict[str, Any]], at: Sequence[int]) -> list[list
     return out
 
 
-def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
+Messages = list[dict[str, Any]]
+
+
+def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Messages, list[Messages]] | None:
     """(prompt messages, the observation messages after each turn but the last) of a record, or None
     when its messages cannot be lined up with its turns.
 
@@ -230,8 +233,8 @@ def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergen
     features gone)."""
     turns = rec["turns"]
     is_media = bool(rec.get("media_kinds"))
-    if is_media and rec.get("media") is None:
-        return None, "media episode (its record keeps no media digests: written before replay checked media)", None
+    if is_media and (rec.get("media") or {}).get("digests") is None:
+        return None, "media episode whose record keeps no media digests (written before they were kept, or arrays of a layout the record does not split)", None
     if is_media and getattr(renderer, "processor", None) is None:
         return None, "media episode replayed with a text renderer (the policy's config is not multimodal)", None
     if len(turns) < 2 and not is_media:

@@ -20,9 +20,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from relax_agent.errors import DataError
 from relax_agent.records import MediaInputs
 
-_PER_ITEM_ROW = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts", "video_second_per_grid"),
+_PER_ITEM_ROW = {"image": ("image_grid_thw",),
+                 "video": ("video_grid_thw", "second_per_grid_ts", "video_second_per_grid"),
                  "audio": ("input_features", "feature_attention_mask")}
 """Arrays holding one row per item of a kind (the Qwen families' layout, see :class:`MediaInputs`)."""
 _PATCH_ROWS = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
@@ -33,12 +35,12 @@ def split_items(media: MediaInputs) -> list[MediaInputs]:
     """[n] one-item :class:`MediaInputs` of ``media``'s items, in order (the inverse of :meth:`MediaInputs.concat`).
 
     Raises:
-        ValueError: an array name whose per-item layout is not known (names it).
+        DataError: an array name whose per-item layout is not known (names it).
     """
     known = {n for names in _PER_ITEM_ROW.values() for n in names} | {v[0] for v in _PATCH_ROWS.values()}
     unknown = sorted(set(media.arrays) - known)
     if unknown:
-        raise ValueError(f"media arrays {unknown} have no known per-item layout; expected names among {sorted(known)}")
+        raise DataError(f"media arrays {unknown} have no known per-item layout; expected names among {sorted(known)}")
     seen = {"image": 0, "video": 0, "audio": 0}
     patch = {"image": 0, "video": 0}
     out = []
@@ -92,12 +94,14 @@ def item_starts(token_ids: Sequence[int], kinds: Sequence[str], num_tokens: Sequ
 def media_record(media: MediaInputs, token_ids: Sequence[int],
                  kind_of_token: Mapping[int, str] | None = None) -> dict[str, Any]:
     """The token record's ``media`` entry of one sample: ``kinds`` [n], ``num_tokens`` [n],
-    ``digests`` [n] (:func:`item_digest`) and, with the family's placeholder ids
+    ``digests`` [n] (:func:`item_digest`; None for arrays :func:`split_items` cannot split) and, with the family's placeholder ids
     (:meth:`MediaFamily.kind_of_token`), ``starts`` [n] (:func:`item_starts`; None when not known)."""
-    items = split_items(media)
+    try:
+        digests = [item_digest(i) for i in split_items(media)]
+    except DataError:  # an array layout not known here: the record keeps no digests (replay says so), never fails
+        digests = None
     starts = item_starts(token_ids, media.kinds, media.num_tokens, kind_of_token) if kind_of_token else None
-    return {"kinds": list(media.kinds), "num_tokens": list(media.num_tokens),
-            "digests": [item_digest(i) for i in items], "starts": starts}
+    return {"kinds": list(media.kinds), "num_tokens": list(media.num_tokens), "digests": digests, "starts": starts}
 
 
 def json_safe_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -55,6 +55,8 @@ def test_starts_follow_each_kinds_placeholder_runs(processor):
     rec = media_record(media, [img] * media.num_tokens[0], kind_of)
     assert rec["starts"] == [0] and rec["kinds"] == ["image"] and len(rec["digests"][0]) == 16
     assert media_record(media, [], None)["starts"] is None
+    odd = MediaInputs(("image",), (1,), {"image_embeds": np.zeros((1, 4), np.float32)})
+    assert media_record(odd, [img], kind_of)["digests"] is None  # an unknown layout: no digests, no failure
 
 
 def test_media_that_are_not_json_data_are_written_so_they_process_the_same(processor):

@@ -42,7 +42,8 @@ class LookAgain:
 
     def reset(self, seed=None, options=None):
         self.n = 0
-        return [{"role": "user", "content": [{"type": "text", "text": "How many shapes?"}, image_part(_image(seed))]}], {}
+        prompt = [{"type": "text", "text": "How many shapes?"}, image_part(_image(seed))]
+        return [{"role": "user", "content": prompt}], {}
 
     def step(self, action):
         self.n += 1
