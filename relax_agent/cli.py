@@ -218,7 +218,9 @@ def replay(
     """Replay a trained step: find, per episode, the first token where the record diverges.
 
     Checks the turns' placement, the loss mask, each observation delta (re-rendered with the chat
-    template) and, with the checkpoint of the version that sampled it, the rollout log-probs.
+    template; media episodes: with their media processed again, each item compared with the record)
+    and, with the checkpoint of the version that sampled it, the rollout log-probs. Env-driven,
+    agent-driven and media episodes alike.
     Exit code 1 when any episode diverges.
     """
     from relax_agent.replay import replay_step

@@ -79,6 +79,12 @@ class Turn:
             tokens): row i is token ``start - d + i``, routed at position ``start - d + i - 1``
             by this turn's prefill. The first token of an episode has none (no position scores it).
             None otherwise.
+        message_index: index in ``Trajectory.messages`` of this turn's assistant message (the
+            recorder sets it); None when not known (records made before it was kept).
+        opening: context tokens right before ``start`` that the agent endpoint appended to force a
+            tool call's opening (``tool_choice``); 0 otherwise.
+        closed: the turn ends with the template's closing token (the next observation delta then
+            does not start with one); None: ``finish_reason != "length"`` tells.
     """
 
     start: int
@@ -89,6 +95,9 @@ class Turn:
     routed_experts: Any = None
     token_versions: tuple[int, ...] = ()
     context_routed_experts: Any = None
+    message_index: int | None = None
+    opening: int = 0
+    closed: bool | None = None
 
     @property
     def context_start(self) -> int:

@@ -10,13 +10,25 @@ check is reported (turn, token index, expected and recorded value):
    tokens the policy never chose, or drops ones it did).
 3. ``observation delta``: the tokens between two turns are what the chat template renders for the
    observation messages in between (:meth:`~relax_agent.rollout.chat.ChatRenderer.observation_delta`):
-   a re-rendered or re-tokenized turn shows up here.
-4. ``log-probs``: the policy of the version that sampled the episode (a checkpoint of that version,
-   or the base model for version 0) scores the sampled tokens as recorded, within ``atol``.
+   a re-rendered or re-tokenized turn shows up here. The messages between turn k's assistant
+   message and turn k+1's are the observation (the record's ``turns[k]["message"]``; older records
+   are matched by the turn's decoded text). Agent-driven episodes (the agent endpoint) are judged
+   the same way: the messages the agent sent back are the observation, the forced opening of a
+   ``tool_choice`` (``turns[k]["opening"]`` tokens) is left out of the comparison.
+4. ``media`` (media episodes, with a :class:`~relax_agent.multimodal.render.MediaRenderer`): the
+   prompt's and every observation's media parts are processed again by the model's processor
+   (from the messages, which keep them as data) and each delta re-rendered with its placeholders
+   expanded, as rollout did; each item's kind, placeholder tokens and digest of its arrays must be
+   the record's (:mod:`relax_agent.multimodal.record`). A dropped image is found at its first
+   placeholder token: a delta divergence when its placeholders are gone, a ``media`` one when they
+   stayed. The prompt's own tokens are not re-rendered (the env's tools are not recorded).
+5. ``log-probs``: the policy of the version that sampled the episode (a checkpoint of that version,
+   or the base model for version 0) scores the sampled tokens as recorded, within ``atol``; a media
+   episode's forward gets its re-made media, as the trainer's did.
 
-Episodes a check cannot judge are reported as skipped for that check with the reason (media
-observations, an update landing inside a turn, no weights of that version, messages that do not
-line up with the turns, as agent-driven episodes may).
+Episodes a check cannot judge are reported as skipped for that check with the reason (an update
+landing inside a turn, no weights of that version, messages that do not line up with the turns, a
+media record written before media items were kept, a media part that cannot be processed again).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 from relax_agent.errors import ConfigError
 
-TURN_TOKENS, LOSS_MASK, DELTA, LOGPROBS = "turn tokens", "loss mask", "observation delta", "log-probs"
+TURN_TOKENS, LOSS_MASK, DELTA, MEDIA, LOGPROBS = "turn tokens", "loss mask", "observation delta", "media", "log-probs"
 
 
 @dataclass(frozen=True)
@@ -37,11 +49,13 @@ class Divergence:
     """The first place an episode differs from its replay.
 
     Attributes:
-        check: which check failed (``turn tokens``, ``loss mask``, ``observation delta``, ``log-probs``).
-        turn: 1-based assistant turn it belongs to (for a delta: the turn the observation follows);
-            None for the prompt.
-        token: index into the episode's ``token_ids``.
-        expected: the replayed value (a token id, a mask bit, a log-prob; None past the end).
+        check: which check failed (``turn tokens``, ``loss mask``, ``observation delta``, ``media``,
+            ``log-probs``).
+        turn: 1-based assistant turn it belongs to (for a delta or its media: the turn the observation
+            follows); None for the prompt.
+        token: index into the episode's ``token_ids`` (a media item: its first placeholder token).
+        expected: the replayed value (a token id, a mask bit, a log-prob, a media item as
+            ``"{kind} of {n} tokens (digest {d})"``; None past the end or no item).
         recorded: the value in the record.
     """
 
@@ -136,17 +150,26 @@ def observations_between_turns(messages: Sequence[dict[str, Any]], replies: Sequ
 
     ``replies``: each turn's decoded text; turn k's message is the first assistant message after turn
     k-1's whose content is that text (a prompt may hold example assistant turns before them)."""
+    at = _match_replies(messages, replies[:-1])
+    return None if at is None else _between(messages, at)
+
+
+def _match_replies(messages: Sequence[dict[str, Any]], replies: Sequence[str]) -> list[int] | None:
     at: list[int] = []
     i = 0
-    for text in replies[:-1]:
+    for text in replies:
         while i < len(messages) and not (messages[i].get("role") == "assistant" and messages[i].get("content") == text):
             i += 1
         if i == len(messages):
             return None
         at.append(i)
         i += 1
+    return at
+
+
+def _between(messages: Sequence[dict[str, Any]], at: Sequence[int]) -> list[list[dict[str, Any]]]:
     out = []
-    for k, pos in enumerate(at):
+    for pos in at:
         end = pos + 1
         while end < len(messages) and messages[end].get("role") != "assistant":
             end += 1
@@ -154,38 +177,156 @@ def observations_between_turns(messages: Sequence[dict[str, Any]], replies: Sequ
     return out
 
 
+Messages = list[dict[str, Any]]
+
+
+def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Messages, list[Messages]] | None:
+    """(prompt messages, the observation messages after each turn but the last) of a record, or None
+    when its messages cannot be lined up with its turns.
+
+    A record that keeps each turn's assistant message index (``turns[k]["message"]``, any driver,
+    the agent endpoint's included) is split there: the observations after turn k are the messages
+    between its assistant message and turn k+1's. An older record is matched by text (turn k's
+    message: the first assistant message after turn k-1's whose content is the turn's decoded
+    text), which an agent endpoint's parsed replies do not pass."""
+    messages, turns = rec["messages"], rec["turns"]
+    idx = [t.get("message") for t in turns]
+    if idx and None not in idx and all(0 <= i < len(messages) and messages[i].get("role") == "assistant" for i in idx) \
+            and all(a < b for a, b in zip(idx, idx[1:])):
+        return list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in zip(idx, idx[1:])]
+    replies = [decode(t["token_ids"], skip_special_tokens=True) for t in turns]
+    at = _match_replies(messages, replies[:-1])
+    if at is None:
+        return None
+    first = at[0] if at else (_match_replies(messages, replies[:1]) or [None])[0]
+    if first is None:
+        return None
+    return list(messages[:first]), _between(messages, at)
+
+
+def _closed(turn: dict[str, Any]) -> bool:
+    """Whether the turn ends with the template's closing token (the record's ``closed``, else its finish reason)."""
+    return turn["closed"] if turn.get("closed") is not None else turn["finish_reason"] != "length"
+
+
 def check_deltas(rec: dict[str, Any], renderer: Any) -> tuple[Divergence | None, str | None]:
-    """Check 3; returns (divergence, reason skipped)."""
+    """Check 3 (and, for a media episode, its media items); returns (divergence, reason skipped)."""
+    div, why, _ = check_deltas_and_media(rec, renderer)
+    return div, why
+
+
+def _media_desc(kind: str, n: int, digest: str) -> str:
+    return f"{kind} of {n} tokens (digest {digest})"
+
+
+def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergence | None, str | None, Any]:
+    """Check 3 with media: returns (divergence, reason skipped, the episode's media re-made from its
+    messages — a :class:`~relax_agent.records.MediaInputs`, None for a text episode or when not re-made).
+
+    Text episodes: each observation delta is re-rendered with ``renderer`` and compared token by token.
+    Media episodes (``renderer`` a :class:`~relax_agent.multimodal.render.MediaRenderer`, the record's
+    ``media`` entry): the prompt's media parts and each observation's are processed again with the
+    model's processor, each delta re-rendered with its placeholders expanded (as rollout did) and
+    compared token by token, and every media item compared with the recorded one (kind, placeholder
+    tokens, digest of its arrays) in token order: a dropped image shows up at its first placeholder
+    token, as a delta token (its placeholders gone) or a ``media`` divergence (placeholders kept, its
+    features gone)."""
     turns = rec["turns"]
-    if len(turns) < 2:
-        return None, None
-    if rec.get("media_kinds"):
-        return None, "media episode (observations hold media the record does not keep)"
+    is_media = bool(rec.get("media_kinds"))
+    if is_media and (rec.get("media") or {}).get("digests") is None:
+        return None, ("media episode whose record keeps no media digests (written before they were kept, or arrays "
+                      "of a layout the record does not split)"), None
+    if is_media and getattr(renderer, "processor", None) is None:
+        return None, "media episode replayed with a text renderer (the policy's config is not multimodal)", None
+    if len(turns) < 2 and not is_media:
+        return None, None, None
     decode = renderer.tokenizer.decode
-    obs = observations_between_turns(rec["messages"], [decode(t["token_ids"], skip_special_tokens=True) for t in turns])
-    if obs is None:
-        return None, "messages do not line up with the turns (an agent-driven episode?)"
+    layout = turn_messages(rec, decode)
+    if layout is None:
+        return None, "messages do not line up with the turns", None
+    prompt_msgs, obs = layout
     ids = rec["token_ids"]
+    made: list[Any] = []  # one-item MediaInputs, in token order
+    if is_media:
+        from relax_agent.multimodal.parts import part_kind
+        from relax_agent.multimodal.record import item_starts
+
+        parts = [p for m in prompt_msgs if isinstance(m.get("content"), list) for p in m["content"]
+                 if isinstance(p, dict) and part_kind(p) is not None]
+        try:
+            items = [renderer.processor.process(p, f"prompt media part {j}") for j, p in enumerate(parts)]
+        except Exception as exc:  # noqa: BLE001 - a part the record cannot give back: said, not raised
+            return None, f"prompt media cannot be processed again ({type(exc).__name__}: {exc})", None
+        starts = item_starts(ids[:rec["prompt_len"]], [i.kinds[0] for i in items], [i.num_tokens[0] for i in items],
+                             renderer.family.kind_of_token())
+        div = _compare_items(rec, items, starts or [rec["prompt_len"]] * len(items), 0, None)
+        if div is not None:
+            return div, None, None
+        made += items
     for k in range(len(turns) - 1):
         end = turns[k]["start"] + len(turns[k]["token_ids"])
-        recorded = ids[end:turns[k + 1]["start"]]
-        expected = renderer.observation_delta(obs[k], closed=turns[k]["finish_reason"] != "length")
-        i = _first_mismatch(list(expected), recorded)
+        recorded = ids[end:turns[k + 1]["start"] - int(turns[k + 1].get("opening") or 0)]
+        try:
+            seg = renderer.observation_delta(obs[k], closed=_closed(turns[k]))
+        except Exception as exc:  # noqa: BLE001 - a delta the record cannot give back: said, not raised
+            return None, f"observation after turn {k + 1} cannot be rendered again ({type(exc).__name__}: {exc})", None
+        expected = list(seg.token_ids) if is_media else list(seg)
+        i = _first_mismatch(expected, recorded)
         if i is not None:
             return Divergence(DELTA, k + 1, end + i, expected[i] if i < len(expected) else None,
-                              recorded[i] if i < len(recorded) else None), None
-    return None, None
+                              recorded[i] if i < len(recorded) else None), None, None
+        if is_media and seg.media is not None:
+            from relax_agent.multimodal.record import item_starts, split_items
+
+            items = split_items(seg.media)
+            local = item_starts(expected, seg.media.kinds, seg.media.num_tokens, renderer.family.kind_of_token())
+            div = _compare_items(rec, items, [end + j for j in local], len(made), k + 1)
+            if div is not None:
+                return div, None, None
+            made += items
+    if is_media:
+        n = len(rec["media"]["kinds"])
+        if n > len(made):  # recorded items no message holds (after the last delta checked)
+            at = (rec["media"].get("starts") or [None] * n)[len(made)]
+            r = rec["media"]
+            return Divergence(MEDIA, _turn_of(rec, at) if at is not None else None, at if at is not None else len(ids),
+                              None, _media_desc(r["kinds"][len(made)], r["num_tokens"][len(made)],
+                                                r["digests"][len(made)])), None, None
+        from relax_agent.records import MediaInputs
+
+        return None, None, MediaInputs.concat(made)
+    return None, None, None
 
 
-def check_logprobs(rec: dict[str, Any], model: Any, temperature: float, atol: float) -> tuple[Divergence | None, float]:
-    """Check 4 with ``model`` (the policy of the episode's version); returns (divergence, max |diff|)."""
+def _compare_items(rec: dict[str, Any], items: Sequence[Any], starts: Sequence[int], first: int,
+                   turn: int | None) -> Divergence | None:
+    """The first of ``items`` (re-made, recorded as items ``first..``) whose kind, token count or
+    digest differs from the record's, at its first placeholder token (``starts``)."""
+    from relax_agent.multimodal.record import item_digest
+
+    r = rec["media"]
+    for j, (item, at) in enumerate(zip(items, starts)):
+        want = _media_desc(item.kinds[0], item.num_tokens[0], item_digest(item))
+        q = first + j
+        got = _media_desc(r["kinds"][q], r["num_tokens"][q], r["digests"][q]) if q < len(r["kinds"]) else None
+        if want != got:
+            return Divergence(MEDIA, turn, at, want, got)
+    return None
+
+
+def check_logprobs(rec: dict[str, Any], model: Any, temperature: float, atol: float,
+                   media: Any = None) -> tuple[Divergence | None, float]:
+    """Check 4 with ``model`` (the policy of the episode's version; ``media``: the episode's
+    :class:`~relax_agent.records.MediaInputs`, fed to the forward as the trainer does); returns
+    (divergence, max |diff|)."""
     import torch
 
     from relax_agent.train.backends.torch_backend import token_logprobs
 
     ids = torch.tensor([rec["token_ids"]])
     with torch.no_grad():
-        logp = token_logprobs(model, ids, torch.ones_like(ids), temperature)[0].double()
+        logp = token_logprobs(model, ids, torch.ones_like(ids), temperature,
+                              media=[media] if media is not None else None)[0].double()
     recorded = torch.tensor(rec["rollout_logprobs"], dtype=torch.float64)
     mask = torch.tensor(rec["loss_mask"], dtype=torch.bool)
     diff = torch.where(mask, (logp - recorded).abs(), torch.zeros_like(logp))
@@ -219,8 +360,9 @@ def replay_records(records: list[dict[str, Any]], renderer: Any, load_model: Cal
         rep = EpisodeReport(rec["sample_id"], version, len(rec["turns"]))
         reports.append(rep)
         rep.divergence = check_structure(rec)
+        media = None
         if rep.divergence is None:
-            rep.divergence, why = check_deltas(rec, renderer)
+            rep.divergence, why, media = check_deltas_and_media(rec, renderer)
             if why:
                 rep.skipped[DELTA] = why
         if rep.divergence is not None or load_model is None:
@@ -237,7 +379,10 @@ def replay_records(records: list[dict[str, Any]], renderer: Any, load_model: Cal
         if models[version] is None:
             rep.skipped[LOGPROBS] = f"no weights of version {version} (no checkpoint holds it)"
             continue
-        rep.divergence, rep.max_logprob_diff = check_logprobs(rec, models[version], temperature, atol)
+        if rec.get("media_kinds") and media is None:
+            rep.skipped[LOGPROBS] = "media episode whose media were not re-made from its messages"
+            continue
+        rep.divergence, rep.max_logprob_diff = check_logprobs(rec, models[version], temperature, atol, media)
     return reports
 
 
@@ -247,13 +392,21 @@ def replay_step(cfg: Any, run_dir: str | Path, step: int, logprobs: bool = True,
     Raises:
         ConfigError: no token record for the step; ModelLoadError: a checkpoint does not load.
     """
-    from relax_agent.models import load_policy, load_tokenizer
+    from relax_agent.models import is_media_policy, load_policy, load_tokenizer
     from relax_agent.rollout.chat import ChatRenderer
 
     records = load_token_record(run_dir, step)
     tokenizer = load_tokenizer(cfg.model)
     r = cfg.rollout
-    renderer = ChatRenderer(tokenizer, r.tools_in, r.system_prompt, r.tool_example)
+    media = is_media_policy(cfg.model)
+    renderer = ChatRenderer(tokenizer, r.tools_in, r.system_prompt, r.tool_example, accepts_media=media)
+    if media:
+        from transformers import AutoConfig
+
+        from relax_agent.models import load_media_processor
+        from relax_agent.multimodal.render import MediaRenderer
+
+        renderer = MediaRenderer(renderer, load_media_processor(cfg.model, AutoConfig.from_pretrained(cfg.model.path)))
     have = checkpoint_versions(run_dir)
 
     def load_model(version: int) -> Any:

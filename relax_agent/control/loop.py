@@ -482,7 +482,8 @@ class _Run:
                            {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode,
                            filtered={t.sample_id for grp in filtered for t in grp.trajs})
         if ctrl.cfg.logging.token_record:
-            write_token_record(ctrl.out / "rollouts" / "tokens" / f"step_{ctrl.step:06d}.jsonl.gz", rows)
+            write_token_record(ctrl.out / "rollouts" / "tokens" / f"step_{ctrl.step:06d}.jsonl.gz", rows,
+                               self._placeholder_ids(trajs))
         t_end = time.perf_counter()
         sampled = trajs + [t for grp in filtered for t in grp.trajs]
         row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last,
@@ -517,6 +518,23 @@ class _Run:
         out.update(ctrl.runtime.trainer.train(rows, ctrl.version + 1))
         ctrl.version += 1
         return out, kept
+
+    def _placeholder_ids(self, trajs: list[Trajectory]) -> dict[int, str] | None:
+        """Placeholder token id -> media kind of a multimodal policy (read once from its config, for the
+        token record's media positions); None for text episodes or a config that cannot be read."""
+        if not any(t.media is not None for t in trajs):
+            return None
+        if not hasattr(self, "_kind_of_token"):
+            try:
+                from transformers import AutoConfig
+
+                from relax_agent.multimodal.processor import MediaFamily
+
+                path = self.ctrl.cfg.model.path
+                self._kind_of_token = MediaFamily.from_config(AutoConfig.from_pretrained(path)).kind_of_token()
+            except Exception:  # noqa: BLE001 - the record then keeps no positions; replay re-derives them
+                self._kind_of_token = None
+        return self._kind_of_token
 
     def _row(self, trajs: list[Trajectory], sampled: list[Trajectory], versions: list[int], trained_at: int,
              train_metrics: dict[str, float], wait_s: float, step_s: float, rollout_s: float) -> dict[str, Any]:

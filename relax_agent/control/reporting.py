@@ -6,7 +6,7 @@ import gzip
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from relax_agent import metrics as M
 from relax_agent.evaluation import episode_accuracy
@@ -62,24 +62,38 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
             }) + "\n")
 
 
-def write_token_record(path: Path, rows: Iterable[tuple[Trajectory, int]]) -> None:
+def write_token_record(path: Path, rows: Iterable[tuple[Trajectory, int]],
+                       kind_of_token: Mapping[int, str] | None = None) -> None:
     """``rollouts/tokens/step_NNNNNN.jsonl.gz``: per sample of the step (``(trajectory, sample_version)``
     pairs), exactly the arrays the trainer was given: ``token_ids`` [T], ``loss_mask`` [T],
     ``rollout_logprobs`` [T], ``prompt_len``, the ``turns`` (``start``, ``token_ids``, ``logprobs``,
-    ``policy_version``, ``finish_reason``) and the ``messages``; media arrays are not recorded (their
-    ``kinds`` are). Written to a temporary name and renamed: a reader never sees half a file."""
+    ``policy_version``, ``finish_reason``, ``message``: index of the turn's assistant message,
+    ``opening``: forced context tokens before it, ``closed``) and the ``messages`` (media parts as
+    JSON data, see :func:`~relax_agent.multimodal.record.json_safe_messages`). A media episode also
+    gets ``media`` (:func:`~relax_agent.multimodal.record.media_record`: per item kind, placeholder
+    tokens, first placeholder position with ``kind_of_token`` (placeholder id -> kind), digest of
+    its processor outputs); the arrays are not copied, replay processes the messages' parts again.
+    Written to a temporary name and renamed: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with gzip.open(tmp, "wt") as f:
         for t, version in rows:
+            messages = list(t.messages)
+            media = None
+            if t.media is not None:
+                from relax_agent.multimodal.record import json_safe_messages, media_record
+
+                messages = json_safe_messages(messages)
+                media = media_record(t.media, t.token_ids, kind_of_token)
             f.write(json.dumps({
                 "sample_id": t.sample_id, "task_id": t.task_id, "sample_version": version,
                 "token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
                 "rollout_logprobs": list(t.rollout_logprobs), "prompt_len": t.prompt_len,
                 "turns": [{"start": turn.start, "token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
-                           "policy_version": turn.policy_version, "finish_reason": turn.finish_reason}
+                           "policy_version": turn.policy_version, "finish_reason": turn.finish_reason,
+                           "message": turn.message_index, "opening": turn.opening, "closed": turn.closed}
                           for turn in t.turns],
-                "messages": list(t.messages), "trainable": t.trainable,
-                "media_kinds": list(t.media.kinds) if t.media is not None else [],
+                "messages": messages, "trainable": t.trainable,
+                "media_kinds": list(t.media.kinds) if t.media is not None else [], "media": media,
             }, default=str) + "\n")
     tmp.replace(path)

@@ -102,7 +102,7 @@ def decode_image(value: Any, where: str = "image") -> Any:
 
 
 def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
-    """[n] float32 mono samples at :data:`AUDIO_RATE_HZ` from a part dict, a base64 WAV or an array (16 kHz).
+    """[n] float32 mono samples at :data:`AUDIO_RATE_HZ` from a part dict, a base64 WAV, an array or a list of floats (16 kHz).
 
     Raises:
         DataError: not a WAV (names ``where``) or not 8/16/32-bit PCM.
@@ -110,8 +110,8 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
     if isinstance(value, dict):
         value = value.get("input_audio", value.get("audio"))
         value = value.get("data") if isinstance(value, dict) else value
-    if isinstance(value, np.ndarray):
-        return value.astype(np.float32).reshape(-1)
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return np.asarray(value, dtype=np.float32).reshape(-1)
     if not isinstance(value, str):
         raise DataError(f"{where}: expected base64 WAV data or a float array; got {type(value).__name__}")
     try:

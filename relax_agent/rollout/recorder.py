@@ -43,15 +43,19 @@ class TrajectoryRecorder:
         self.add_context(token_ids)
         self.messages.extend(messages)
 
-    def add_turn(self, gen: Generation) -> None:
+    def add_turn(self, gen: Generation, opening: int = 0, closed: bool | None = None) -> None:
         """One sampled turn: its [n] token ids (masked in), log-probs, versions and routes, as generated
         (per-token versions are kept only when a weight update landed inside the turn). With the
         prefill's routes (``gen.prompt_routed_experts``, for a prompt that was the whole stream so
-        far) the turn keeps those of the context tokens no earlier turn routed."""
+        far) the turn keeps those of the context tokens no earlier turn routed.
+
+        The turn's assistant message is the next one added (:attr:`Turn.message_index`);
+        ``opening``: forced context tokens just added before it; ``closed``: see :attr:`Turn.closed`."""
         versions = gen.token_versions if len(set(gen.token_versions)) > 1 else ()
         start = len(self.token_ids)
         self.turns.append(Turn(start, gen.token_ids, gen.logprobs, gen.policy_version,
-                               gen.finish_reason, gen.routed_experts, versions, self._context_routes(gen, start)))
+                               gen.finish_reason, gen.routed_experts, versions, self._context_routes(gen, start),
+                               len(self.messages), opening, closed))
         self.token_ids += gen.token_ids
         self.loss_mask += [1] * len(gen.token_ids)
         self.logprobs += list(gen.logprobs)

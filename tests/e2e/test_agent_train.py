@@ -1,5 +1,6 @@
 """`relax-agent train examples/agents/openai_sdk_agent.yaml` runs two steps with the tiny model: every
-episode is the example agent (a subprocess using the openai SDK) calling the policy's endpoint."""
+episode is the example agent (a subprocess using the openai SDK) calling the policy's endpoint; `relax-agent
+replay` then judges step 1's agent-driven episodes without divergence."""
 
 import json
 import os
@@ -31,3 +32,12 @@ def test_two_training_steps_through_the_example_agent(tiny_model_dir, tmp_path):
     assert all(s["error"] is None for s in samples), [s["error"] for s in samples]
     assert all(s["metrics"]["agent/requests"] >= 1 for s in samples)
     assert all(s["response"] for s in samples)
+    # relax-agent replay judges the agent-driven episodes of step 1 (version 0: the base model's log-probs)
+    done = subprocess.run([sys.executable, "-m", "relax_agent.cli", "replay", "examples/agents/openai_sdk_agent.yaml",
+                           *cmd[6:], "--step", "1"], cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    n = int(last.split(" of ")[1].split()[0])
+    assert last == f"step 1: {n} of {n} episodes replay without divergence" and n >= 4, done.stdout
+    assert "skipped" not in done.stdout, done.stdout

@@ -566,10 +566,11 @@ class AgentSession:
         else:
             seg.rec.add_context(plan.context_ids)
             seg.rec.add_messages(plan.new_messages)
+        closed = bool(s.gen.token_ids) and s.gen.token_ids[-1] in self._close_ids
         seg.rec.add_context(forced)
-        seg.rec.add_turn(s.gen)
+        seg.rec.add_turn(s.gen, opening=len(forced), closed=closed)
         seg.rec.add_messages([internal])
-        seg.closed = bool(s.gen.token_ids) and s.gen.token_ids[-1] in self._close_ids
+        seg.closed = closed
         tok = self.renderer.tokenizer
         tokens = tuple(tok.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
         choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
