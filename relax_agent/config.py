@@ -209,6 +209,11 @@ class RolloutConfig(Section):
     """Tokens the policy may sample in one assistant turn."""
     max_total_tokens: int = Field(default=2048, ge=16)
     """Budget for prompt + all turns of an episode; the episode is truncated past it."""
+    prompt_check_tasks: int = Field(default=4, ge=0)
+    """At start-up the opening prompts of the first this-many train and held-out tasks are rendered
+    (text policies) and a prompt that alone fills ``max_total_tokens`` is refused, naming the task
+    (such an episode samples nothing). 0: no check; a step whose episodes sample no token at all
+    still ends the run."""
     episode_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Most seconds one whole episode may take (env and engine calls together); past it the
     episode becomes a failed record (reward status "timeout") naming this key."""

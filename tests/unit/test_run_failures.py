@@ -1,0 +1,69 @@
+"""Runs that used to end quietly or hang: a prompt that fills the token budget, a producer that raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relax_agent.control import build_controller
+
+
+def _tiny_cfg(tmp_path: Path, tiny_model_dir: Path, *overrides: str):
+    from relax_agent.config import load_config
+
+    return load_config("examples/tiny.yaml", [
+        f"model.path={tiny_model_dir}", "env.id=examples.custom_env:examples/Echo-v0", "engine.kind=fake",
+        "trainer.backend=fake", "trainer.steps=2", "eval.at_start=false", "eval.at_end=false",
+        "logging.tensorboard=false", "logging.plot=false", f"run.output_dir={tmp_path}", *overrides])
+
+
+def _run(ctrl) -> dict:
+    try:
+        return ctrl.train()
+    finally:
+        ctrl.close()
+
+
+def _prompt_len(cfg) -> int:
+    """Tokens of the Echo env's first opening prompt as the run renders it."""
+    from relax_agent.models import load_tokenizer
+    from relax_agent.roles import make_env_factory, load_tasks
+    from relax_agent.rollout.chat import ChatRenderer
+
+    tok = load_tokenizer(cfg.model)
+    train, _ = load_tasks(cfg)
+    env = make_env_factory(cfg)()
+    obs, info = env.reset(seed=0, options={"task": train[0]})
+    env.close()
+    return len(ChatRenderer(tok, cfg.rollout.tools_in, cfg.rollout.system_prompt,
+                            cfg.rollout.tool_example).render_prompt(obs, info.get("tools", ())).token_ids)
+
+
+def test_a_prompt_that_fills_max_total_tokens_is_refused_at_start_up_naming_the_task(tmp_path, tiny_model_dir):
+    from relax_agent.errors import ConfigError
+    from relax_agent.roles import build_roles
+
+    cfg = _tiny_cfg(tmp_path, tiny_model_dir, "rollout.max_total_tokens=20", "rollout.max_new_tokens=4")
+    n = _prompt_len(cfg)
+    assert n >= 20  # the budget is used up before the first turn
+    with pytest.raises(ConfigError, match=rf"rollout.max_total_tokens=20 leaves no room for a reply: the opening "
+                                          rf"prompt of train task '[^']+' alone is {n} tokens"):
+        build_roles(cfg)
+    ok = _tiny_cfg(tmp_path, tiny_model_dir, f"rollout.max_total_tokens={n + 8}", "rollout.max_new_tokens=4")
+    build_roles(ok).close()  # one token of room is enough
+
+
+def test_a_step_that_samples_nothing_ends_the_run_naming_the_budget(tmp_path, tiny_model_dir):
+    from relax_agent.errors import RolloutError
+    from relax_agent.roles import build_roles
+
+    cfg = _tiny_cfg(tmp_path, tiny_model_dir, "rollout.max_total_tokens=20", "rollout.max_new_tokens=4",
+                    "rollout.prompt_check_tasks=0")  # the start-up check off: the run itself must refuse
+    n = _prompt_len(cfg)
+    ctrl = build_controller(cfg, build_roles(cfg))
+    with pytest.raises(RolloutError, match=rf"step 1: none of its 8 episodes sampled a token.*8 of them have a "
+                                           rf"prompt that alone fills rollout.max_total_tokens=20 \(task '[^']+': "
+                                           rf"\d+ tokens\); set rollout.max_total_tokens above \d+"):
+        _run(ctrl)
+    assert ctrl.step == 0 and ctrl.version == 0 and n >= 20
