@@ -38,7 +38,8 @@ class RunConfig(Section):
     output_dir: str = "runs/run"
     """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots (a leading ``~`` is the
     user's home folder)."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
+    """Base seed of the task order, the groups' episodes and evaluation (numpy seeds are >= 0)."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", or "cuda[:N]"."""
     num_threads: int = Field(default=0, ge=0)

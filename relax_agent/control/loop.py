@@ -311,13 +311,28 @@ class _Run:
         self.pool.shutdown(wait=True)
 
     async def main(self) -> None:
-        helpers = [asyncio.ensure_future(self._produce()), asyncio.ensure_future(self._advantages())]
+        """Run the trainer side until ``trainer.steps`` beside the producers and the advantage
+        consumer. Those run until cancelled, so one that ends has raised: its exception ends the
+        run at once (the trainer side is cancelled; an update in flight finishes first), never a
+        trainer waiting on the bus for rows that will not come."""
+        train = asyncio.ensure_future(self._train())
+        helpers = {asyncio.ensure_future(self._produce()): "producer",
+                   asyncio.ensure_future(self._advantages()): "advantage consumer"}
         try:
-            await self._train()
+            done, _ = await asyncio.wait({train, *helpers}, return_when=asyncio.FIRST_COMPLETED)
+            if train not in done:
+                failed = next(iter(done))
+                train.cancel()
+                await asyncio.gather(train, return_exceptions=True)
+                if failed.cancelled():  # cancelled from outside the run: not a result to report
+                    raise asyncio.CancelledError
+                failed.result()  # re-raises the helper's exception, unchanged
+                raise AssertionError(f"the {helpers[failed]} returned, which it never does")
+            train.result()
         finally:
-            for h in helpers:
-                h.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            for task in (train, *helpers):
+                task.cancel()
+            await asyncio.gather(train, *helpers, return_exceptions=True)
 
     # -- producers --------------------------------------------------------------------------
     async def _produce(self) -> None:

@@ -67,3 +67,71 @@ def test_a_step_that_samples_nothing_ends_the_run_naming_the_budget(tmp_path, ti
                                            rf"\d+ tokens\); set rollout.max_total_tokens above \d+"):
         _run(ctrl)
     assert ctrl.step == 0 and ctrl.version == 0 and n >= 20
+
+
+def _train_within(ctrl, timeout_s: float) -> BaseException | None:
+    """Run ``ctrl`` in a daemon thread; its exception (None when it finished), or fail the test
+    when it is still running after ``timeout_s`` (the old hang)."""
+    import threading
+
+    out: list[BaseException | None] = []
+
+    def target():
+        try:
+            _run(ctrl)
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001  (handed to the test)
+            out.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        pytest.fail(f"the run still waits {timeout_s} s after the failure instead of ending with it")
+    return out[0]
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("where", ["producer", "advantage consumer"])
+def test_an_exception_in_a_producer_or_consumer_ends_the_run_with_it(tmp_path, tiny_model_dir, monkeypatch, where):
+    from relax_agent.control import loop
+    from relax_agent.control.advantages import AdvantageConsumer
+    from relax_agent.roles import build_roles
+
+    cfg = _tiny_cfg(tmp_path, tiny_model_dir, "trainer.steps=3", "eval.at_start=true", "eval.num_tasks=1")
+    if where == "producer":  # the task draw of the second step's first group raises (as a negative seed did)
+        next_job = loop._Run._next_job
+
+        def failing(self):
+            if self.next_seq == cfg.rollout.tasks_per_step:
+                raise _Boom("the producer broke")
+            return next_job(self)
+
+        monkeypatch.setattr(loop._Run, "_next_job", failing)
+    else:
+        calls = []
+        process_one = AdvantageConsumer.process_one
+
+        def failing(self, timeout_s):
+            calls.append(1)
+            if len(calls) == 3:
+                raise _Boom("the advantage consumer broke")
+            return process_one(self, timeout_s)
+
+        monkeypatch.setattr(AdvantageConsumer, "process_one", failing)
+    ctrl = build_controller(cfg, build_roles(cfg))
+    exc = _train_within(ctrl, 60.0)
+    assert isinstance(exc, _Boom) and str(exc) == f"the {where} broke"
+    assert ctrl.step <= 1  # no step after the failure
+
+
+def test_a_negative_seed_is_refused_at_load():
+    from relax_agent.config import validate_config
+    from relax_agent.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"run.seed.*greater than or equal to 0"):
+        validate_config({"run": {"seed": -1}})
+    assert validate_config({"run": {"seed": 0}}).run.seed == 0
