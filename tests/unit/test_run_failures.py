@@ -135,3 +135,24 @@ def test_a_negative_seed_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"run.seed.*greater than or equal to 0"):
         validate_config({"run": {"seed": -1}})
     assert validate_config({"run": {"seed": 0}}).run.seed == 0
+
+
+@pytest.mark.parametrize("check_tasks, code, message", [
+    (4, 2, r"error: rollout.max_total_tokens=20 leaves no room for a reply"),
+    (0, 1, r"error: step 1: none of its 8 episodes sampled a token")])
+def test_the_train_command_no_longer_exits_0_on_a_prompt_that_fills_the_budget(tmp_path, tiny_model_dir, check_tasks,
+                                                                              code, message):
+    import re
+
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    res = CliRunner().invoke(app, [
+        "train", "examples/tiny.yaml", f"model.path={tiny_model_dir}", "env.id=examples.custom_env:examples/Echo-v0",
+        "engine.kind=fake", "trainer.backend=fake", "eval.at_start=false", "eval.at_end=false",
+        "logging.tensorboard=false", "logging.plot=false", f"run.output_dir={tmp_path}",
+        "rollout.max_total_tokens=20", "rollout.max_new_tokens=4", f"rollout.prompt_check_tasks={check_tasks}",
+        "--quiet"])
+    assert res.exit_code == code, res.output
+    assert re.search(message, " ".join(res.output.split())), res.output
