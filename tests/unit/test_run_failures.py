@@ -95,13 +95,17 @@ class _Boom(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("where", ["producer", "advantage consumer"])
+@pytest.mark.parametrize("where", ["producer", "advantage consumer", "rollout service"])
 def test_an_exception_in_a_producer_or_consumer_ends_the_run_with_it(tmp_path, tiny_model_dir, monkeypatch, where):
+    """The producer and the advantage consumer used to die unseen (the trainer then waited on the bus
+    forever); a rollout service's error already ended the run and still does."""
     from relax_agent.control import loop
     from relax_agent.control.advantages import AdvantageConsumer
     from relax_agent.roles import build_roles
+    from relax_agent.runtime.local import LocalRolloutService
 
     cfg = _tiny_cfg(tmp_path, tiny_model_dir, "trainer.steps=3", "eval.at_start=true", "eval.num_tasks=1")
+    calls = []
     if where == "producer":  # the task draw of the second step's first group raises (as a negative seed did)
         next_job = loop._Run._next_job
 
@@ -111,8 +115,17 @@ def test_an_exception_in_a_producer_or_consumer_ends_the_run_with_it(tmp_path, t
             return next_job(self)
 
         monkeypatch.setattr(loop._Run, "_next_job", failing)
+    elif where == "rollout service":
+        play_group = LocalRolloutService.play_group
+
+        async def failing(self, job, params):
+            calls.append(1)
+            if len(calls) == 3:
+                raise _Boom("the rollout service broke")
+            return await play_group(self, job, params)
+
+        monkeypatch.setattr(LocalRolloutService, "play_group", failing)
     else:
-        calls = []
         process_one = AdvantageConsumer.process_one
 
         def failing(self, timeout_s):
