@@ -8,19 +8,21 @@ import numpy as np
 from gymnasium import spaces
 
 _ROLES = ("system", "user", "assistant", "tool")
-CONTENT_PART_TYPES = ("text", "image_url", "image", "input_audio", "audio", "video_url", "video", "file")
-"""Content-part ``type`` values accepted in a message's ``content`` list (OpenAI's, plus the
-``image``/``audio``/``video`` parts of Hugging Face chat templates)."""
+CONTENT_PART_TYPES = ("text", "input_text", "image_url", "input_image", "image", "input_audio", "audio", "video_url",
+                      "video")
+"""Content-part ``type`` values accepted in a message's ``content`` list (OpenAI's chat parts, the
+Responses API's ``input_text`` / ``input_image``, and the ``image``/``audio``/``video`` parts of
+Hugging Face chat templates): every type the renderer can put in front of the policy."""
 
 
 def _valid_part(part: Any) -> bool:
     if not isinstance(part, dict) or part.get("type") not in CONTENT_PART_TYPES:
         return False
     kind = part["type"]
-    if kind == "text":
+    if kind in ("text", "input_text"):
         return isinstance(part.get("text"), str)
-    if kind in ("image_url", "video_url"):
-        ref = part.get(kind)
+    if kind in ("image_url", "video_url", "input_image"):
+        ref = part.get("image_url" if kind == "input_image" else kind)
         return isinstance(ref, str) or (isinstance(ref, dict) and isinstance(ref.get("url"), str))
     if kind == "input_audio":
         audio = part.get("input_audio")

@@ -38,7 +38,8 @@ class RunConfig(Section):
     output_dir: str = "runs/run"
     """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots (a leading ``~`` is the
     user's home folder)."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)
+    """Base seed of the task order, the groups' episodes and evaluation (numpy seeds are >= 0)."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", or "cuda[:N]"."""
     num_threads: int = Field(default=0, ge=0)
@@ -209,6 +210,11 @@ class RolloutConfig(Section):
     """Tokens the policy may sample in one assistant turn."""
     max_total_tokens: int = Field(default=2048, ge=16)
     """Budget for prompt + all turns of an episode; the episode is truncated past it."""
+    prompt_check_tasks: int = Field(default=4, ge=0)
+    """At start-up the opening prompts of the first this-many train and held-out tasks are rendered
+    (text policies) and a prompt that alone fills ``max_total_tokens`` is refused, naming the task
+    (such an episode samples nothing). 0: no check; a step whose episodes sample no token at all
+    still ends the run."""
     episode_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Most seconds one whole episode may take (env and engine calls together); past it the
     episode becomes a failed record (reward status "timeout") naming this key."""

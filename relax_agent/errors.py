@@ -61,6 +61,11 @@ class SandboxTimeoutError(SandboxError, TimeoutError):
     """Acquiring a sandbox or finishing an operation on it took longer than allowed."""
 
 
+class RolloutError(RelaxError, RuntimeError):
+    """A training step's rollouts gave nothing to learn from: no episode sampled a single policy
+    token (the message names the cause, e.g. a prompt that fills ``rollout.max_total_tokens``)."""
+
+
 class RewardServiceError(RelaxError, RuntimeError):
     """A reward service could not be reached or answered with an error."""
 

@@ -111,6 +111,39 @@ def check_env_prompt(env: Any, task: dict[str, Any], seed: int, accepts_media: b
         check_media([m for m in obs if isinstance(m, dict)], accepts_media, where="env.reset observation")
 
 
+def check_prompt_budget(make_env: Any, splits: dict[str, list[dict[str, Any]]], renderer: Any,
+                        max_total_tokens: int, seed: int) -> None:
+    """Refuse a task whose rendered opening prompt alone fills ``rollout.max_total_tokens``.
+
+    Such an episode samples no token (its budget is used up before the first turn) and trains
+    nothing. ``splits`` maps a split name ("train", "heldout") to the tasks to check; each is
+    reset in one env from ``make_env`` and rendered with ``renderer`` (a
+    :class:`~relax_agent.rollout.chat.ChatRenderer`). A reset or render that fails is skipped:
+    the episode records that failure with its cause when the run plays it.
+
+    Raises:
+        ConfigError: names the task, its prompt's token count and ``rollout.max_total_tokens``.
+    """
+    env = make_env()
+    try:
+        for split, tasks in splits.items():
+            for task in tasks:
+                try:
+                    obs, info = env.reset(seed=seed, options={"task": task})
+                    tools = info.get("tools", ()) if isinstance(info, dict) else ()
+                    n = len(renderer.render_prompt(obs, tools).token_ids)
+                except Exception:  # noqa: BLE001  (the episode records its own failure)
+                    continue
+                if n >= max_total_tokens:
+                    raise ConfigError(
+                        f"rollout.max_total_tokens={max_total_tokens} leaves no room for a reply: the opening prompt "
+                        f"of {split} task {task.get('id', '?')!r} alone is {n} tokens, so its episodes would sample "
+                        f"nothing and train nothing; set rollout.max_total_tokens above {n} (e.g. {n} + "
+                        "rollout.max_new_tokens) or shorten the prompt")
+    finally:
+        env.close()
+
+
 def check_vllm_engine(cfg: RelaxConfig) -> None:
     """``engine.kind: vllm``: its venv exists (``engine.vllm.python``) and ``engine.vllm.weights_dir``
     is a writable folder; ConfigError naming the key otherwise. Routing replay

@@ -54,6 +54,9 @@ class StopReason(str, Enum):
     """The episode's token budget ``rollout.max_total_tokens`` was used up."""
     ENV_ERROR = "env_error"
     """The episode failed (env exception, bad return, timeout); ``error`` names the cause."""
+    POLICY_ERROR = "policy_error"
+    """The policy sampled what the episode cannot go on with (a media placeholder token no media
+    fills); ``error`` names it. Failed and masked like ``env_error``, but the env is not at fault."""
 
     def __str__(self) -> str:
         return self.value
@@ -172,7 +175,8 @@ class Trajectory:
         messages: the conversation as chat messages (for logs and reward services).
         metrics: per-episode scalars from the env/reward (e.g. ``correct``, ``well_formed``).
         stop_reason: why the episode ended: "terminated", "truncated", "length" (the last
-            reply was cut at ``max_new_tokens``), "max_turns", "max_total_tokens", "env_error".
+            reply was cut at ``max_new_tokens``), "max_turns", "max_total_tokens", "env_error",
+            "policy_error".
         error: cause when the episode failed (env exception, bad return); None otherwise.
         media: multimodal policies: the processor outputs of every media item in ``token_ids``
             (prompt and observations, in order); None for text-only episodes.

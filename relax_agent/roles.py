@@ -150,6 +150,12 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train, media)
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
                             accepts_media=media)
+    if not media and cfg.rollout.prompt_check_tasks:
+        from relax_agent.preflight import check_prompt_budget
+
+        k = cfg.rollout.prompt_check_tasks
+        check_prompt_budget(make_env_factory(cfg), {"train": train_tasks[:k], "heldout": heldout_tasks[:k]},
+                            renderer, cfg.rollout.max_total_tokens, cfg.run.seed)
     parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
     driver = None
     if media:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import time
 
+from relax_agent.errors import SandboxError
 from relax_agent.sandboxes.base import OutputCap, RawResult, signal_exit_code
 
 
@@ -42,12 +43,19 @@ async def run_process(argv: list[str], *, timeout_s: float, stdin: bytes | None,
     background child holding them counts as part of it); leftover members of its process
     group are then killed. ``max_drain_bytes`` of output past the caps is read before the
     command is killed and reported ``truncated``. ``pass_fds`` stay open in the child.
+
+    Raises:
+        SandboxError: the process could not be started (its ``OSError``'s reason).
     """
     start = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds,
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd, start_new_session=True,
+            pass_fds=pass_fds,
+        )
+    except OSError as exc:  # E2BIG past the checks, ENOMEM, a missing launcher: never a raw OSError
+        raise SandboxError(f"could not start {argv[0]!r}: {exc.strerror or exc}") from exc
     out, err, overflow = OutputCap(max_output_bytes), OutputCap(max_output_bytes), asyncio.Event()
     assert proc.stdout is not None and proc.stderr is not None
     work = asyncio.gather(_pump(proc.stdout, out, overflow, max_drain_bytes),

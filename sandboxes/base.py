@@ -338,6 +338,45 @@ def check_launch(raw: RawResult, tag: str, cwd: str, sandbox_id: str) -> RawResu
     return raw
 
 
+MAX_ARG_BYTES = 128 * 1024 - 1
+"""Longest single argument or ``NAME=value`` environment entry (UTF-8 bytes): Linux's
+``MAX_ARG_STRLEN`` (32 pages, the NUL included) caps each one, on the host and in a container."""
+MAX_EXEC_ARG_BYTES = 1024 * 1024
+"""Most UTF-8 bytes of a command's arguments and environment together (each with its NUL). Below
+Linux's ``ARG_MAX`` (a quarter of the 8 MiB default stack, 2 MiB) with room for the launchers'
+own arguments, so a command every backend can start; larger data goes through ``stdin`` or
+``write_file``."""
+
+
+def check_arg_sizes(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Refuse an argument list the kernel would refuse (``E2BIG``): the same :class:`SandboxError`
+    on every backend, before anything runs (bubblewrap raised a raw ``OSError``, Docker returned
+    exit 1 with "argument list too long").
+
+    Raises:
+        SandboxError: an argument or ``NAME=value`` entry over :data:`MAX_ARG_BYTES`, or all of them
+            over :data:`MAX_EXEC_ARG_BYTES`; names the item, its size and the limit.
+    """
+    total = 0
+    for i, arg in enumerate(argv):
+        n = len(arg.encode(errors="surrogateescape"))
+        if n > MAX_ARG_BYTES:
+            raise SandboxError(f"argument {i} of cmd ({arg[:40]!r}...) is {n} bytes, over the {MAX_ARG_BYTES}-byte "
+                               "limit of one argument (argument list too long); pass large data through stdin or "
+                               "write_file")
+        total += n + 1
+    for key, value in env.items():
+        n = len(key.encode(errors="surrogateescape")) + 1 + len(value.encode(errors="surrogateescape"))
+        if n > MAX_ARG_BYTES:
+            raise SandboxError(f"environment variable {key!r} is {n} bytes, over the {MAX_ARG_BYTES}-byte limit of "
+                               "one entry (argument list too long); pass large data through stdin or write_file")
+        total += n + 1
+    if total > MAX_EXEC_ARG_BYTES:
+        raise SandboxError(f"cmd's {len(argv)} arguments and {len(env)} environment variables are {total} bytes, over "
+                           f"the {MAX_EXEC_ARG_BYTES}-byte limit (argument list too long); pass large data through "
+                           "stdin or write_file")
+
+
 def _check_env(env: Mapping[str, str]) -> dict[str, str]:
     out = {}
     for key, value in env.items():
@@ -445,6 +484,7 @@ class BaseSandbox:
         self._check_usable()
         argv = _argv(cmd)
         full_env = {**self.base_env(), **_check_env(self.config.env), **_check_env(env or {})}
+        check_arg_sizes(argv, full_env)
         return await self._run(argv, timeout_s=self._timeout(timeout_s), stdin=_as_bytes(stdin), env=full_env,
                                cwd=self._resolve(cwd) if cwd is not None else self.workdir,
                                max_output_bytes=max_output_bytes)
@@ -464,7 +504,8 @@ class BaseSandbox:
                 runs), or an argument is invalid: an empty command, an argument that is not str
                 (int, float and paths are converted) or holds a NUL byte, ``timeout_s`` that is not
                 a number in (0, ``max_timeout_s``], ``stdin`` that is not bytes/str/None, a ``cwd``
-                that is not a directory in the sandbox, an ``env`` name or value with '=' / NUL.
+                that is not a directory in the sandbox, an ``env`` name or value with '=' / NUL, an
+                argument list too long for the kernel (:func:`check_arg_sizes`).
         """
         raw = await self._raw(cmd, timeout_s, stdin, env, cwd, self.config.max_output_bytes)
         return raw.decode()

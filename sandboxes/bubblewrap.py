@@ -51,9 +51,10 @@ HOST_ENV = {"PATH": HOST_PATH, "LANG": "C.UTF-8"}
 _OWNED_DIR = re.compile(re.escape(WORK_DIR_PREFIX) + r"(\d+)-(\d+)-")
 
 
-def reap_work_dirs(tmp_dir: str | None = None) -> list[str]:
+def reap_work_dirs(tmp_dir: str | None = None, dry_run: bool = False) -> list[str]:
     """Remove the host work dirs of bubblewrap sandboxes whose owner process has died (SIGKILL
-    leaves them); returns the paths removed. Dirs of live processes are kept."""
+    leaves them); returns the paths removed (``dry_run``: that would be, and removes nothing).
+    Dirs of live processes are kept. Run when a backend is built and by ``relax-agent sandbox reap``."""
     tmp_dir = tmp_dir or tempfile.gettempdir()
     removed = []
     with os.scandir(tmp_dir) as entries:
@@ -63,7 +64,8 @@ def reap_work_dirs(tmp_dir: str | None = None) -> list[str]:
                 continue
             ticks = reaper._start_ticks(int(m.group(1)))
             if ticks is None or (m.group(2) != "0" and ticks != m.group(2)):  # dead, or its pid was reused
-                shutil.rmtree(entry.path, ignore_errors=True)
+                if not dry_run:
+                    shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed
 

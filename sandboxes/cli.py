@@ -51,16 +51,29 @@ def reap_cmd(
     all_: bool = typer.Option(False, "--all", help="Remove every sandbox container, also of live runs."),
     dry_run: bool = typer.Option(False, help="List what would be removed."),
     docker_host: Optional[str] = typer.Option(None, help="Docker daemon URL."),
+    backend: str = typer.Option("all", help="all, docker (containers only) or bubblewrap (work dirs only)."),
 ) -> None:
-    """Remove sandbox containers of dead or expired runs (label relax-agent.sandbox)."""
+    """Remove sandbox containers of dead or expired runs (label relax-agent.sandbox) and the
+    bubblewrap work dirs (<tmp>/relax-bwrap-*) of processes that died without removing them.
+    Work dirs of live processes are kept, also with --all; --run-id reaps containers only."""
+    from relax_agent.sandboxes.bubblewrap import reap_work_dirs
     from relax_agent.sandboxes.reaper import reap
 
+    if backend not in ("all", "docker", "bubblewrap"):
+        raise typer.BadParameter(f"--backend {backend!r}: expected all, docker or bubblewrap")
+    verb = "would remove" if dry_run else "removed"
+    if backend != "docker" and run_id is None:
+        dirs = reap_work_dirs(dry_run=dry_run)
+        for d in dirs:
+            typer.echo(f"{verb} {d} (bubblewrap work dir of a dead process)")
+        typer.echo(f"{verb} {len(dirs)} bubblewrap work dir(s)")
+    if backend == "bubblewrap":
+        return
     try:
         reaped = reap(_client(docker_host), run_id=run_id, everything=all_, dry_run=dry_run)
     except SandboxError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    verb = "would remove" if dry_run else "removed"
     for r in reaped:
         typer.echo(f"{verb} {r.name} (run {r.run_id}: {r.reason})")
     typer.echo(f"{verb} {len(reaped)} sandbox container(s)")

@@ -258,6 +258,25 @@ async def check_bad_arguments(sb: Sandbox) -> None:
 
 
 @_check()
+async def check_argument_list_too_long_raises(sb: Sandbox) -> None:
+    """An argument list the kernel would refuse (one 200 KB argument, 3 MB of arguments, a 200 KB
+    environment value) raises SandboxError saying "argument list too long" on every backend (never
+    a raw OSError, never a result); the same data through stdin works."""
+    big = "x" * 200_000
+    for what, bad in (("one 200 KB argument", {"cmd": ["echo", big]}), ("a 200 KB shell string", {"cmd": f"echo {big}"}),
+                      ("3 MB of arguments", {"cmd": ["true", *["y" * 100_000] * 30]}),
+                      ("a 200 KB environment value", {"cmd": ["true"], "env": {"BIG": big}})):
+        try:
+            r = await sb.exec(**bad)
+        except SandboxError as exc:
+            _expect("argument list too long" in str(exc), f"{what}: the error says argument list too long; got {exc}")
+            continue
+        raise AssertionError(f"{what}: exec returned {r} instead of raising SandboxError")
+    r = await sb.exec(["cat"], stdin=big)
+    _expect(r.ok and r.stdout == big[:len(r.stdout)] and len(r.stdout) > 0, "the same data through stdin", r)
+
+
+@_check()
 async def check_large_stdin_and_file(sb: Sandbox) -> None:
     """50 MB of stdin and a 50 MB ``write_file`` arrive whole (no cut-off, no hang to the timeout)."""
     blob = b"0123456789abcdef" * (50 * 2**16)

@@ -54,7 +54,7 @@ from relax_agent.control.schedule import (
     staleness_metrics,
 )
 from relax_agent.control.stop import StopRequest
-from relax_agent.errors import LeaseError, QueueTimeoutError
+from relax_agent.errors import LeaseError, QueueTimeoutError, RolloutError
 from relax_agent.evaluation import evaluate
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
@@ -315,13 +315,28 @@ class _Run:
         self.pool.shutdown(wait=True)
 
     async def main(self) -> None:
-        helpers = [asyncio.ensure_future(self._produce()), asyncio.ensure_future(self._advantages())]
+        """Run the trainer side until ``trainer.steps`` beside the producers and the advantage
+        consumer. Those run until cancelled, so one that ends has raised: its exception ends the
+        run at once (the trainer side is cancelled; an update in flight finishes first), never a
+        trainer waiting on the bus for rows that will not come."""
+        train = asyncio.ensure_future(self._train())
+        helpers = {asyncio.ensure_future(self._produce()): "producer",
+                   asyncio.ensure_future(self._advantages()): "advantage consumer"}
         try:
-            await self._train()
+            done, _ = await asyncio.wait({train, *helpers}, return_when=asyncio.FIRST_COMPLETED)
+            if train not in done:
+                failed = next(iter(done))
+                train.cancel()
+                await asyncio.gather(train, return_exceptions=True)
+                if failed.cancelled():  # cancelled from outside the run: not a result to report
+                    raise asyncio.CancelledError
+                failed.result()  # re-raises the helper's exception, unchanged
+                raise AssertionError(f"the {helpers[failed]} returned, which it never does")
+            train.result()
         finally:
-            for h in helpers:
-                h.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            for task in (train, *helpers):
+                task.cancel()
+            await asyncio.gather(train, *helpers, return_exceptions=True)
 
     # -- producers --------------------------------------------------------------------------
     async def _produce(self) -> None:
@@ -466,6 +481,9 @@ class _Run:
         ctrl = self.ctrl
         groups.sort(key=lambda grp: grp.seq)
         trajs = [t for grp in groups for t in grp.trajs]
+        played = trajs + [t for grp in self.filtered for t in grp.trajs]
+        if not any(t.num_policy_tokens for t in played):
+            raise RolloutError(nothing_sampled(played, ctrl.step + 1, ctrl.cfg.rollout.max_total_tokens))
         versions = [grp.version for grp in groups for _ in grp.trajs]
         trained_at = ctrl.version
         train_metrics, kept = self._update(groups)
@@ -574,6 +592,24 @@ class _Run:
         except asyncio.CancelledError:
             concurrent.futures.wait([fut])
             raise
+
+
+def nothing_sampled(trajs: list[Trajectory], step: int, max_total_tokens: int) -> str:
+    """Why step ``step``'s episodes ``trajs`` (none of which sampled a policy token) gave nothing:
+    the message of the :class:`~relax_agent.errors.RolloutError` that ends the run, naming the most
+    common cause (a prompt that fills ``rollout.max_total_tokens``, or the episodes' error) and its fix."""
+    from collections import Counter
+
+    full = [t for t in trajs if t.error is None and t.prompt_len >= max_total_tokens]
+    head = f"step {step}: none of its {len(trajs)} episodes sampled a token, so there is nothing to train"
+    if full:
+        longest = max(full, key=lambda t: t.prompt_len)
+        return (f"{head}; {len(full)} of them have a prompt that alone fills rollout.max_total_tokens="
+                f"{max_total_tokens} (task {longest.task_id!r}: {longest.prompt_len} tokens); set "
+                f"rollout.max_total_tokens above {longest.prompt_len} or shorten the prompts")
+    causes = Counter(t.error if t.error is not None else f"stop reason {t.stop_reason.value}" for t in trajs)
+    cause, n = causes.most_common(1)[0]
+    return f"{head}; {n} of them ended with: {cause}"
 
 
 def _informative(group: _Group, estimator: str = "grpo") -> bool:

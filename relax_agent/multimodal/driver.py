@@ -7,7 +7,9 @@ and each observation delta come with the processor outputs of their media, the r
 them beside the tokens, and every engine call gets the episode's media so far
 (``engine.generate(ids, params, media=...)``). An observation whose media cannot be rendered
 (a placeholder the template dropped, an undecodable part) ends the episode as a failed record
-naming the message.
+naming the message. A reply holding a media placeholder token (the engine masks them; another
+engine may not) ends it as a failed, masked record with stop reason "policy_error" naming the
+token: it never reaches the trainer, whose media batch would refuse it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
+
+
+class _PolicyError(Exception):
+    """The policy sampled what the episode cannot go on with; becomes a "policy_error" record."""
 
 
 class MediaRecorder(TrajectoryRecorder):
@@ -78,11 +84,20 @@ class MediaEnvDriver:
             obs, info = check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
             rec.add_segment(self.renderer.render_prompt(obs, info.get("tools", ())), prompt=True)
             reward, metrics, stop = await self._turns(rec, calls, spec, params, deadline)
+        except _PolicyError as exc:  # the policy's fault, not the env's: masked all the same
+            return rec.fail(str(exc), stop=StopReason.POLICY_ERROR)
         except Exception as exc:  # env bugs, timeouts, template and media refusals become data
             return rec.fail_with(exc)
         finally:
             await close_env(env, spec.step_timeout_s)
         return rec.finish(reward, metrics, stop)
+
+    def _placeholders_in(self, token_ids: tuple[int, ...]) -> list[str]:
+        """``"<token> (id N) xK"`` for each media placeholder id among sampled ``token_ids``."""
+        kinds = self.renderer.family.kind_of_token()
+        found = sorted({t for t in token_ids if t in kinds})
+        tok = self.renderer.tokenizer
+        return [f"{tok.convert_ids_to_tokens(t)} (id {t}) x{token_ids.count(t)}" for t in found]
 
     async def _turns(self, rec: MediaRecorder, calls: EnvCalls, spec: EpisodeSpec, params: Any,
                      deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
@@ -96,6 +111,11 @@ class MediaEnvDriver:
             gen = await deadline.call(self.engine.generate(list(rec.token_ids), request, media=rec.media),
                                       f"engine.generate (turn {turn + 1})")
             rec.add_turn(gen)
+            sampled = self._placeholders_in(gen.token_ids)
+            if sampled:
+                raise _PolicyError(f"the policy sampled media placeholder token(s) {sampled} in turn {turn + 1}: no "
+                                   "media fills them, so the episode cannot be trained on (an engine masks these ids; "
+                                   "this one did not)")
             if gen.finish_reason == "length" and rec.num_tokens >= spec.max_total_tokens:
                 return reward, metrics, StopReason.MAX_TOTAL_TOKENS
             text = self.renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=not decodes_special_tokens(self.parser))

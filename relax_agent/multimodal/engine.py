@@ -10,7 +10,11 @@ indices are computed by ``generate`` from the media grids).
 
 Log-probs: ``log_softmax(logits.float() / T)`` at each sampled token, from the raw logits of
 the same forward pass that sampled it (before top-p), as the text engine and the trainer compute
-them. Sampling is reproducible per request: ``generate`` runs under a forked torch RNG seeded
+them. The media placeholder ids (``<|image_pad|>``, ``<|video_pad|>``, ``<|audio_pad|>``: the
+family's ``token_ids``) are never sampled: their logits are set to -inf before sampling
+(``suppress_tokens``), since a placeholder no media fills cannot be trained on; the recorded
+log-probs stay those of the full distribution, as the trainer scores them (the sampling
+distribution differs from it by the policy's probability mass on those ids). Sampling is reproducible per request: ``generate`` runs under a forked torch RNG seeded
 with the request's seed.
 
 Routing replay (``record_routes``, MoE policies such as Qwen3-VL-MoE): every router's choice in
@@ -137,7 +141,8 @@ class MediaEngine:
         stop = self._default_stop | frozenset(params.stop_token_ids)
         config = GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
                                   max_new_tokens=params.max_new_tokens, eos_token_id=sorted(stop) or None,
-                                  pad_token_id=self._pad_id, output_logits=True, return_dict_in_generate=True)
+                                  pad_token_id=self._pad_id, output_logits=True, return_dict_in_generate=True,
+                                  suppress_tokens=sorted(self.family.token_ids.values()) or None)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self._device)
         mask = torch.ones_like(input_ids)
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):

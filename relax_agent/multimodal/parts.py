@@ -3,7 +3,8 @@
 Parts are JSON-safe, so observations, rollout dumps and reward requests can carry them:
 
 - image: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (OpenAI);
-  also accepted: ``{"type": "image", "image": <PIL image | [H, W, 3] uint8 array | data URL>}``
+  also accepted: ``{"type": "input_image", "image_url": "data:image/png;base64,..."}`` (the
+  Responses API) and ``{"type": "image", "image": <PIL image | [H, W, 3] uint8 array | data URL>}``
   (Hugging Face chat templates);
 - audio: ``{"type": "input_audio", "input_audio": {"data": <base64 WAV>, "format": "wav"}}``
   (OpenAI); also ``{"type": "audio", "audio": <[n] float array at 16 kHz | base64 WAV>}``;
@@ -26,9 +27,19 @@ from relax_agent.errors import DataError
 AUDIO_RATE_HZ = 16_000
 """Sample rate the audio processors take (Whisper features); other rates are resampled."""
 
-PART_KINDS = {"image_url": "image", "image": "image", "input_audio": "audio", "audio": "audio",
-              "video": "video", "video_url": "video"}
-"""Content-part ``type`` -> media kind."""
+PART_KINDS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
+              "audio": "audio", "video": "video", "video_url": "video"}
+"""Content-part ``type`` -> media kind (``input_image``: the Responses API's image part, whose
+``image_url`` is the data URL itself)."""
+TEXT_PART_TYPES = ("text", "input_text")
+"""Content-part types of text (``input_text``: the Responses API's)."""
+REFUSED_PART_TYPES = {
+    "image_file": "it names an uploaded file by id, which a rollout cannot fetch; send the image as an "
+                  "image_url part with a base64 data URL",
+    "file": "files are not media the policy reads; send images, audio or video as their own parts",
+    "input_file": "files are not media the policy reads; send images, audio or video as their own parts",
+}
+"""Known content-part types relax-agent cannot take, with why and what to send instead."""
 
 
 def part_kind(part: dict[str, Any]) -> str | None:

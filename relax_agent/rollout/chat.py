@@ -29,8 +29,9 @@ token (``<|im_end|>``, ``<tool_call>``) is tokenized as the characters it is, so
 forge turns; special tokens come only from the template's own structure.
 
 Content parts (image, audio, video) stay parts. A text-only policy (``accepts_media=False``)
-refuses them with an error naming the part type and the message index; :func:`check_media`
-is the same check for start-up code.
+refuses them with an error naming the part type and the message index; every policy refuses a
+part of an unknown type (a template would drop it silently); :func:`check_media` is the same
+check for start-up code.
 """
 
 from __future__ import annotations
@@ -74,21 +75,54 @@ def _placeholder(i: int) -> str:
 
 def text_of(content: Any) -> str:
     """Flatten OpenAI content (a string or a list of content parts) to its text parts."""
+    from relax_agent.multimodal.parts import TEXT_PART_TYPES
+
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES)
 
 
 def media_parts(messages: Sequence[dict[str, Any]]) -> list[tuple[int, str]]:
     """``(message index, part type)`` of every non-text content part in ``messages``."""
+    from relax_agent.multimodal.parts import TEXT_PART_TYPES
+
     return [(i, str(p.get("type"))) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
-            for p in m["content"] if isinstance(p, dict) and p.get("type") != "text"]
+            for p in m["content"] if isinstance(p, dict) and p.get("type") not in TEXT_PART_TYPES]
+
+
+def check_parts(messages: Sequence[dict[str, Any]], where: str = "messages") -> None:
+    """Refuse every content part relax-agent cannot render, for text and media policies alike: a
+    part that is not a dict with a known ``type`` (text, ``input_text``, or a media type of
+    :data:`~relax_agent.multimodal.parts.PART_KINDS`), and the known types it cannot take
+    (``image_file``: an uploaded file's id). A chat template would silently drop such a part and
+    the policy would train without it.
+
+    Raises:
+        ConfigError: names the message index, the part's index and type, and the types accepted.
+    """
+    from relax_agent.multimodal.parts import PART_KINDS, REFUSED_PART_TYPES, TEXT_PART_TYPES
+
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, p in enumerate(content):
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in TEXT_PART_TYPES or kind in PART_KINDS:
+                continue
+            if kind in REFUSED_PART_TYPES:
+                raise ConfigError(f"{where}[{i}] content part {j} has type {kind!r}, which relax-agent cannot take: "
+                                  f"{REFUSED_PART_TYPES[kind]}")
+            shown = f"type {kind!r}" if isinstance(p, dict) else f"no type (a {type(p).__name__}, not a dict)"
+            raise ConfigError(f"{where}[{i}] content part {j} has {shown}: not a part relax-agent knows, and a chat "
+                              f"template would drop it silently; expected one of {sorted([*TEXT_PART_TYPES, *PART_KINDS])}")
 
 
 def check_media(messages: Sequence[dict[str, Any]], accepts_media: bool, where: str = "messages") -> None:
-    """Refuse media content parts for a text-only policy (call it at start-up on the env's prompts).
+    """Refuse unknown content parts for every policy (:func:`check_parts`) and media content parts
+    for a text-only policy (call it at start-up on the env's prompts).
 
     Args:
         messages: OpenAI-format chat messages.
@@ -96,9 +130,11 @@ def check_media(messages: Sequence[dict[str, Any]], accepts_media: bool, where: 
         where: how the error names the list (e.g. ``"env.reset observation"``).
 
     Raises:
-        ConfigError: ``accepts_media`` is False and a message has a non-text part; names the
-            first one's message index and part type, and how many there are.
+        ConfigError: a part :func:`check_parts` refuses; or ``accepts_media`` is False and a
+            message has a media part: names the first one's message index and part type, and
+            how many there are.
     """
+    check_parts(messages, where)
     found = [] if accepts_media else media_parts(messages)
     if found:
         i, kind = found[0]
@@ -107,6 +143,18 @@ def check_media(messages: Sequence[dict[str, Any]], accepts_media: bool, where: 
             f"{where}[{i}] has a {kind!r} content part{more}, but the policy is text-only "
             f"(ChatRenderer accepts_media=False): use a policy that takes media or an env whose messages are text"
         )
+
+
+def _template_part(part: dict[str, Any]) -> dict[str, Any]:
+    """A content part in the form chat templates read: the Responses API's ``input_text`` as
+    ``text`` and ``input_image`` (its ``image_url`` a string) as ``image_url``."""
+    kind = part.get("type")
+    if kind == "input_text":
+        return {"type": "text", "text": part.get("text", "")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        return {"type": "image_url", "image_url": url if isinstance(url, dict) else {"url": url}}
+    return part
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -276,13 +324,20 @@ class ChatRenderer:
         return [{"role": "user", "content": system}] + rest
 
     def _contents(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Messages as the template gets them: text-only content as a string, media parts as parts."""
+        """Messages as the template gets them: text-only content as a string, media parts as parts
+        (the Responses API's ``input_text`` / ``input_image`` as ``text`` / ``image_url``).
+
+        Raises:
+            ConfigError: an unknown part, or a media part for a text-only policy (:func:`check_media`).
+        """
         check_media(messages, self.accepts_media)
         out = []
         for m in messages:
             content = m.get("content")
-            if isinstance(content, list) and all(p.get("type") == "text" for p in content):
-                content = text_of(content)
+            if isinstance(content, list):
+                content = [_template_part(p) for p in content]
+                if all(p.get("type") == "text" for p in content):
+                    content = text_of(content)
             out.append({**m, "content": "" if content is None else content})
         return out
 

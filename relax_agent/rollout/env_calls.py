@@ -119,8 +119,18 @@ def _shape(out: Any) -> str:
 
 
 def _check_messages(obs: Any, where: str) -> list[dict[str, Any]]:
+    """``obs`` as a list of OpenAI-format chat messages.
+
+    Raises:
+        ConfigError: a content part of an unknown or unusable type, named (see
+            :func:`~relax_agent.rollout.chat.check_parts`).
+        EnvError: not a list of messages (names the first bad one).
+    """
+    from relax_agent.rollout.chat import check_parts
+
     if not isinstance(obs, (list, tuple)):
         raise EnvError(f"{where} observation must be a list of chat messages, got {type(obs).__name__}")
+    check_parts(obs, f"{where} observation")
     for i, msg in enumerate(obs):
         if not is_message(msg):
             raise EnvError(f"{where} observation[{i}] is not an OpenAI-format chat message: {str(msg)[:200]}")

@@ -87,9 +87,11 @@ class TrajectoryRecorder:
         """The record of a played episode."""
         return self._record(reward=reward, metrics=metrics, stop_reason=stop, env_reason=self.env_reason)
 
-    def fail(self, cause: str, status: RewardStatus = RewardStatus.ERROR) -> Trajectory:
-        """The failed record: reward 0 with ``status`` (masked out of training), ``error=cause``."""
-        return self._record(reward=0.0, reward_status=status, stop_reason=StopReason.ENV_ERROR, error=cause)
+    def fail(self, cause: str, status: RewardStatus = RewardStatus.ERROR,
+             stop: StopReason = StopReason.ENV_ERROR) -> Trajectory:
+        """The failed record: reward 0 with ``status`` (masked out of training), ``error=cause``;
+        ``stop`` says who failed ("env_error", or "policy_error" for what the policy sampled)."""
+        return self._record(reward=0.0, reward_status=status, stop_reason=stop, error=cause)
 
     def fail_with(self, exc: BaseException, during: str = "") -> Trajectory:
         """:meth:`fail` for an exception: timeouts get status "timeout", the rest "error";

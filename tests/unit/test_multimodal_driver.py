@@ -80,3 +80,51 @@ def test_a_media_failure_is_a_failed_record_naming_the_message(renderer):
     broken.processor.process = lambda part, where="part": (_ for _ in ()).throw(ValueError(f"{where}: corrupt"))
     _, traj = _play(broken, ScriptedEngine(broken, [ZOOM]))
     assert traj.reward_status == "error" and "env.reset observation[0]: corrupt" in traj.error
+
+
+def test_a_reply_holding_a_placeholder_token_is_a_masked_policy_error_not_a_crash(renderer):
+    from relax_agent.records import StopReason
+
+    pad = renderer.tokenizer.convert_ids_to_tokens(renderer.family.token_ids["image"])
+    _, traj = _play(renderer, ScriptedEngine(renderer, [f"Answer: {pad}{pad} 3"]))
+    assert traj.stop_reason == StopReason.POLICY_ERROR and traj.reward_status == "error" and not traj.trainable
+    assert traj.error.startswith(f"the policy sampled media placeholder token(s) ['{pad} (id "
+                                 f"{renderer.family.token_ids['image']}) x2'] in turn 1")
+    assert len(traj.turns) == 1 and traj.loss_mask.count(1) == len(traj.turns[0].token_ids)  # kept for inspection
+
+
+@pytest.mark.parametrize("kind", ["tiny-vl", "tiny-omni"])
+def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
+    """Placeholder logits pushed far above every other token: the engine still samples none of them."""
+    import torch
+
+    from relax_agent.models import load_policy
+    from relax_agent.multimodal.engine import MediaEngine
+    from relax_agent.multimodal.parts import image_part
+
+    folder = make_tiny_media_model(tmp_path, kind=kind, seed=1)
+    cfg = ModelConfig(path=str(folder))
+    model, tok = load_policy(cfg)
+    r = MediaRenderer(ChatRenderer(tok, accepts_media=True), load_media_processor(cfg, model.config))
+    ids = sorted(r.family.token_ids.values())
+    assert len(ids) == (3 if kind == "tiny-omni" else 2)  # image and video (and audio) placeholders
+
+    def favour_placeholders(module, args, out):
+        out = out.clone()
+        out[..., ids] += 1e4
+        return out
+
+    model.get_output_embeddings().register_forward_hook(favour_placeholders)
+    import numpy as np
+
+    seg = r.render_prompt([{"role": "user", "content": [
+        {"type": "text", "text": "How many?"},
+        image_part(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8))]}])
+    engine = MediaEngine(model, tok)
+    try:
+        gen = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=8, seed=3),
+                                          media=seg.media))
+    finally:
+        engine.close()
+    assert len(gen.token_ids) > 0 and not set(gen.token_ids) & set(ids), gen.token_ids
+    assert all(torch.isfinite(torch.tensor(gen.logprobs)))  # log-probs of the full distribution, finite

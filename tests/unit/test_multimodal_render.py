@@ -191,3 +191,21 @@ def test_wav_parts_round_trip_and_resample():
     clip = 0.5 * np.sin(2 * np.pi * 440 * t)
     back = decode_audio(audio_part(clip, rate_hz=8000))
     assert back.shape == (16000,) and abs(float(np.abs(back).max()) - 0.5) < 0.01
+
+
+def test_a_responses_api_input_image_renders_as_its_image_url_part(family_dir):
+    from relax_agent.errors import ConfigError
+    from relax_agent.multimodal.parts import png_data_url
+
+    kind, folder = family_dir
+    r = _renderer(folder)
+    url = png_data_url(_image(0))
+    a = r.render_prompt([{"role": "user", "content": [{"type": "input_text", "text": "Look:"},
+                                                      {"type": "input_image", "image_url": url}]}])
+    b = r.render_prompt([{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}])
+    assert a.token_ids == b.token_ids and a.media.kinds == ("image",)
+    assert np.array_equal(a.media.arrays["pixel_values"], b.media.arrays["pixel_values"])
+    with pytest.raises(ConfigError, match=r"content part 1 has type 'image_file', which relax-agent cannot take"):
+        r.render_prompt([{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                                      {"type": "image_file", "image_file": {"file_id": "f"}}]}])

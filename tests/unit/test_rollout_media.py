@@ -102,3 +102,45 @@ def test_a_media_policy_gets_the_parts_as_parts(tiny_model_dir):
     text = tok.decode(traj.token_ids)
     assert "<|im_start|>user\nWhat is this? <image_url><|im_end|>" in text
     assert "<|im_start|>tool\n<input_audio><|im_end|>" in text
+
+
+@pytest.mark.parametrize("accepts_media", [False, True])
+def test_an_unknown_content_part_is_refused_by_name_for_text_and_media_policies(tiny_model_dir, accepts_media):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = PARTS_TEMPLATE
+    renderer = ChatRenderer(tok, accepts_media=accepts_media)
+    for part, problem in (
+            ({"type": "hologram", "hologram": {}}, r"messages\[0\] content part 1 has type 'hologram': not a part "
+                                                   r"relax-agent knows, and a chat template would drop it silently; "
+                                                   r"expected one of \['audio', 'image', 'image_url', 'input_audio', "
+                                                   r"'input_image', 'input_text', 'text', 'video', 'video_url'\]"),
+            ("just a string", r"messages\[0\] content part 1 has no type \(a str, not a dict\)"),
+            ({"type": "file", "file": {"file_data": "data:application/pdf;base64,AAAA"}},
+             r"messages\[0\] content part 1 has type 'file', which relax-agent cannot take: files are not media"),
+            ({"type": "image_file", "image_file": {"file_id": "file-abc"}},
+             r"messages\[0\] content part 1 has type 'image_file', which relax-agent cannot take: it names an "
+             r"uploaded file by id")):
+        with pytest.raises(ConfigError, match=problem):
+            check_media([{"role": "user", "content": [{"type": "text", "text": "see"}, part]}], accepts_media)
+        traj = play(renderer, MediaEnv([{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]))
+        assert not traj.trainable and traj.turns == () and "content part 1 has" in traj.error  # never trained blind
+    # in a tool result too: the episode fails there, naming the part
+    traj = play(renderer, MediaEnv([{"role": "user", "content": "go"}],
+                                   [{"role": "tool", "content": [{"type": "text", "text": "x"}, {"type": "chart"}]}]))
+    assert len(traj.turns) == 1 and "env.step observation[0] content part 1 has type 'chart'" in traj.error
+
+
+def test_responses_api_parts_are_read_as_their_chat_forms(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = PARTS_TEMPLATE
+    url = IMAGE["image_url"]["url"]
+    responses = [{"type": "input_text", "text": "What is this? "}, {"type": "input_image", "image_url": url}]
+    chat = [{"type": "text", "text": "What is this? "}, IMAGE]
+    a = play(ChatRenderer(tok, accepts_media=True), MediaEnv([{"role": "user", "content": responses}]))
+    b = play(ChatRenderer(tok, accepts_media=True), MediaEnv([{"role": "user", "content": chat}]))
+    assert a.error is None and a.token_ids == b.token_ids
+    assert "<|im_start|>user\nWhat is this? <image_url><|im_end|>" in tok.decode(a.token_ids)
+    text_only = play(ChatRenderer(tok), MediaEnv([{"role": "user", "content": [{"type": "input_text", "text": "ab"}]}]))
+    assert text_only.error is None and text_only.messages[0]["content"] == "ab"
+    with pytest.raises(ConfigError, match=r"has a 'input_image' content part.*text-only"):
+        check_media([{"role": "user", "content": responses}], accepts_media=False)

@@ -165,3 +165,37 @@ def test_cli_build_image_skips_existing_and_rejects_bad_method(monkeypatch):
     assert res.exit_code == 0 and "x/y:z already exists" in res.output
     res = runner.invoke(cli.app, ["build-image", "--method", "magic"])
     assert res.exit_code != 0 and "magic" in res.output
+
+
+def test_cli_reap_also_removes_the_work_dirs_of_dead_bubblewrap_owners(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+    import tempfile
+
+    from relax_agent.sandboxes.bubblewrap import WORK_DIR_PREFIX
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ticks = reaper._start_ticks(proc.pid)
+    proc.kill()
+    proc.wait(10)  # dead: its pid no longer runs the process that started at those ticks
+    dead = tmp_path / f"{WORK_DIR_PREFIX}{proc.pid}-{ticks}-abc"
+    alive = tmp_path / f"{WORK_DIR_PREFIX}{os.getpid()}-{reaper._start_ticks(os.getpid())}-def"
+    for d in (dead, alive):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "f.txt").write_text("x")
+    client = FakeClient([])
+    monkeypatch.setattr(cli, "_client", lambda docker_host: client)
+    runner = CliRunner()
+    res = runner.invoke(cli.app, ["reap", "--dry-run"])
+    assert res.exit_code == 0 and f"would remove {dead} (bubblewrap work dir of a dead process)" in res.output
+    assert "would remove 1 bubblewrap work dir(s)" in res.output and dead.is_dir()
+    res = runner.invoke(cli.app, ["reap", "--all"])
+    assert res.exit_code == 0 and "removed 1 bubblewrap work dir(s)" in res.output
+    assert not dead.exists() and alive.is_dir()  # a live owner's dir is kept, also with --all
+    dead.mkdir()
+    res = runner.invoke(cli.app, ["reap", "--backend", "docker"])
+    assert res.exit_code == 0 and "bubblewrap" not in res.output and dead.is_dir()
+    monkeypatch.setattr(cli, "_client", lambda docker_host: (_ for _ in ()).throw(AssertionError("no Docker")))
+    res = runner.invoke(cli.app, ["reap", "--backend", "bubblewrap"])
+    assert res.exit_code == 0 and "removed 1 bubblewrap work dir(s)" in res.output and not dead.exists()
