@@ -136,6 +136,14 @@ def observations_between_turns(messages: Sequence[dict[str, Any]], replies: Sequ
 
     ``replies``: each turn's decoded text; turn k's message is the first assistant message after turn
     k-1's whose content is that text (a prompt may hold example assistant turns before them)."""
+    found = _turn_messages(messages, replies)
+    return None if found is None else [obs for _, obs in found]
+
+
+def _turn_messages(messages: Sequence[dict[str, Any]],
+                   replies: Sequence[str]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]] | None:
+    """(turn k's assistant message, the observations after it) for each turn but the last (see
+    :func:`observations_between_turns`)."""
     at: list[int] = []
     i = 0
     for text in replies[:-1]:
@@ -150,7 +158,7 @@ def observations_between_turns(messages: Sequence[dict[str, Any]], replies: Sequ
         end = pos + 1
         while end < len(messages) and messages[end].get("role") != "assistant":
             end += 1
-        out.append(list(messages[pos + 1:end]))
+        out.append((dict(messages[pos]), list(messages[pos + 1:end])))
     return out
 
 
@@ -162,14 +170,18 @@ def check_deltas(rec: dict[str, Any], renderer: Any) -> tuple[Divergence | None,
     if rec.get("media_kinds"):
         return None, "media episode (observations hold media the record does not keep)"
     decode = renderer.tokenizer.decode
-    obs = observations_between_turns(rec["messages"], [decode(t["token_ids"], skip_special_tokens=True) for t in turns])
-    if obs is None:
+    found = None
+    for skip in (True, False):  # the driver keeps special tokens in the text for parsers that read them
+        found = found or _turn_messages(rec["messages"], [decode(t["token_ids"], skip_special_tokens=skip) for t in turns])
+    if found is None:
         return None, "messages do not line up with the turns (an agent-driven episode?)"
     ids = rec["token_ids"]
     for k in range(len(turns) - 1):
         end = turns[k]["start"] + len(turns[k]["token_ids"])
         recorded = ids[end:turns[k + 1]["start"]]
-        expected = renderer.observation_delta(obs[k], closed=turns[k]["finish_reason"] != "length")
+        sampled, obs = found[k]
+        expected = renderer.observation_delta(obs, closed=turns[k]["finish_reason"] != "length",
+                                              calls=sampled.get("tool_calls") or ())
         i = _first_mismatch(list(expected), recorded)
         if i is not None:
             return Divergence(DELTA, k + 1, end + i, expected[i] if i < len(expected) else None,

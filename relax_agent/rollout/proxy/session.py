@@ -370,7 +370,9 @@ class AgentSession:
             num_tokens, num_convo, _, closed = state
             new = req.messages[num_convo:]
             try:
-                delta = self.renderer.observation_delta(list(new), closed=closed)
+                last = req.messages[num_convo - 1] if num_convo else {}
+                calls = (last.get("tool_calls") or ()) if isinstance(last, dict) else ()
+                delta = self.renderer.observation_delta(list(new), closed=closed, calls=calls)
             except Exception as exc:  # the template refuses these messages after an assistant turn
                 raise RequestError(f"messages[{num_convo}:] cannot be rendered after the assistant turn: "
                                    f"{type(exc).__name__}: {exc}", "messages") from exc
