@@ -441,6 +441,13 @@ class ChatRenderer:
         return _shift(b["offset_mapping"][j], ta)
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """Special tokens the engine stops on by default (EOS and the families' turn-end tokens,
+        :func:`~relax_agent.rollout.engines.base.default_stop_ids`): a sampled turn that ends with
+        one is closed."""
+        return self._stop_ids
+
+    @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """[k] tokens that close an assistant turn a user message follows."""
         return tuple(self.tokenizer(self._end_after_user, add_special_tokens=False)["input_ids"])
