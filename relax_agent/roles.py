@@ -151,6 +151,10 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
                             accepts_media=media)
     parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
+    if "auto" in (cfg.rollout.tool_parser, cfg.rollout.tools_in):
+        import sys
+
+        print(f"tools in: {renderer.describe_tools_in()}", file=sys.stderr, flush=True)
     driver = None
     if media:
         driver = _media_driver(cfg, model_cfg, engine, renderer, parser)

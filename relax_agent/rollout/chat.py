@@ -440,6 +440,14 @@ class ChatRenderer:
             )
         return _shift(b["offset_mapping"][j], ta)
 
+    def describe_tools_in(self) -> str:
+        """How the tools reach the policy, for logs: ``"template (...)"`` or ``"system prompt (...)"``."""
+        if self.use_template_tools:
+            return "template (the chat template renders the tool schemas its own way)"
+        if self.system_prompt is not None:
+            return "system prompt (rollout.system_prompt lists the tool schemas)"
+        return "system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> JSON)"
+
     @property
     def stop_ids(self) -> frozenset[int]:
         """Special tokens the engine stops on by default (EOS and the families' turn-end tokens,

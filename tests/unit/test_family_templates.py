@@ -414,3 +414,36 @@ def test_a_run_with_tool_parser_auto_prints_the_choice_and_preflight_lets_it_thr
     assert capsys.readouterr().err == "tool parser: qwen3 (chat template has <tool_call> JSON calls and <think> reasoning)\n"
     fixed = load_config(None, ["rollout.tool_parser=mistral"])
     assert resolved_parser_name(fixed, family_tokenizer("qwen3"), "x") == "mistral" and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_envs_show_names_the_parser_auto_chooses_and_how_tools_are_rendered(family_tokenizer, family, tmp_path,
+                                                                            tiny_model_dir):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    family_tokenizer(family).save_pretrained(tmp_path)
+    shutil.copy(Path(tiny_model_dir) / "config.json", tmp_path)  # a model folder: only its tokenizer is loaded
+    out = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert f"policy: {tmp_path}" in lines
+    if family == "deepseek_v3":  # its template renders no tools
+        assert "tool parser: hermes_strict (the chat template renders no tools; the Hermes system prompt asks for " \
+               "<tool_call> JSON)" in lines
+        assert "tools in: system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> " \
+               "JSON)" in lines
+        return
+    assert [line for line in lines if line.startswith("tool parser: ")] == \
+        [f"tool parser: {family} ({resolve_tool_parser(family_tokenizer(family))[1]})"]
+    assert "tools in: template (the chat template renders the tool schemas its own way)" in lines
+    fixed = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path), "--json",
+                                     "--tool-parser", "hermes", "--tools-in", "system"])
+    assert json.loads(fixed.output)["policy"] == {
+        "model": str(tmp_path), "tool_parser": "hermes", "why": "rollout.tool_parser",
+        "tools_in": "system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> JSON)"}
+    bad = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path), "--tools-in", "x"])
+    assert bad.exit_code == 2 and "--tools-in='x': expected one of auto, template, system" in bad.output
