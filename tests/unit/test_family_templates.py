@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from relax_agent.envs import TextEnv
 from relax_agent.errors import ConfigError
+from relax_agent.replay import check_deltas
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
@@ -383,6 +384,10 @@ def test_a_tool_episode_in_the_family_format_renders_its_deltas_and_trains_one_s
     assert tok.decode(delta) == delta_text and traj.loss_mask[first_end:traj.turns[1].start] == (0,) * len(delta)
     assert list(traj.token_ids[:traj.prompt_len]) == list(renderer.render_prompt(
         [{"role": "user", "content": "Weather in Paris?"}], TOOLS).token_ids)
+    record = {"token_ids": list(traj.token_ids), "messages": list(traj.messages),
+              "turns": [{"start": t.start, "token_ids": list(t.token_ids), "finish_reason": t.finish_reason}
+                        for t in traj.turns]}
+    assert check_deltas(record, renderer) == (None, None)  # the replay re-derives the same delta
 
     # one training step: this episode (reward 1) against one that answers "Rainy." (reward 0), a group of two
     other_replies = [call_turn, answer_turn.replace("Sunny.", "Rainy.")]
