@@ -238,9 +238,10 @@ class ChatRenderer:
         if turn.startswith(prefix):
             return prefix
         common = len(_common_prefix(prefix, turn))
-        prefill = prefix[common:]
-        dropped = self._renders([_REF_USER, {"role": "assistant", "content": prefill + _REF_ASSISTANT}]) and \
-            self._render([_REF_USER, {"role": "assistant", "content": prefill + _REF_ASSISTANT}]) == turn
+        try:  # the prefilled block written as the start of a past turn's content is dropped again
+            dropped = self._render([_REF_USER, {"role": "assistant", "content": prefix[common:] + _REF_ASSISTANT}]) == turn
+        except Exception:  # the template refuses that content
+            dropped = False
         if not dropped or not turn[common:].startswith(_REF_ASSISTANT):
             raise ConfigError(
                 "model.path: the chat template's generation prompt (add_generation_prompt=True ends with "

@@ -452,3 +452,36 @@ def test_envs_show_names_the_parser_auto_chooses_and_how_tools_are_rendered(fami
         "tools_in": "system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> JSON)"}
     bad = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path), "--tools-in", "x"])
     assert bad.exit_code == 2 and "--tools-in='x': expected one of auto, template, system" in bad.output
+
+
+def test_gemma_names_each_tool_result_after_its_sampled_call(family_tokenizer):
+    """Gemma 4 writes the tool's name in its result: taken from the sampled call with the result's
+    ``tool_call_id``, else the call in the same position; a cut call turn's delta starts with the
+    ``<|tool_response>`` that closes it."""
+    tok = family_tokenizer("gemma")
+    renderer = ChatRenderer(tok)
+    calls = [{"id": "a1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+             {"id": "b2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    results = [{"role": "tool", "tool_call_id": "b2", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "zz", "content": "12:00"}]
+    assert tok.decode(renderer.observation_delta(results, calls=calls)) == (
+        'response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'
+        '<|tool_response>response:get_weather{value:<|"|>12:00<|"|>}<tool_response|>')
+    by_order = [{"role": "tool", "content": "12:00"}]
+    assert tok.decode(renderer.observation_delta(by_order, closed=False, calls=calls)) == \
+        '<|tool_response>response:get_time{value:<|"|>12:00<|"|>}<tool_response|>'
+
+
+def test_glm_closes_a_turn_with_the_next_roles_token(family_tokenizer):
+    """GLM-4.5+ writes no token after an assistant turn: the next role's token closes it. A turn the
+    policy closed (it sampled that token) gets the rest; a cut turn's delta starts with that token."""
+    tok = family_tokenizer("glm45")
+    renderer = ChatRenderer(tok)
+    tool = [{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+    user = [{"role": "user", "content": "And tomorrow?"}]
+    assert tok.decode(renderer.observation_delta(tool)) == "\n<tool_response>\nsunny\n</tool_response><|assistant|>"
+    assert tok.decode(renderer.observation_delta(tool, closed=False)) == \
+        "<|observation|>\n<tool_response>\nsunny\n</tool_response><|assistant|>"
+    assert tok.decode(renderer.observation_delta(user)) == "\nAnd tomorrow?<|assistant|>"
+    assert tok.decode(renderer.observation_delta(user, closed=False)) == "<|user|>\nAnd tomorrow?<|assistant|>"
+    assert {tok.convert_tokens_to_ids(t) for t in ("<|observation|>", "<|user|>")} <= renderer.stop_ids
