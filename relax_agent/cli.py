@@ -316,14 +316,21 @@ def envs_show(
     env_id: str = typer.Argument(..., help="Environment id, e.g. relax/Calculator-v0 (or module:ns/Name-v0)."),
     kwargs: str = typer.Option("{}", "--kwargs", help='Constructor kwargs as JSON, e.g. \'{"difficulty": 3}\'.'),
     as_json: bool = typer.Option(False, "--json", is_flag=True, help="Print the description as JSON."),
+    model: Optional[str] = typer.Option(None, "--model", help="A policy (model.path): also print the tool-call parser "
+                                        "and tools rendering it gets (its tokenizer only is loaded)."),
+    tool_parser: str = typer.Option("auto", "--tool-parser", help="rollout.tool_parser to resolve for --model."),
+    tools_in: str = typer.Option("auto", "--tools-in", help="rollout.tools_in for --model (auto, template, system)."),
 ) -> None:
-    """Tool schemas, tasks per split and reward of one environment."""
+    """Tool schemas, tasks per split and reward of one environment (and, with --model, the tool-call
+    parser that ``rollout.tool_parser: auto`` chooses for that policy and how its tools are rendered)."""
     import gymnasium
 
     from relax_agent.envs import describe
 
     try:
         info = describe(env_id, **json.loads(kwargs))
+        if model is not None:
+            info["policy"] = _policy_tool_format(model, tool_parser, tools_in)
     except RelaxError as exc:
         _fail(exc)
         return
@@ -343,6 +350,38 @@ def envs_show(
     for tool in tools or []:
         fn = tool["function"]
         typer.echo(f"  {fn['name']}({', '.join(fn.get('parameters', {}).get('properties', {}))}): {fn.get('description', '')}")
+    if "policy" in info:
+        p = info["policy"]
+        typer.echo(f"policy: {p['model']}")
+        typer.echo(f"tool parser: {p['tool_parser']} ({p['why']})")
+        typer.echo(f"tools in: {p['tools_in']}")
+
+
+def _policy_tool_format(model: str, tool_parser: str, tools_in: str) -> dict[str, str]:
+    """``{"model", "tool_parser", "why", "tools_in"}``: the parser ``tool_parser`` (``auto`` resolved as a
+    run resolves it) and the tools rendering a policy's tokenizer gets.
+
+    Raises:
+        ConfigError: ``tools_in`` or ``tool_parser`` is not a known value, ``auto`` cannot tell the format,
+            or the chat template lacks what token-in/token-out needs.
+        ModelLoadError: the tokenizer cannot be loaded.
+    """
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_tokenizer
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.parsers import build_parser
+    from relax_agent.rollout.tool_parsers import resolve_tool_parser
+
+    if tools_in not in ("auto", "template", "system"):
+        raise ConfigError(f"--tools-in={tools_in!r}: expected one of auto, template, system")
+    tokenizer = load_tokenizer(ModelConfig(path=model))
+    renderer = ChatRenderer(tokenizer, tools_in)
+    if tool_parser == "auto":
+        name, why = resolve_tool_parser(tokenizer, tools_in, None, model)
+    else:
+        build_parser(tool_parser)  # an unknown name is refused here
+        name, why = tool_parser, "rollout.tool_parser"
+    return {"model": model, "tool_parser": name, "why": why, "tools_in": renderer.describe_tools_in()}
 
 
 @agent_app.command("check")
@@ -405,7 +444,10 @@ def _check_setup(target: Path, overrides: Optional[list[str]], num_tasks: int, m
 
             run_tasks.append(CheckTask(str((task or {}).get("id", f"task-{k}")), tuple(obs), tuple(info.get("tools") or ()),
                                        dict(task or {}), score))
-        return cfg.rollout.agent, run_tasks, renderer, build_parser(r.tool_parser)
+        from relax_agent.roles import resolved_parser_name
+
+        return cfg.rollout.agent, run_tasks, renderer, build_parser(resolved_parser_name(cfg, renderer.tokenizer,
+                                                                                        cfg.model.path))
     if not target.exists():
         raise ConfigError(f"{target}: no such agent program or config")
     command = ["{python}", str(target)] if target.suffix == ".py" else [str(target.resolve())]

@@ -224,10 +224,12 @@ class RolloutConfig(Section):
     """Name of a registered tool-call parser (``relax_agent.rollout.parsers``; the family parsers
     ``qwen3``, ``qwen3_coder``, ``llama3``, ``mistral``, ``gpt_oss``, ``deepseek_v3``, ``glm45``,
     ``kimi_k2``, ``gemma``), or ``auto``: chosen from the policy's chat template, else its name
-    (the run log prints ``tool parser: NAME (why)``; an undecidable policy is refused)."""
+    (the run log prints ``tool parser: NAME (why)``; an undecidable policy is refused;
+    ``relax-agent envs show ENV --model PATH`` prints the same choice without a run)."""
     tools_in: Literal["auto", "template", "system"] = "auto"
     """"template": pass tools to the chat template; "system": render them into the system
-    prompt (Hermes style); "auto": template when it supports tools, else system."""
+    prompt (Hermes style); "auto": template when it supports tools, else system (with either
+    ``auto`` the run log prints ``tools in: template (...)`` or ``tools in: system prompt (...)``)."""
     system_prompt: str | None = None
     """Overrides the default system prompt that introduces the tools."""
     tool_example: bool = True

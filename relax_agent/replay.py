@@ -180,9 +180,9 @@ def _between(messages: Sequence[dict[str, Any]], at: Sequence[int]) -> list[list
 Messages = list[dict[str, Any]]
 
 
-def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Messages, list[Messages]] | None:
-    """(prompt messages, the observation messages after each turn but the last) of a record, or None
-    when its messages cannot be lined up with its turns.
+def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Messages, list[Messages], Messages] | None:
+    """(prompt messages, the observation messages after each turn but the last, the assistant message
+    of each turn but the last) of a record, or None when its messages cannot be lined up with its turns.
 
     A record that keeps each turn's assistant message index (``turns[k]["message"]``, any driver,
     the agent endpoint's included) is split there: the observations after turn k are the messages
@@ -193,15 +193,18 @@ def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Mess
     idx = [t.get("message") for t in turns]
     if idx and None not in idx and all(0 <= i < len(messages) and messages[i].get("role") == "assistant" for i in idx) \
             and all(a < b for a, b in zip(idx, idx[1:])):
-        return list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in zip(idx, idx[1:])]
-    replies = [decode(t["token_ids"], skip_special_tokens=True) for t in turns]
-    at = _match_replies(messages, replies[:-1])
-    if at is None:
-        return None
-    first = at[0] if at else (_match_replies(messages, replies[:1]) or [None])[0]
-    if first is None:
-        return None
-    return list(messages[:first]), _between(messages, at)
+        return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in zip(idx, idx[1:])],
+                [dict(messages[i]) for i in idx[:-1]])
+    for skip in (True, False):  # the driver keeps special tokens in the text for parsers that read them
+        replies = [decode(t["token_ids"], skip_special_tokens=skip) for t in turns]
+        at = _match_replies(messages, replies[:-1])
+        if at is None:
+            continue
+        first = at[0] if at else (_match_replies(messages, replies[:1]) or [None])[0]
+        if first is None:
+            continue
+        return list(messages[:first]), _between(messages, at), [dict(messages[i]) for i in at]
+    return None
 
 
 def _closed(turn: dict[str, Any]) -> bool:
@@ -244,7 +247,7 @@ def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergen
     layout = turn_messages(rec, decode)
     if layout is None:
         return None, "messages do not line up with the turns", None
-    prompt_msgs, obs = layout
+    prompt_msgs, obs, sampled = layout
     ids = rec["token_ids"]
     made: list[Any] = []  # one-item MediaInputs, in token order
     if is_media:
@@ -267,7 +270,7 @@ def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergen
         end = turns[k]["start"] + len(turns[k]["token_ids"])
         recorded = ids[end:turns[k + 1]["start"] - int(turns[k + 1].get("opening") or 0)]
         try:
-            seg = renderer.observation_delta(obs[k], closed=_closed(turns[k]))
+            seg = renderer.observation_delta(obs[k], closed=_closed(turns[k]), calls=sampled[k].get("tool_calls") or ())
         except Exception as exc:  # noqa: BLE001 - a delta the record cannot give back: said, not raised
             return None, f"observation after turn {k + 1} cannot be rendered again ({type(exc).__name__}: {exc})", None
         expected = list(seg.token_ids) if is_media else list(seg)

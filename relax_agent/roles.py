@@ -157,6 +157,10 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         check_prompt_budget(make_env_factory(cfg), {"train": train_tasks[:k], "heldout": heldout_tasks[:k]},
                             renderer, cfg.rollout.max_total_tokens, cfg.run.seed)
     parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
+    if "auto" in (cfg.rollout.tool_parser, cfg.rollout.tools_in):
+        import sys
+
+        print(f"tools in: {renderer.describe_tools_in()}", file=sys.stderr, flush=True)
     driver = None
     if media:
         driver = _media_driver(cfg, model_cfg, engine, renderer, parser)

@@ -127,7 +127,8 @@ class MediaEnvDriver:
             rec.add_messages(new_obs)
             if terminated or truncated:
                 return reward, metrics, rec.ended(StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
-            seg = self.renderer.observation_delta(new_obs, closed=gen.finish_reason != "length")
+            seg = self.renderer.observation_delta(new_obs, closed=gen.finish_reason != "length",
+                                                  calls=action["tool_calls"])
             if rec.num_tokens + len(seg.token_ids) >= spec.max_total_tokens:
                 return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # media are never cut: the whole delta or none
             rec.add_segment(seg)

@@ -92,13 +92,14 @@ class MediaRenderer:
         ids, media = self._expand(list(prompt.token_ids), list(messages), "env.reset observation")
         return MediaSegment(tuple(ids), media, prompt.messages)
 
-    def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True) -> MediaSegment:
+    def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True,
+                          calls: Sequence[dict[str, Any]] = ()) -> MediaSegment:
         """The delta after a sampled turn (see :meth:`ChatRenderer.observation_delta`), media expanded.
 
         Raises:
             EnvError, ConfigError, DataError: as :meth:`render_prompt`.
         """
-        ids = self.chat.observation_delta(new_messages, closed)
+        ids = self.chat.observation_delta(new_messages, closed, calls)
         ids, media = self._expand(ids, list(new_messages), "env.step observation")
         return MediaSegment(tuple(ids), media, tuple(new_messages))
 

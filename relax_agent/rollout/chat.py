@@ -21,8 +21,19 @@ assistant turns after the last user query, so re-rendering a history changes the
 earlier turns. The engine never re-renders: the two renderings are aligned from the assistant
 content on, the delta is still what the template puts after the closing token, and the sampled
 turn (its reasoning included) stays in the trajectory exactly as sampled; the trained tokens are
-the sampled ones. ``ChatRenderer.append_only`` is False for such a template. A template that
-changes the content itself, or what follows it before the closing token, is still refused.
+the sampled ones. ``ChatRenderer.append_only`` is False for such a template (also for one that drops
+a past turn's ``reasoning_content``: GLM-4.5+, gpt-oss). A template that changes the content itself,
+or what follows it before the closing token, is still refused.
+
+Two more shapes are accepted. GLM-4.5+ writes no token of its own after an assistant turn: the next
+role's token (``<|observation|>`` before tool results, ``<|user|>``) closes it, and the policy samples
+it (the engine stops on it), so where no token after the content is a stop token and the next one
+is, that next token is the closing token. Gemma 4 prefills an empty thought channel in the
+generation prompt that past turns drop (accepted when rendering it as the start of the content gives
+the same turn), ends a tool-calling turn with ``<|tool_response>`` and renders the results in the
+same model turn, *before* that turn's content: the turn that calls tools is probed without content
+(as the policy samples it: calls, then ``<|tool_response>``), and the tool's name in Gemma's
+``response:NAME{...}`` is taken from the sampled calls (``observation_delta(..., calls=)``).
 
 Observation text is plain text: a tool result or user message that spells a special or added
 token (``<|im_end|>``, ``<tool_call>``) is tokenized as the characters it is, so a tool cannot
@@ -42,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from relax_agent.errors import ConfigError, EnvError
+from relax_agent.rollout.engines.base import default_stop_ids
 
 HERMES_SYSTEM = (
     "You are a function-calling AI model. You are provided with function signatures within "
@@ -222,7 +234,9 @@ class ChatRenderer:
         added = getattr(tokenizer, "added_tokens_decoder", {})
         self._added = tuple(sorted({t.content for t in added.values() if len(t.content) > 1}))
         self._special_ids = frozenset(i for i, t in added.items() if t.special) | frozenset(self._eos_ids())
-        self._heads: dict[int, str] = {}
+        self._stop_ids = frozenset(default_stop_ids(tokenizer)) & self._special_ids
+        self._heads: dict[tuple[tuple[str, str], ...], str] = {}
+        self._call_content = _REF_ASSISTANT
         self.append_only = True
         self.system_role = self._renders([{"role": "system", "content": "s"}, _REF_USER])
         self._gen_prefix = self._probe_generation_prompt()
@@ -234,7 +248,22 @@ class ChatRenderer:
             self._after_assistant(tool)
         except Exception:  # the template refuses a tool message
             self.tool_role = "user"
-        self._probe_boundary(tool, "a tool result, neither as a 'tool' message nor as a user message,")
+        what = "a tool result, neither as a 'tool' message nor as a user message,"
+        try:
+            self._probe_boundary(tool, what)
+        except ConfigError:
+            if self.tool_role != "tool":
+                raise
+            # Gemma 4 renders a tool-call turn's content after the tool results (the policy goes on in the
+            # same turn): the turn that calls tools is probed without content, as the policy samples it
+            self._call_content, self._heads = "", {}
+            try:
+                self._probe_boundary(tool, what)
+            except ConfigError:
+                self._call_content, self._heads = _REF_ASSISTANT, {}
+                raise
+        if self.append_only and self._drops_past_reasoning():
+            self.append_only = False
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -249,15 +278,37 @@ class ChatRenderer:
         return True
 
     def _probe_generation_prompt(self) -> str:
+        """The text an assistant turn starts with after the context (the generation prompt, less any
+        empty reasoning block it prefills that the template drops from past turns, as Gemma 4's
+        ``<|channel>thought\n<channel|>`` with thinking off)."""
         prefix = self._template("a user turn", [_REF_USER], gen=True)
         turn = self._template("an assistant turn", [_REF_USER, {"role": "assistant", "content": _REF_ASSISTANT}])
-        if not turn.startswith(prefix):
+        if turn.startswith(prefix):
+            return prefix
+        common = len(_common_prefix(prefix, turn))
+        try:  # the prefilled block written as the start of a past turn's content is dropped again
+            dropped = self._render([_REF_USER, {"role": "assistant", "content": prefix[common:] + _REF_ASSISTANT}]) == turn
+        except Exception:  # the template refuses that content
+            dropped = False
+        if not dropped or not turn[common:].startswith(_REF_ASSISTANT):
             raise ConfigError(
                 "model.path: the chat template's generation prompt (add_generation_prompt=True ends with "
                 f"{prefix[-40:]!r}) is not how it starts an assistant turn ({turn[len(prefix) - 40:][:80]!r}); "
                 "token-in/token-out samples right after the generation prompt, so the two must agree"
             )
-        return prefix
+        return prefix[:common]
+
+    def _drops_past_reasoning(self) -> bool:
+        """True when a past assistant turn's reasoning (``reasoning_content``) is rendered differently
+        once a user message follows (GLM-4.5+ drops it); informational (``append_only``)."""
+        turn = {"role": "assistant", "content": _REF_ASSISTANT, "reasoning_content": "r"}
+        try:
+            alone = self._render([_REF_USER, turn])
+            after = self._render([_REF_USER, turn, {"role": "user", "content": "x"}])
+        except Exception:  # the template refuses the field: nothing to tell
+            return False
+        a, b = alone.rfind(_REF_ASSISTANT), after.find(_REF_ASSISTANT)
+        return a >= 0 and b >= 0 and alone[:a] != after[:b]
 
     def _probe_boundary(self, new: list[dict[str, Any]], what: str) -> str:
         """The text of the token that closes an assistant turn followed by ``new``."""
@@ -342,35 +393,48 @@ class ChatRenderer:
         return out
 
     # -- deltas ---------------------------------------------------------------------------
-    def _head(self, num_calls: int) -> dict[str, Any]:
-        """The context assistant turn: fixed text, plus one tool call per tool result that follows
-        (templates may require ``tool_calls`` before a tool message)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": _REF_ASSISTANT}
-        if num_calls:
-            msg["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": "tool", "arguments": {}}}
-                                 for i in range(num_calls)]
-        return msg
+    def _head(self, calls: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+        """The context assistant turn: fixed text, plus one tool call ``(id, name)`` per tool result that
+        follows (templates may require ``tool_calls`` before a tool message; Gemma 4 names the tool in
+        the result, so the names are the sampled calls' where known)."""
+        if not calls:
+            return {"role": "assistant", "content": _REF_ASSISTANT}
+        return {"role": "assistant", "content": self._call_content,
+                "tool_calls": [{"id": i, "type": "function", "function": {"name": n, "arguments": {}}} for i, n in calls]}
 
-    def _after_assistant(self, new: list[dict[str, Any]]) -> tuple[str, str]:
+    def _after_assistant(self, new: list[dict[str, Any]],
+                         sampled_calls: Sequence[dict[str, Any]] = ()) -> tuple[str, str]:
         """Render the context's assistant turn alone and followed by ``new`` (with the generation prompt).
+
+        Args:
+            new: the messages after the turn.
+            sampled_calls: the tool calls the policy made in the turn (OpenAI format); they name the
+                context turn's calls (matched to the tool results by ``tool_call_id``, else in order).
 
         Returns:
             (the turn alone, the turn followed by ``new``), each after the generation prompt.
         """
         new = [self._as_user(m) if m["role"] == "tool" and self.tool_role == "user" else m for m in new]
-        num_calls = sum(m["role"] == "tool" for m in new)
-        seen = 0
+        names = {str(c.get("id")): str(c.get("function", {}).get("name", "tool")) for c in sampled_calls}
+        in_order = [str(c.get("function", {}).get("name", "tool")) for c in sampled_calls]
+        calls: list[tuple[str, str]] = []
         for i, m in enumerate(new):
             if m["role"] == "tool":
-                new[i] = {"tool_call_id": f"call_{seen}", **m}
-                seen += 1
-        if num_calls not in self._heads:
-            self._heads[num_calls] = self._render([_REF_USER, self._head(num_calls)])[len(self._gen_prefix):]
-        full = self._render([_REF_USER, self._head(num_calls), *new], gen=True)
+                k = len(calls)
+                new[i] = {"tool_call_id": f"call_{k}", **m}
+                call_id = str(new[i]["tool_call_id"])
+                name = names.get(call_id) or (in_order[k] if k < len(in_order) else "tool")
+                calls.append((call_id, name))
+        key = tuple(calls)
+        if key not in self._heads:
+            if len(self._heads) >= 64:  # ids come from the env: keep the cache bounded
+                self._heads.clear()
+            self._heads[key] = self._render([_REF_USER, self._head(key)])[len(self._gen_prefix):]
+        full = self._render([_REF_USER, self._head(key), *new], gen=True)
         if not full.startswith(self._gen_prefix):
             raise ConfigError("model.path: the chat template renders the context before an assistant turn differently "
                               "once more messages follow it; token-in/token-out needs a stable prefix")
-        return self._heads[num_calls], full[len(self._gen_prefix):]
+        return self._heads[key], full[len(self._gen_prefix):]
 
     def _closing_token(self, closed: str, tail: str, roles: list[str]) -> tuple[int, int]:
         """Character span in ``tail`` of the token closing the assistant turn (see module doc).
@@ -378,15 +442,17 @@ class ChatRenderer:
         Templates that render a past assistant turn differently *before* its content (Qwen3
         drops the ``<think>`` block of turns before the last user query) are aligned from the
         content on: the sampled turn is never re-rendered, so only what follows the content (tool
-        calls, the closing token) has to agree with what the policy sampled.
+        calls, the closing token) has to agree with what the policy sampled. Only a template that
+        renders *less* before the content is aligned so; one that renders more there (Gemma 4 puts
+        the tool results before a past turn's content) is not dropping history.
         """
         ca, ta = closed.rfind(_REF_ASSISTANT), tail.find(_REF_ASSISTANT)
         try:
-            span = self._closing_token_from(closed, tail, roles, 0)
+            span = self._closing_token_from(closed, tail, roles, 0, ca + len(_REF_ASSISTANT) if ca >= 0 else 0)
         except ConfigError:
-            if ca <= 0 or ta < 0 or closed[:ca] == tail[:ta]:
+            if ca <= 0 or ta < 0 or closed[:ca] == tail[:ta] or ta >= ca:
                 raise
-            span = self._closing_token_from(closed[ca:], tail[ta:], roles, ta)
+            span = self._closing_token_from(closed[ca:], tail[ta:], roles, ta, len(_REF_ASSISTANT))
             self.append_only = False
         if ta >= 0 and span[0] < ta + len(_REF_ASSISTANT):
             raise ConfigError(
@@ -395,9 +461,16 @@ class ChatRenderer:
                 "token-in/token-out needs one (the engine stops on it)")
         return span
 
-    def _closing_token_from(self, closed: str, tail: str, roles: list[str], ta: int) -> tuple[int, int]:
+    def _closing_token_from(self, closed: str, tail: str, roles: list[str], ta: int, content_end: int) -> tuple[int, int]:
         """:meth:`_closing_token` on ``closed`` and ``tail``, where ``tail`` starts at character ``ta`` of
-        the full tail (the returned span is in full-tail characters)."""
+        the full tail (the returned span is in full-tail characters) and the turn's content ends at
+        character ``content_end`` of ``closed``.
+
+        Where ``closed`` is a prefix of ``tail``, the closing token is the last special token of the
+        turn alone; but where no token after the content is one the engine stops on and the next
+        token of ``tail`` is (GLM-4.5+ ends a turn with the next role's token, ``<|observation|>``
+        or ``<|user|>``, which the policy samples), it is that next token.
+        """
         a = self.tokenizer(closed, add_special_tokens=False, return_offsets_mapping=True)
         b = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
         a_ids, b_ids = list(a["input_ids"]), list(b["input_ids"])
@@ -411,6 +484,9 @@ class ChatRenderer:
                 f"({closed[:80]!r} vs {tail[:80]!r}), not only by its closing token or before its content; "
                 "token-in/token-out cannot append observations to sampled turns with this template"
             )
+        after = [j for j in range(len(a_ids)) if a["offset_mapping"][j][0] >= content_end]
+        if k < len(b_ids) and b_ids[k] in self._stop_ids and not any(a_ids[j] in self._stop_ids for j in after):
+            return _shift(b["offset_mapping"][k], ta)  # the next role's token closes the turn (GLM)
         ends = [j for j in range(len(a_ids)) if a_ids[j] in special]
         j = ends[-1] if ends else k
         if j >= len(b_ids) or b_ids[j] not in special:
@@ -420,12 +496,28 @@ class ChatRenderer:
             )
         return _shift(b["offset_mapping"][j], ta)
 
+    def describe_tools_in(self) -> str:
+        """How the tools reach the policy, for logs: ``"template (...)"`` or ``"system prompt (...)"``."""
+        if self.use_template_tools:
+            return "template (the chat template renders the tool schemas its own way)"
+        if self.system_prompt is not None:
+            return "system prompt (rollout.system_prompt lists the tool schemas)"
+        return "system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> JSON)"
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Special tokens the engine stops on by default (EOS and the families' turn-end tokens,
+        :func:`~relax_agent.rollout.engines.base.default_stop_ids`): a sampled turn that ends with
+        one is closed."""
+        return self._stop_ids
+
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """[k] tokens that close an assistant turn a user message follows."""
         return tuple(self.tokenizer(self._end_after_user, add_special_tokens=False)["input_ids"])
 
-    def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True) -> list[int]:
+    def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True,
+                          calls: Sequence[dict[str, Any]] = ()) -> list[int]:
         """Token ids that follow an assistant turn: the new messages and the next generation
         prompt, exactly as the template renders them after that turn.
 
@@ -434,6 +526,9 @@ class ChatRenderer:
             closed: the sampled turn ends with the template's closing token (finish reason
                 "stop"); when False (cut at ``max_new_tokens``) the delta starts with the token
                 that closes the turn before these messages.
+            calls: the tool calls parsed from the sampled turn (OpenAI format), for templates that
+                name the tool in its result (Gemma 4's ``response:NAME{...}``); a result is matched
+                to its call by ``tool_call_id``, else by order.
 
         Returns:
             [d] token ids; user/tool text in them is plain text (never special tokens).
@@ -445,10 +540,10 @@ class ChatRenderer:
         """
         msgs = self._contents(new_messages)
         texts, held = self._placeheld(msgs)
-        alone, held_tail = self._after_assistant(held)  # where the turn closes: independent of the env's text
+        alone, held_tail = self._after_assistant(held, calls)  # where the turn closes: independent of the env's text
         start, stop = self._closing_token(alone, held_tail, [m["role"] for m in held])
         cut = stop if closed else start
-        _, tail = self._after_assistant(msgs)
+        _, tail = self._after_assistant(msgs, calls)
         assert tail[:cut] == held_tail[:cut], "the context before the new messages depends on their text"
         spans = self._spans(held_tail[cut:], tail[cut:], texts) if self._spells_added(texts) else []
         return self._encode(tail[cut:], spans)
@@ -535,6 +630,11 @@ class ChatRenderer:
         for lo, hi in zip(bounds, bounds[1:]):
             ids += self.tokenizer(text[lo:hi], add_special_tokens=False)["input_ids"]
         return ids
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return a[:n]
 
 
 def _shift(span: Any, by: int) -> tuple[int, int]:

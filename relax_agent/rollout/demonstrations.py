@@ -82,15 +82,17 @@ def _episode_tokens(renderer: Any, parser: Any, prompt: list[int], messages: lis
         raise ConfigError(f"a demonstration must start and end with an assistant message; got roles {roles}")
     tokens, mask = list(prompt), [0] * len(prompt)
     pending: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
     for message in messages:
         if message.get("role") != "assistant":
             pending.append(message)
             continue
         if pending:
-            delta = renderer.observation_delta(pending, closed=True)
+            delta = renderer.observation_delta(pending, closed=True, calls=calls)
             tokens += delta
             mask += [0] * len(delta)
             pending = []
+        calls = list(message.get("tool_calls") or ())
         target = renderer.tokenizer(format_message(parser, message), add_special_tokens=False)["input_ids"] + [stop]
         tokens += target
         mask += [1] * len(target)

@@ -116,7 +116,7 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
         rec.add_messages(new_obs)
         if terminated or truncated:
             return reward, metrics, rec.ended(StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
-        delta = renderer.observation_delta(new_obs, closed=gen.finish_reason != "length")
+        delta = renderer.observation_delta(new_obs, closed=gen.finish_reason != "length", calls=action["tool_calls"])
         if rec.num_tokens + len(delta) >= spec.max_total_tokens:
             return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # the observation leaves no room for a reply
         rec.add_context(delta)

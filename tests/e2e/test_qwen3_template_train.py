@@ -40,6 +40,7 @@ def test_a_qwen3_template_policy_trains_two_steps_with_tool_parser_auto(tiny_mod
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tool parser: qwen3 (chat template has <tool_call> JSON calls and <think> reasoning)" in done.stderr
+    assert "tools in: template (the chat template renders the tool schemas its own way)" in done.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "rollout/reward" in r] == [1, 2]
     for step in (1, 2):

@@ -18,16 +18,20 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from relax_agent.envs import TextEnv
 from relax_agent.errors import ConfigError
+from relax_agent.replay import check_deltas
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
 from relax_agent.rollout.env_driver import run_episode
 from relax_agent.rollout.parsers import build_parser, decodes_special_tokens
 from relax_agent.rollout.tool_parsers import resolve_tool_parser
+from relax_agent.train.algorithms import RATIO_MEAN
+from relax_agent.train.reference_grpo import sequence_logprobs
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "chat_templates"
 
@@ -234,24 +238,20 @@ def test_reasoning_then_a_call_in_one_turn(family_tokenizer):
     assert _plain(action) == CALLS[:1] and action.reasoning == "Paris, 2 days." and action.content == "Checking."
 
 
-RENDERER = {  # family: (accepted, append-only, closing token after a user message)
-    "qwen3": (True, False, "<|im_end|>"), "qwen3_coder": (True, True, "<|im_end|>"),
-    "llama3": (True, True, "<|eot_id|>"), "mistral": (True, True, "</s>"), "gpt_oss": (True, True, "<|end|>"),
-    "deepseek_v3": (True, True, "<｜end▁of▁sentence｜>"), "kimi_k2": (True, True, "<|im_end|>"),
-    "glm45": (False, None, "no special token after its content"),
-    "gemma": (False, None, "generation prompt"),
+RENDERER = {  # family: (append-only, closing token after a user message); every family's template is accepted
+    # not append-only: Qwen3 drops past <think> blocks, gpt-oss past analysis channels, GLM past reasoning
+    "qwen3": (False, "<|im_end|>"), "qwen3_coder": (True, "<|im_end|>"),
+    "llama3": (True, "<|eot_id|>"), "mistral": (True, "</s>"), "gpt_oss": (False, "<|end|>"),
+    "deepseek_v3": (True, "<｜end▁of▁sentence｜>"), "kimi_k2": (True, "<|im_end|>"),
+    "glm45": (False, "<|user|>"),  # GLM ends a turn with the next role's token, which the policy samples
+    "gemma": (True, "<turn|>"),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_chat_renderer_takes_the_family_template_or_names_what_it_lacks(family_tokenizer, family):
+def test_the_chat_renderer_takes_the_family_template(family_tokenizer, family):
     tok = family_tokenizer(family)
-    accepted, append_only, detail = RENDERER[family]
-    if not accepted:
-        with pytest.raises(ConfigError, match="model.path: the chat template") as err:
-            ChatRenderer(tok)
-        assert detail in str(err.value)
-        return
+    append_only, detail = RENDERER[family]
     renderer = ChatRenderer(tok)
     assert renderer.append_only is append_only and tok.decode(renderer.end_of_turn_ids) == detail
     # tools_in: auto renders tools the way the family's template does (DeepSeek V3.1's renders none)
@@ -288,27 +288,124 @@ class _WeatherEnv(TextEnv):
         return [], 1.0, True, False, {}
 
 
-@pytest.mark.parametrize("family, replies", [
-    ("kimi_k2", ["<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-                 '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|><|im_end|>', "Sunny.<|im_end|>"]),
-    ("qwen3", ['<think>\nPlan.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
-               "\n</tool_call><|im_end|>", "<think>\nDone.\n</think>\n\nSunny.<|im_end|>"]),
-])
-def test_an_episode_reads_special_token_calls_and_keeps_sampled_tokens(family_tokenizer, family, replies):
-    """The env driver decodes with special tokens kept for a parser that reads them; the env sees the
-    call and the reasoning-free reply, and the trained tokens are exactly the sampled ones."""
+EPISODES = {
+    # family: (the call turn, the answer turn, each ending with the token the policy stops on; the delta the
+    # template puts after the call turn for the tool result "sunny", up to the next generation prompt)
+    "qwen3": ('<think>\nPlan.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+              '"days": 2}}\n</tool_call><|im_end|>', "<think>\nDone.\n</think>\n\nSunny.<|im_end|>",
+              "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+                    "</parameter>\n</function>\n</tool_call><|im_end|>", "Sunny.<|im_end|>",
+                    "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n"),
+    "llama3": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}<|eot_id|>', "Sunny.<|eot_id|>",
+               '<|start_header_id|>ipython<|end_header_id|>\n\n"sunny"<|eot_id|><|start_header_id|>assistant'
+               "<|end_header_id|>\n\n"),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}, "id": "abcDEF120"}]</s>',
+                "Sunny.</s>", "[INST]<tool_response>\nsunny\n</tool_response>[/INST]"),
+    "gpt_oss": ("<|channel|>analysis<|message|>Paris, 2 days.<|end|><|start|>assistant to=functions.get_weather"
+                '<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>',
+                "<|channel|>final<|message|>Sunny.<|return|>",
+                '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|><|start|>assistant'),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\", \"days\": 2}"
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>", "Sunny.<｜end▁of▁sentence｜>",
+                    "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>"),
+    "glm45": ("\n<think>Paris, 2 days.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+              "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call><|observation|>",
+              "\n<think></think>\nSunny.<|user|>", "\n<tool_response>\nsunny\n</tool_response><|assistant|>"),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|><|im_end|>', "Sunny.<|im_end|>",
+                "<|im_system|>tool<|im_middle|>## Return of call_0\\nsunny<|im_end|><|im_assistant|>assistant<|im_middle|>"),
+    # Gemma 4: the call turn waits at <|tool_response>; the result is filled in and the policy goes on in the same turn
+    "gemma": ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|><|tool_response>', "Sunny.<turn|>",
+              'response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'),
+}
+
+
+def test_every_family_has_an_episode():
+    assert set(EPISODES) == set(FAMILIES) == set(RENDERER)
+
+
+class _PolicyEngine:
+    """Replies the scripted texts with the log-probs ``model`` gives them (an on-policy sample)."""
+
+    def __init__(self, tok, replies, model):
+        self.tok, self.replies, self.model, self.policy_version = tok, list(replies), model, 0
+
+    async def generate(self, prompt_ids, params):
+        ids = self.tok(self.replies.pop(0), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            lp = sequence_logprobs(self.model, list(prompt_ids) + ids)[len(prompt_ids):]
+        return Generation(tuple(ids), tuple(lp.tolist()), "stop", 0)
+
+
+def _tiny_policy(vocab_size):
+    """A 2-layer random Llama over the family tokenizer's whole vocabulary (added tokens included)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).float()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_tool_episode_in_the_family_format_renders_its_deltas_and_trains_one_step(family_tokenizer, family):
+    """Per family: the env driver decodes the sampled turns as the parser needs (special tokens kept
+    where it reads them), the env sees the call and the reasoning-free reply, the observation delta
+    is the template's own text for the tool result, the trained tokens are exactly the sampled ones,
+    and one GRPO step on a tiny random policy carrying the template raises the log-prob of the
+    rewarded episode's answer and lowers that of the other episode's."""
+    import copy
+    import dataclasses
+
+    from relax_agent.config import TrainerConfig
+    from relax_agent.train.backends.torch_backend import TorchTrainer
+    from relax_agent.train.batch import collate, trajectory_advantages
+
     tok, parser = family_tokenizer(family), build_parser(family)
-    env = _WeatherEnv()
+    call_turn, answer_turn, delta_text = EPISODES[family]
+    replies = [call_turn, answer_turn]
+    policy = _tiny_policy(len(tok))
+    env, renderer = _WeatherEnv(), ChatRenderer(tok)
     spec = EpisodeSpec("g/0", "g", "t0", {"id": "t0"}, seed=0, max_turns=3, max_total_tokens=4096)
-    traj = asyncio.run(run_episode(env, spec, _Engine(tok, replies), ChatRenderer(tok), parser, SamplingParams(64)))
+    traj = asyncio.run(run_episode(env, spec, _PolicyEngine(tok, replies, policy), renderer, parser, SamplingParams(64)))
     assert traj.error is None and traj.reward == 1.0
-    assert _plain(parser.parse(_as_sampled(tok, parser, replies[0]))) == CALLS[:1]
+    assert _plain(parser.parse(_as_sampled(tok, parser, call_turn))) == CALLS[:1]
     assert [c["function"]["name"] for c in env.seen[0]["tool_calls"]] == ["get_weather"]
-    assert env.seen[1]["content"] == "Sunny." and "parse_errors" not in env.seen[1]
+    assert env.seen[0].get("parse_errors") is None and env.seen[1]["content"] == "Sunny."
+    assert "parse_errors" not in env.seen[1]
+    assert json.dumps(env.seen[0]["tool_calls"][0]["function"]["arguments"]) == '{"city": "Paris", "days": 2}'
     sampled = [tok(r, add_special_tokens=False)["input_ids"] for r in replies]
     assert [list(t.token_ids) for t in traj.turns] == sampled
     assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [i for s in sampled for i in s]
-    assert json.dumps(env.seen[0]["tool_calls"][0]["function"]["arguments"]) == '{"city": "Paris", "days": 2}'
+    first_end = traj.turns[0].start + len(sampled[0])
+    delta = list(traj.token_ids[first_end:traj.turns[1].start])
+    assert tok.decode(delta) == delta_text and traj.loss_mask[first_end:traj.turns[1].start] == (0,) * len(delta)
+    assert list(traj.token_ids[:traj.prompt_len]) == list(renderer.render_prompt(
+        [{"role": "user", "content": "Weather in Paris?"}], TOOLS).token_ids)
+    record = {"token_ids": list(traj.token_ids), "messages": list(traj.messages),
+              "turns": [{"start": t.start, "token_ids": list(t.token_ids), "finish_reason": t.finish_reason}
+                        for t in traj.turns]}
+    assert check_deltas(record, renderer) == (None, None)  # the replay re-derives the same delta
+
+    # one training step: this episode (reward 1) against one that answers "Rainy." (reward 0), a group of two
+    other_replies = [call_turn, answer_turn.replace("Sunny.", "Rainy.")]
+    other = asyncio.run(run_episode(_WeatherEnv(), spec, _PolicyEngine(tok, other_replies, policy), renderer, parser,
+                                    SamplingParams(64)))
+    other = dataclasses.replace(other, sample_id="g/1", reward=0.0)
+    batch = collate([traj, other], trajectory_advantages([traj, other]), tok.pad_token_id or 0)
+    assert [int(t) for t, m in zip(batch.input_ids[0], batch.loss_mask[0]) if m] == [i for s in sampled for i in s]
+    trainer = TorchTrainer(copy.deepcopy(policy), TrainerConfig(lr=1e-2, micro_batch_size=2))
+    metrics = trainer.train_step(batch)
+    assert metrics[RATIO_MEAN] == pytest.approx(1.0, abs=1e-4)  # on-policy: the log-probs were the policy's
+
+    def answer_logprob(model, t):
+        with torch.no_grad():
+            return float(sequence_logprobs(model, list(t.token_ids))[t.turns[1].start:].sum())
+
+    assert answer_logprob(trainer.model, traj) > answer_logprob(policy, traj) + 1e-3
+    assert answer_logprob(trainer.model, other) < answer_logprob(policy, other) - 1e-3
 
 
 def test_a_run_with_tool_parser_auto_prints_the_choice_and_preflight_lets_it_through(family_tokenizer, capsys):
@@ -322,3 +419,69 @@ def test_a_run_with_tool_parser_auto_prints_the_choice_and_preflight_lets_it_thr
     assert capsys.readouterr().err == "tool parser: qwen3 (chat template has <tool_call> JSON calls and <think> reasoning)\n"
     fixed = load_config(None, ["rollout.tool_parser=mistral"])
     assert resolved_parser_name(fixed, family_tokenizer("qwen3"), "x") == "mistral" and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_envs_show_names_the_parser_auto_chooses_and_how_tools_are_rendered(family_tokenizer, family, tmp_path,
+                                                                            tiny_model_dir):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+
+    family_tokenizer(family).save_pretrained(tmp_path)
+    shutil.copy(Path(tiny_model_dir) / "config.json", tmp_path)  # a model folder: only its tokenizer is loaded
+    out = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert f"policy: {tmp_path}" in lines
+    if family == "deepseek_v3":  # its template renders no tools
+        assert "tool parser: hermes_strict (the chat template renders no tools; the Hermes system prompt asks for " \
+               "<tool_call> JSON)" in lines
+        assert "tools in: system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> " \
+               "JSON)" in lines
+        return
+    assert [line for line in lines if line.startswith("tool parser: ")] == \
+        [f"tool parser: {family} ({resolve_tool_parser(family_tokenizer(family))[1]})"]
+    assert "tools in: template (the chat template renders the tool schemas its own way)" in lines
+    fixed = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path), "--json",
+                                     "--tool-parser", "hermes", "--tools-in", "system"])
+    assert json.loads(fixed.output)["policy"] == {
+        "model": str(tmp_path), "tool_parser": "hermes", "why": "rollout.tool_parser",
+        "tools_in": "system prompt (the Hermes system prompt lists the tool schemas and asks for <tool_call> JSON)"}
+    bad = CliRunner().invoke(app, ["envs", "show", "relax/Calculator-v0", "--model", str(tmp_path), "--tools-in", "x"])
+    assert bad.exit_code == 2 and "--tools-in='x': expected one of auto, template, system" in bad.output
+
+
+def test_gemma_names_each_tool_result_after_its_sampled_call(family_tokenizer):
+    """Gemma 4 writes the tool's name in its result: taken from the sampled call with the result's
+    ``tool_call_id``, else the call in the same position; a cut call turn's delta starts with the
+    ``<|tool_response>`` that closes it."""
+    tok = family_tokenizer("gemma")
+    renderer = ChatRenderer(tok)
+    calls = [{"id": "a1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+             {"id": "b2", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    results = [{"role": "tool", "tool_call_id": "b2", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "zz", "content": "12:00"}]
+    assert tok.decode(renderer.observation_delta(results, calls=calls)) == (
+        'response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>'
+        '<|tool_response>response:get_weather{value:<|"|>12:00<|"|>}<tool_response|>')
+    by_order = [{"role": "tool", "content": "12:00"}]
+    assert tok.decode(renderer.observation_delta(by_order, closed=False, calls=calls)) == \
+        '<|tool_response>response:get_time{value:<|"|>12:00<|"|>}<tool_response|>'
+
+
+def test_glm_closes_a_turn_with_the_next_roles_token(family_tokenizer):
+    """GLM-4.5+ writes no token after an assistant turn: the next role's token closes it. A turn the
+    policy closed (it sampled that token) gets the rest; a cut turn's delta starts with that token."""
+    tok = family_tokenizer("glm45")
+    renderer = ChatRenderer(tok)
+    tool = [{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}]
+    user = [{"role": "user", "content": "And tomorrow?"}]
+    assert tok.decode(renderer.observation_delta(tool)) == "\n<tool_response>\nsunny\n</tool_response><|assistant|>"
+    assert tok.decode(renderer.observation_delta(tool, closed=False)) == \
+        "<|observation|>\n<tool_response>\nsunny\n</tool_response><|assistant|>"
+    assert tok.decode(renderer.observation_delta(user)) == "\nAnd tomorrow?<|assistant|>"
+    assert tok.decode(renderer.observation_delta(user, closed=False)) == "<|user|>\nAnd tomorrow?<|assistant|>"
+    assert {tok.convert_tokens_to_ids(t) for t in ("<|observation|>", "<|user|>")} <= renderer.stop_ids

@@ -75,9 +75,12 @@ class InferenceEngine(Protocol):
     def close(self) -> None: ...
 
 
-TURN_END_TOKENS = ("<|im_end|>", "<|call|>", "<|return|>", "<|eom_id|>")
+TURN_END_TOKENS = ("<|im_end|>", "<|call|>", "<|return|>", "<|eom_id|>", "<|observation|>", "<|user|>", "<turn|>",
+                   "<|tool_response>")
 """Tokens that end an assistant turn in some family whatever the tokenizer's EOS says: ChatML's
-``<|im_end|>``, gpt-oss's ``<|call|>`` (a tool call) and ``<|return|>``, Llama 3.1's ``<|eom_id|>``."""
+``<|im_end|>``, gpt-oss's ``<|call|>`` (a tool call) and ``<|return|>``, Llama 3.1's ``<|eom_id|>``,
+GLM-4.5+'s next-role tokens ``<|observation|>`` and ``<|user|>`` (its ``generation_config`` stops on
+them), Gemma 4's ``<turn|>`` and ``<|tool_response>`` (a tool call waits for its result there)."""
 
 
 def default_stop_ids(tokenizer: Any) -> list[int]:

@@ -21,7 +21,10 @@ delivers to whichever loop awaits it). :meth:`EndpointServer.call` runs a corout
 Streaming: content deltas are sent as the reply's text grows, held back only where the text
 could still turn out to be part of a tool call or a stop string (so the deltas joined equal the
 non-streamed ``content``); tool calls are sent as deltas (id and name, then the arguments) once
-the reply is parsed, then the finish reason, with all log-probs in the choice's last chunk.
+the reply is parsed, then the finish reason, with all log-probs in the choice's last chunk. With a
+family parser whose call markers are special tokens (every family but Hermes/Qwen), content is sent
+once the reply is parsed; with one that splits reasoning off (Qwen3), content streams only after
+the reasoning block has closed.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relax_agent.errors import EngineError
 from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
+from relax_agent.rollout.tool_parsers._common import split_reasoning
 from relax_agent.rollout.proxy.openai_api import (
     SSE_DONE, Answer, ChatRequest, RequestError, chunk, final_chunks, now_s, parse_chat_request, sse, usage_chunk,
 )
@@ -337,6 +341,7 @@ class ContentStreamer:
         self.stops = tuple(stops)
         self.openers = _openers(parser) if parse else ()
         self.strict_json = parse and isinstance(parser, JsonParser) and parser.strict
+        self.think: tuple[str, str] | None = getattr(parser, "THINK", None) if parse else None
         self.sent = ""
 
     def safe(self, text: str) -> str:
@@ -346,6 +351,10 @@ class ContentStreamer:
             if i >= 0:
                 text = text[:i]
         text = text[:len(text) - _partial_suffix(text, self.stops + self.openers)]
+        if self.think:  # a family parser that splits reasoning off: content starts after the reasoning block
+            if self.think[1] not in text:
+                return ""
+            text = split_reasoning(text, *self.think)[1]
         if self.parse:
             if self.strict_json and (not text.strip() or text.lstrip()[0] in "{["):
                 return ""

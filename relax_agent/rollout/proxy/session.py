@@ -41,7 +41,12 @@ parser's call format (``<tool_call>\\n{"name": "`` for hermes, plus the name for
 function) appended to the prompt as context tokens (loss mask 0) before sampling; a reply that
 still has no well-formed call of an allowed tool is not returned (HTTP 500, code
 ``invalid_tool_call``; it stays recorded as an undelivered side branch); "none"
-returns the text as content, never parsed. ``parallel_tool_calls: false`` stops the reply at the
+returns the text as content, never parsed. Replies are parsed by the run's tool-call parser
+(``rollout.tool_parser``, ``auto`` resolved for the policy) from the text decoded as that parser
+needs it: special tokens kept for the families whose call markers are special tokens (Llama 3's
+``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``, gpt-oss channels, DeepSeek, GLM, Kimi, Gemma), as
+the env driver does; the content and tool calls returned are the parser's, the recorded turn is the
+sampled ids. ``parallel_tool_calls: false`` stops the reply at the
 first closing ``</tool_call>`` (hermes parsers). Stop strings end the reply at their first
 occurrence (the engine's row is aborted as soon as one is sampled when it streams tokens); the
 recorded turn ends with the token that completed the stop string.
@@ -62,7 +67,7 @@ from relax_agent.records import Trajectory
 from relax_agent.rollout.chat import ChatRenderer, text_of
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
-from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
+from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, now_s
 from relax_agent.rollout.recorder import TrajectoryRecorder
 
@@ -233,8 +238,13 @@ class _Plan:
 
 @dataclass
 class _Sampled:
+    """One choice as sampled: the generation, its text (special tokens skipped, as content is shown)
+    and the text the parser reads (special tokens kept for a family parser whose call markers are
+    special tokens; the same text otherwise)."""
+
     gen: Generation
     text: str
+    parsed_text: str = ""
 
 
 @dataclass
@@ -285,8 +295,10 @@ class AgentSession:
         tok = self.renderer.tokenizer
         eos = tok.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-        self._close_ids = frozenset(self.renderer.end_of_turn_ids[:1]) | frozenset(eos_ids)
+        self._close_ids = frozenset(self.renderer.end_of_turn_ids[:1]) | frozenset(eos_ids) | self.renderer.stop_ids
         self._decode = lambda ids: tok.decode(list(ids), skip_special_tokens=True)
+        keep = decodes_special_tokens(self.parser)
+        self._parse_decode = (lambda ids: tok.decode(list(ids), skip_special_tokens=False)) if keep else self._decode
         self._task = [normalise(m) for m in self.task_messages if m.get("role") not in ("system", "developer")]
 
     # -- requests -------------------------------------------------------------------------
@@ -370,7 +382,9 @@ class AgentSession:
             num_tokens, num_convo, _, closed = state
             new = req.messages[num_convo:]
             try:
-                delta = self.renderer.observation_delta(list(new), closed=closed)
+                last = req.messages[num_convo - 1] if num_convo else {}
+                calls = (last.get("tool_calls") or ()) if isinstance(last, dict) else ()
+                delta = self.renderer.observation_delta(list(new), closed=closed, calls=calls)
             except Exception as exc:  # the template refuses these messages after an assistant turn
                 raise RequestError(f"messages[{num_convo}:] cannot be rendered after the assistant turn: "
                                    f"{type(exc).__name__}: {exc}", "messages") from exc
@@ -541,7 +555,9 @@ class AgentSession:
         gen = self._cut(gen, markers, forced_text)
         text = forced_text + self._decode(gen.token_ids)
         cut = _marker_cut(text, markers)
-        return _Sampled(gen, text if cut is None else text[:cut])
+        parsed = forced_text + self._parse_decode(gen.token_ids)
+        parsed_cut = _marker_cut(parsed, markers)
+        return _Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut])
 
     def _cut(self, gen: Generation, markers: list[tuple[str, bool]], forced_text: str) -> Generation:
         """``gen`` up to the token that completes the first marker (finish reason "stop"), or as is."""
@@ -558,7 +574,7 @@ class AgentSession:
     def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int,
                 request: int, answer_id: str, prompt: list[int]) -> Choice:
         """Add choice ``index`` to its segment and to the reply tree; return it as the agent sees it."""
-        content, calls, internal, failed = self._reply(req, s.text)
+        content, calls, internal, failed = self._reply(req, s.text, s.parsed_text or s.text)
         self.stats.tool_parse_failures += failed
         seg = self._segment_for(plan, index)
         if plan.base is None:
@@ -644,13 +660,19 @@ class AgentSession:
         self.segments.append(seg)
         return seg
 
-    def _reply(self, req: ChatRequest, text: str) -> tuple[str | None, tuple[dict[str, Any], ...], dict[str, Any], int]:
-        """(content, OpenAI tool calls, the assistant message for the record, 1 if the calls did not parse)."""
+    def _reply(self, req: ChatRequest, text: str,
+               parsed_text: str) -> tuple[str | None, tuple[dict[str, Any], ...], dict[str, Any], int]:
+        """(content, OpenAI tool calls, the assistant message for the record, 1 if the calls did not parse).
+
+        ``text``: the reply with special tokens skipped (content as shown); ``parsed_text``: the reply
+        as the run's tool-call parser reads it (special tokens kept where its call markers are special
+        tokens, as the env driver decodes them). The record's tokens are the sampled ids either way.
+        """
         if not req.tools or req.tool_choice.mode == "none":
             return text, (), {"role": "assistant", "content": text, "tool_calls": []}, 0
-        parsed = self.parser.parse(text)
+        parsed = self.parser.parse(parsed_text)
         if parsed.errors:
-            internal = {"role": "assistant", "content": text.strip(), "tool_calls": [],
+            internal = {"role": "assistant", "content": parsed_text.strip(), "tool_calls": [],
                         "parse_errors": list(parsed.errors)}
             return text.strip(), (), internal, 1
         calls = []
@@ -662,6 +684,8 @@ class AgentSession:
         internal = {"role": "assistant", "content": parsed.content,
                     "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
                                    for c in calls]}
+        if parsed.reasoning:
+            internal["reasoning_content"] = parsed.reasoning
         content = (parsed.content or None) if calls else parsed.content
         return content, tuple(calls), internal, 0
 
@@ -839,4 +863,6 @@ def _call_text(parser: ToolCallParser, call: dict[str, Any]) -> str:
         return f"```json\n{body}\n```"
     if isinstance(parser, JsonParser):
         return body
+    if getattr(parser, "family", None) and not isinstance(parser, HermesParser) and hasattr(parser, "format"):
+        return parser.format([{"name": call["function"]["name"], "arguments": _decoded(call["function"].get("arguments"))}])
     return f"{HermesParser.OPEN}\n{body}\n{HermesParser.CLOSE}"
