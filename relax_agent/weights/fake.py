@@ -70,7 +70,8 @@ class TensorEngine:
                     for n, d in expected_digests.items()})
                 self.stats.weight_verify_s += time.perf_counter() - verify_start
                 if diff:
-                    self._copy(backup)
+                    for name, value in backup.items():
+                        self.tensors[name].copy_(value)
                     raise WeightSyncError(f"load_weights: version {int(version)} differs after the load from what "
                                           f"was sent; not applied: {'; '.join(diff)}")
             self._version = int(version)
