@@ -66,9 +66,9 @@ class WeightSyncConfig(Section):
     refuses the version naming the tensor, and that engine serves no version until a later one
     verifies. Costs a strided sample per tensor (``weights/verify_s`` per publish). Engines that
     cannot report a digest are loaded unverified (logged once)."""
-    verify_samples: int = Field(default=4096, ge=1)
-    """Elements per tensor the digest hashes (every ``numel // verify_samples``-th, plus the last;
-    smaller tensors in full)."""
+    verify_samples: int = Field(default=2048, ge=16)
+    """Elements per tensor the digest hashes: ``verify_samples // 16`` evenly spaced blocks of 16
+    plus the last 16 (tensors this small or smaller in full); the cost grows with the blocks."""
     publish_timeout_s: float = Field(default=600.0, gt=0.0)
     """How long ``publish`` waits for every attached engine to apply the version; one that has not
     by then is reported as lagging (``SyncStats.lagging``), not waited for again until it catches

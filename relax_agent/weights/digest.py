@@ -1,23 +1,28 @@
 """Weight digests: check, after an engine loaded a version, that it holds what was published.
 
 A :class:`TensorDigest` summarises one tensor *as the engine holds it*: its shape, its dtype and
-a 64-bit hash (BLAKE2b) of a fixed, evenly strided sample of its elements in that dtype. The
-expected digest of a published tensor is computed the same way from the tensor the transport
-delivered, cast to the engine's dtype first (``copy_`` into a bf16 parameter rounds exactly like
-``.to(torch.bfloat16)``), so the two are compared for equality, with no tolerance.
+a CRC-32 of a fixed sample of its elements in that dtype. The expected digest of a published
+tensor is computed the same way from the tensor the transport delivered, cast to the engine's
+dtype first (``copy_`` into a bf16 parameter rounds exactly like ``.to(torch.bfloat16)``), so
+the two are compared for equality, with no tolerance.
 
-Why a strided sample and not a full pass. Loading a version is itself one read and one write of
-the weights (plus the publisher's finite check, another read); any digest that reads every
-element adds a pass of the same order: a float64 sum and sum of squares of SmolLM2-135M costs
-about a third of its in-process sync on this project's CPUs, far above the 5 % budget
-(``benchmarks/weight_verify.py`` prints both). The sample takes ``samples`` elements per tensor
-(every ``numel // samples``-th, plus the last one), a few hundred KiB of cache lines for a whole
-135M model, so it costs a few percent of the sync. What it catches: a tensor that was not loaded
-or was loaded from the wrong source (a training step moves nearly every element, so the sample
-differs), one loaded with another shape, dtype or layout (transposed, permuted, a fused
-projection filled in the wrong order), a corrupted or truncated copy, and any corrupted region
-longer than ``numel / samples`` elements; a tensor with ``numel <= samples`` is hashed in full.
-What it does not catch: a single corrupted element (or a short run) between two sampled ones.
+The sample (:func:`sample_index`): ``samples // 16`` blocks of 16 consecutive elements spread
+evenly over the flattened tensor, plus its last 16 elements; tensors of at most ``samples``
+elements are hashed in full (norms, biases). Why not a full pass: loading a version is itself
+one read and one write of every weight (plus the publisher's finite check, another read), and a
+digest that reads every element adds a pass of the same order on each side: a float64 sum and sum
+of squares of SmolLM2-135M costs more than its whole in-process sync (``benchmarks/weight_verify.py``
+prints both). A sample's cost is set by the cache lines it touches, not the elements: a block of
+16 fp32 elements is one 64-byte line, so 128 blocks per tensor cost ~128 memory accesses, a few
+percent of the sync for the 135M model.
+
+What it catches: a tensor that was not loaded, or loaded from another version or tensor (a
+training step moves nearly every element, so every block differs); one held with another shape,
+dtype or layout (transposed, permuted, a fused projection filled in the wrong order); a truncated
+copy (the tail block); any corrupted region longer than ``numel / (samples // 16)`` elements (a
+missing tensor-parallel shard, a bucket written at the wrong offset). What it does not catch:
+corruption confined to elements between two blocks (a single element, a row of a large matrix
+that no block touches).
 
 Functions here never raise on a mismatch; :func:`compare` lists the differences and the caller
 decides (the engines refuse the version, see :mod:`relax_agent.weights.subscriber`).
@@ -25,14 +30,19 @@ decides (the engines refuse the version, see :mod:`relax_agent.weights.subscribe
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-DEFAULT_SAMPLES = 4096
-"""Elements sampled per tensor (every ``numel // samples``-th one, plus the last)."""
+DEFAULT_SAMPLES = 2048
+"""Elements sampled per tensor (:func:`sample_index`)."""
+
+BLOCK = 16
+"""Consecutive elements per sampled block: one 64-byte cache line of fp32, so a block costs one
+memory access, as a single element would."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,7 @@ class TensorDigest:
     Attributes:
         shape: the tensor's shape.
         dtype: torch dtype name ("bfloat16") the sample was hashed in.
-        sample_hash: BLAKE2b-64 of the sampled elements' raw bytes, hex.
+        sample_hash: CRC-32 of the shape and dtype, then of the sampled elements' raw bytes, hex.
         samples: the ``samples`` it was computed with (the engine's digest must use the same).
     """
 
@@ -60,32 +70,49 @@ class TensorDigest:
         return cls(tuple(int(d) for d in shape), str(dtype), str(sample_hash), int(samples))
 
 
-def sample_indices(numel: int, samples: int = DEFAULT_SAMPLES) -> slice:
-    """The strided slice of a flattened tensor's elements that is hashed (all of them when
-    ``numel <= samples``); the last element is hashed too (see :func:`tensor_digest`)."""
-    return slice(0, numel, max(1, numel // max(1, samples)))
+def sample_index(numel: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
+    """[k] int64 indices of a flattened tensor's elements that are hashed: every element when
+    ``numel <= samples``; else ``samples // 16`` blocks of :data:`BLOCK` consecutive elements, one
+    every ``numel // (samples // 16)`` elements from the first, then the last :data:`BLOCK` elements."""
+    if numel <= samples:
+        return torch.arange(numel)
+    blocks = max(1, samples // BLOCK)
+    starts = torch.arange(blocks) * (numel // blocks)
+    return torch.cat([(starts[:, None] + torch.arange(BLOCK)).reshape(-1), torch.arange(numel - BLOCK, numel)])
+
+
+@functools.lru_cache(maxsize=512)
+def _index(numel: int, samples: int, device: str) -> torch.Tensor:
+    return sample_index(numel, samples).to(device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _meta_crc(shape: tuple[int, ...], dtype: str) -> int:
+    return zlib.crc32(repr((shape, dtype)).encode())
 
 
 def tensor_digest(tensor: torch.Tensor, dtype: torch.dtype | None = None,
                   samples: int = DEFAULT_SAMPLES) -> TensorDigest:
     """Digest of ``tensor`` (any shape, any device) as held in ``dtype`` (default: its own).
 
-    Only the sampled elements are gathered, cast and copied to the CPU (``samples + 1`` of them),
-    so the cost does not grow with the tensor beyond the strided reads.
+    Only the sampled elements (:func:`sample_index`) are gathered, cast and copied to the CPU, in
+    one ``index_select``; the index is cached per (numel, samples, device).
+    The hash is CRC-32 of ``repr((shape, "torch.<dtype>"))``, then of the gathered bytes.
     """
     dtype = tensor.dtype if dtype is None else dtype
-    with torch.no_grad():
-        flat = tensor.detach().reshape(-1)
-        numel = flat.numel()
-        if numel:
-            picked = torch.cat([flat[sample_indices(numel, samples)], flat[-1:]])
-            picked = picked.to(device="cpu", dtype=dtype).contiguous()
-            raw = picked.view(torch.uint8).numpy().tobytes() if picked.element_size() else b""
-        else:
-            raw = b""
-    h = hashlib.blake2b(raw, digest_size=8)
-    h.update(repr((tuple(tensor.shape), str(dtype))).encode())
-    return TensorDigest(tuple(int(d) for d in tensor.shape), str(dtype).removeprefix("torch."), h.hexdigest(), samples)
+    shape = tuple(int(d) for d in tensor.shape)
+    crc = _meta_crc(shape, str(dtype))
+    numel = tensor.numel()
+    if numel:
+        with torch.no_grad():
+            flat = tensor.detach().reshape(-1)
+            picked = flat.index_select(0, _index(numel, samples, str(flat.device)))
+            if picked.dtype != dtype:
+                picked = picked.to(dtype)
+            if picked.device.type != "cpu":
+                picked = picked.cpu()
+            crc = zlib.crc32(picked.view(torch.uint8).numpy(), crc)
+    return TensorDigest(shape, str(dtype).removeprefix("torch."), f"{crc:08x}", samples)
 
 
 def expected_digests(state_dict: Mapping[str, torch.Tensor], layout: Mapping[str, tuple[Any, torch.dtype]] | None,

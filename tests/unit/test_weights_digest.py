@@ -9,7 +9,7 @@ import torch
 from relax_agent.errors import WeightSyncError
 from relax_agent.rollout.engines import vllm_server
 from relax_agent.weights import TensorEngine, WeightSyncConfig, build_weight_sync
-from relax_agent.weights.digest import TensorDigest, compare, expected_digests, sample_indices, tensor_digest
+from relax_agent.weights.digest import TensorDigest, compare, expected_digests, sample_index, tensor_digest
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -18,9 +18,10 @@ def weights(seed: int = 0) -> dict[str, torch.Tensor]:
             "proj": torch.randn(96, 64, generator=g)}
 
 
-def test_sample_covers_small_tensors_in_full_and_large_ones_evenly():
-    assert sample_indices(100, 4096) == slice(0, 100, 1)
-    assert sample_indices(4096 * 10 + 5, 4096) == slice(0, 4096 * 10 + 5, 10)
+def test_sample_covers_small_tensors_in_full_and_large_ones_in_evenly_spaced_blocks_and_the_tail():
+    assert sample_index(100, 4096).tolist() == list(range(100))
+    got = sample_index(1000, 64).tolist()  # 4 blocks of 16, 250 apart, then the last 16
+    assert got == [s + i for s in (0, 250, 500, 750) for i in range(16)] + list(range(984, 1000))
 
 
 def test_digest_of_a_cast_equals_the_digest_the_engine_computes_on_its_copy():
@@ -37,7 +38,8 @@ def test_digest_of_a_cast_equals_the_digest_the_engine_computes_on_its_copy():
     (lambda t: t.t().contiguous().reshape(300, 64), True),  # wrong layout, same shape
     (lambda t: t[:, :32], True),                            # another shape
     (lambda t: t.index_fill(0, torch.arange(100, 200), 0.0), True),  # a third of the rows lost
-    (lambda t: t.index_put((torch.tensor([0]), torch.tensor([1])), torch.tensor(9.0)), False),  # one unsampled element
+    (lambda t: torch.cat([t.reshape(-1)[:-3], torch.zeros(3)]).reshape(300, 64), True),  # a truncated tail
+    (lambda t: t.index_put((torch.tensor([0]), torch.tensor([20])), torch.tensor(9.0)), False),  # one unsampled element
 ])
 def test_digest_finds_whole_and_partial_corruption_but_not_one_unsampled_element(change, found):
     sent = weights()["embed"]
@@ -63,11 +65,12 @@ def test_expected_digests_cast_floating_tensors_to_the_engine_layout_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("numel", [1, 7, 4096, 4097, 100_003])
+@pytest.mark.parametrize("numel", [1, 7, 2048, 2049, 100_003])
 def test_the_vllm_servers_digest_is_the_same_algorithm(dtype, numel):
     t = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
-    assert TensorDigest.from_json(vllm_server.tensor_digest(t, 4096)) == tensor_digest(t)
-    assert vllm_server.tensor_digest(t, 4096) == tensor_digest(t).to_json()
+    assert TensorDigest.from_json(vllm_server.tensor_digest(t, 2048)) == tensor_digest(t)
+    assert vllm_server.tensor_digest(t, 2048) == tensor_digest(t).to_json()
+    assert vllm_server.tensor_digest(t, 64) == tensor_digest(t, samples=64).to_json()
 
 
 def test_vllm_server_verification_names_the_tensor_and_version():
