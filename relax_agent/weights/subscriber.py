@@ -14,9 +14,10 @@ For each new version it
    ``expected_digests``: passes the digests of the received tensors, cast to the engine's dtypes
    (:mod:`relax_agent.weights.digest`); the engine compares them with a digest of what it holds
    after the load, before it serves the version, and refuses the version naming the tensor on a
-   mismatch (see the engine for what it then serves). The received tensors are what the publisher
-   sent (inproc: the publisher's own tensors; tcp: bytes whose bucket checksums the publisher
-   computed), so the check covers publisher -> transport -> engine;
+   mismatch (see the engine for what it then serves). Before that, over tcp and nccl, the received
+   tensors are checked against the digests the publisher computed of what it sent (in the
+   version's metadata); inproc subscribers receive the publisher's own tensors. So the check
+   covers publisher -> transport -> engine;
 5. reports the outcome and timings (``verify_s``: digest time, both sides) to the coordinator.
 
 ``sync_latest()`` is what a late-joining replica calls before it serves; ``start()`` follows
@@ -43,7 +44,8 @@ import torch
 from relax_agent.errors import VersionGoneError, WeightSyncError
 from relax_agent.weights.base import Receiver
 from relax_agent.weights.coordinator import ApplyReport, CoordinatorApi
-from relax_agent.weights.digest import expected_digests
+from relax_agent.weights.digest import TensorDigest, expected_digests, tensor_digest
+from relax_agent.weights.digest import compare as compare_digests
 from relax_agent.weights.meta import VersionMeta, format_diff, layout_diff
 
 log = logging.getLogger("relax_agent.weights")
@@ -158,7 +160,9 @@ class EngineSubscriber:
                     raise
                 with self._keepalive():
                     tensors, stats = self._receiver.receive(meta)
+                    received_s = self._check_received(tensors, meta)
                     stats["pause_s"], stats["verify_s"] = self._load(tensors, names, meta.version)
+                    stats["verify_s"] += received_s
                 report = ApplyReport(self.id, meta.version, None, stats)
                 self.applied_version, self.applied_epoch = meta.version, meta.epoch
             except VersionGoneError as exc:  # superseded while pulling: not a refusal, nothing to report
@@ -202,6 +206,25 @@ class EngineSubscriber:
         """``meta`` belongs to the run of the applied version and is not newer than it."""
         return (self.applied_version is not None and meta.epoch == self.applied_epoch
                 and meta.version <= self.applied_version)
+
+    def _check_received(self, tensors: Mapping[str, torch.Tensor], meta: VersionMeta) -> float:
+        """Compare the received tensors with the publisher's digests in ``meta`` (tcp, nccl under
+        ``weights.verify``), before the engine sees them; returns the seconds it took.
+
+        Raises:
+            WeightSyncError: a tensor differs or is missing (names the version and each tensor).
+        """
+        if self._verify_samples is None or not meta.digests:
+            return 0.0
+        start = time.perf_counter()
+        sent = {name: TensorDigest.from_json(d) for name, d in meta.digests.items()}
+        diff = compare_digests(sent, {n: tensor_digest(tensors[n], samples=d.samples) if n in tensors else None
+                                      for n, d in sent.items()})
+        if diff:
+            raise WeightSyncError(f"{self.id} refuses version {meta.version}: what it received differs from what the "
+                                  f"publisher sent in {len(diff)} tensor(s), not loaded (weights.verify):\n  "
+                                  + "\n  ".join(diff[:20]))
+        return time.perf_counter() - start
 
     def _load(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], version: int) -> tuple[float, float]:
         """engine.load_weights (verified with ``verify_samples``); returns the engine's pause in seconds

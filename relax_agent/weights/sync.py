@@ -28,6 +28,7 @@ from relax_agent.weights.auth import new_secret
 from relax_agent.weights.base import Receiver, Sender
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.coordinator import ApplyReport, Coordinator
+from relax_agent.weights.digest import tensor_digest
 from relax_agent.weights.subscriber import EngineSubscriber, NameMap
 
 log = logging.getLogger("relax_agent.weights")
@@ -60,8 +61,9 @@ class SyncStats:
             keep following and catch up on their own.
         dropped: subscribers unregistered during this publish for silence
             (``weights.subscriber_silence_s``): not waited for.
-        verify_s: longest time a subscriber spent on digests (``weights.verify``): the expected
-            digests of what it received plus the engine's digest of what it loaded.
+        verify_s: time spent on digests (``weights.verify``): the publisher's digests of what it sent
+            (tcp, nccl) plus the longest a subscriber spent on the received tensors' and the
+            engine's digests.
     """
 
     version: int
@@ -184,6 +186,12 @@ class WeightSync:
             _check_finite(state_dict, version)
         meta = self._sender.stage(state_dict, version)
         stage_s = time.perf_counter() - start
+        sent_digest_s = 0.0
+        if self.cfg.verify and self.cfg.transport != "inproc":  # inproc subscribers read these very tensors
+            digest_start = time.perf_counter()
+            meta = replace(meta, digests={t.name: tensor_digest(state_dict[t.name], samples=self.cfg.verify_samples)
+                                          .to_json() for t in meta.tensors if t.alias_of is None})
+            sent_digest_s = time.perf_counter() - digest_start
         try:
             if self.cfg.transport == "inproc":
                 for sub in self._local:  # refuse before any engine changes
@@ -208,7 +216,7 @@ class WeightSync:
                         "%s s; reported as lagging (they catch up on their own)", version, missing,
                         self.cfg.publish_timeout_s)
         stats = _stats(meta.version, meta.total_bytes, seconds, stage_s, reports, tuple(behind + missing))
-        return replace(stats, dropped=tuple(dropped))
+        return replace(stats, dropped=tuple(dropped), verify_s=stats.verify_s + sent_digest_s)
 
     def _still_lagging(self, subscribers: list[str]) -> tuple[list[str], list[str]]:
         """Split ``subscribers`` into those to wait for and those still behind a version an earlier

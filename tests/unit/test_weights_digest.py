@@ -102,3 +102,38 @@ def test_tcp_publish_into_a_bf16_engine_verifies_and_a_corrupting_load_keeps_the
         assert all(torch.equal(held[n], t.to(torch.bfloat16)) for n, t in weights(1).items())
     finally:
         sync.close()
+
+
+def test_tensors_corrupted_in_transit_are_refused_before_the_engine_loads_them():
+    """Over tcp without bucket checksums the publisher's digests in the version's metadata still
+    catch bytes that changed on the way; the engine is not touched."""
+    engine = TensorEngine(weights(0))
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", checksum="none"), [engine])
+    try:
+        sync.publish(weights(1), 1)
+        assert sync.coordinator.latest().digests.keys() == weights(1).keys()
+        receiver = sync.subscribers[0]._receiver
+        receive = receiver.receive
+
+        def receive_then_corrupt(meta):
+            tensors, stats = receive(meta)
+            tensors["embed"][150, 0] += 1.0  # inside the sampled block that starts at element 9600
+            return tensors, stats
+
+        receiver.receive = receive_then_corrupt
+        loads = engine.stats.weight_loads
+        with pytest.raises(WeightSyncError, match=r"version 2: what it received differs(.|\n)*embed: "):
+            sync.publish(weights(2), 2)
+        version, held = engine.snapshot()
+        assert version == 1 and engine.stats.weight_loads == loads and torch.equal(held["embed"], weights(1)["embed"])
+    finally:
+        sync.close()
+
+
+def test_malformed_digests_in_version_metadata_are_refused():
+    from relax_agent.weights.meta import VersionMeta
+
+    meta = VersionMeta(1, (), 0, 64, "none").to_json()
+    assert VersionMeta.from_json({**meta, "digests": {"w": [[2], "float32", "00", 16]}}).digests["w"][1] == "float32"
+    with pytest.raises(WeightSyncError, match="digests must map"):
+        VersionMeta.from_json({**meta, "digests": {"w": "abc"}})
