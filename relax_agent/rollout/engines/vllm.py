@@ -70,7 +70,6 @@ from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.weights.digest import TensorDigest, tensor_digest
-from relax_agent.weights.meta import to_dtype
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 
@@ -407,7 +406,7 @@ class VLLMEngine:
             body = {"path": str(path), "version": int(version), "policy": self._cfg.vllm.update_policy}
             if expected_digests is not None:
                 verify_start = time.perf_counter()
-                body["expected"] = _file_digests(written, expected_digests)
+                body["expected"] = _file_digests(written, expected_digests, self._dtype)
                 self.stats.weight_verify_s += time.perf_counter() - verify_start
             try:
                 reply = self._call(self._post("/load_weights", body), self._cfg.vllm.load_timeout_s + 30.0)
@@ -613,20 +612,19 @@ class VLLMEngine:
         return sent
 
 
-def _file_digests(written: Mapping[str, tuple[str, torch.Tensor]],
-                  expected: Mapping[str, TensorDigest]) -> dict[str, list[Any]]:
+def _file_digests(written: Mapping[str, tuple[str, torch.Tensor]], expected: Mapping[str, TensorDigest],
+                  dtype: torch.dtype) -> dict[str, list[Any]]:
     """The ``expected`` body of ``/load_weights``: per checkpoint name, the digest of what was sent
     (``expected`` under its state_dict name), or for a tensor the checkpoint renames (MoE experts
-    split per expert), the digest of the tensor written, with the same sample count."""
+    split per expert), the digest of the tensor written (cast to the engine ``dtype``), with the
+    same sample count."""
     samples = next(iter(expected.values())).samples if expected else 0
     out = {}
     for name, (source, tensor) in written.items():
         if source and source in expected:
             out[name] = expected[source].to_json()
         elif samples:
-            want = expected.get(name)
-            dtype = to_dtype(want.dtype) if want is not None else None
-            out[name] = tensor_digest(tensor, dtype, samples).to_json()
+            out[name] = tensor_digest(tensor, dtype if tensor.is_floating_point() else None, samples).to_json()
     return out
 
 

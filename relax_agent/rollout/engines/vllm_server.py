@@ -35,7 +35,8 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   then reloads. ``expected`` (optional, ``weights.verify``): name -> ``[shape, dtype, sample hash,
   samples]`` (:func:`tensor_digest`) of tensors to check as the server read them, before anything
   is aborted or reloaded; a difference answers 409 naming the tensors, and the previous version
-  keeps serving. Answers ``{"version", "pause_s", "read_s", "reload_s", "verify_s", "aborted"}``
+  keeps serving. Answers ``{"version", "pause_s", "read_s", "reload_s", "verify_s", "verified",
+  "aborted"}`` (``verified``: tensors checked)
   (``pause_s``: time the engine could not step).
 - ``GET /stats``: counters since start (``max_running``: most requests in one batch); ``GET /health``: ``{"version"}`` (500 once the
   engine thread died).
@@ -501,7 +502,7 @@ class EngineLoop:
         self.stats["weight_loads"] += 1
         self.stats["weight_load_s"] += pause_s
         detail = {"version": load.version, "pause_s": pause_s, "read_s": read_s, "reload_s": reload_s,
-                  "verify_s": verify_s, "aborted": aborted}
+                  "verify_s": verify_s, "verified": len(load.expected or ()), "aborted": aborted}
         self.stats["last_load"] = detail
         _settle(load.loop, load.future, detail)
 
