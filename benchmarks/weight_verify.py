@@ -73,6 +73,8 @@ def main() -> None:
     print(f"sync, verify off (median)        {off_s * 1e3:8.1f} ms")
     print(f"sync, verify on  (median)        {on_s * 1e3:8.1f} ms")
     print(f"weights/verify_s (median)        {verify_s * 1e3:8.1f} ms   = {verify_s / on_s:6.1%} of the verified sync")
+    print(f"fastest rounds: sync off {min(seconds[False]) * 1e3:.1f} ms, sync on {min(seconds[True]) * 1e3:.1f} ms, "
+          f"verify {min(verify) * 1e3:.1f} ms = {min(verify) / min(seconds[True]):.1%} (least disturbed by other load)")
     print(f"full-pass fp64 sum + sumsq       {statistics.median(full) * 1e3:8.1f} ms   = "
           f"{statistics.median(full) / off_s:6.1%} of the unverified sync (one side only)")
 

@@ -4,6 +4,8 @@ version, and the engine does not serve that version."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -98,6 +100,35 @@ def test_verify_off_does_not_check(tiny_model_dir, trainer_state):
         corrupt_after_copy(engine, CORRUPTED, {1})
         stats = sync.publish(trainer_state, 1)
         assert engine.policy_version == 1 and stats.verify_s == 0.0 and engine.stats.weight_verify_s == 0.0
+    finally:
+        sync.close()
+        engine.close()
+
+
+def test_media_engine_verifies_its_loads_and_serves_no_corrupted_version(tmp_path):
+    from relax_agent.models import make_tiny_media_model
+    from relax_agent.multimodal.engine import MediaEngine
+
+    model, tok = load_policy(ModelConfig(path=str(make_tiny_media_model(tmp_path, kind="tiny-vl", seed=1))))
+    engine = MediaEngine(model, tok)
+    state = {k: v + 0.01 for k, v in model.state_dict().items()}
+    name = next(k for k, v in state.items() if v.dim() == 2 and "visual" in k)
+    sync = build_weight_sync(WeightSyncConfig(transport="inproc"), [engine])
+    try:
+        stats = sync.publish(state, 1)
+        assert engine.policy_version == 1 and stats.verify_s > 0 and engine.stats.weight_verify_s > 0
+        original = engine._copy_weights
+
+        def copy_then_corrupt(target, state_dict):
+            original(target, state_dict)
+            target[name][0].add_(1.0)
+
+        engine._copy_weights = copy_then_corrupt
+        with pytest.raises(WeightSyncError, match=rf"version 2(.|\n)*{name}: the engine's values differ"):
+            sync.publish({k: v + 0.01 for k, v in state.items()}, 2)
+        assert engine.policy_version == 1
+        with pytest.raises(EngineError, match="not verified.*version 2"):
+            asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2, seed=0)))
     finally:
         sync.close()
         engine.close()
