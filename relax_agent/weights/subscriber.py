@@ -101,6 +101,7 @@ class EngineSubscriber:
                  name_map: NameMap | None = None, poll_timeout_s: float = 30.0,
                  keepalive_s: float | None = None, verify_samples: int | None = None) -> None:
         self.engine = engine
+        self._layout: dict[str, Any] | None = None
         self._verify_samples = verify_samples if verify_samples is not None and _takes_digests(engine) else None
         if verify_samples is not None and self._verify_samples is None:
             log.warning("%s: weights.verify is on but %s.load_weights takes no expected_digests; its weight loads "
@@ -238,8 +239,10 @@ class EngineSubscriber:
             self.engine.load_weights(mapped, version)
             verify_s = 0.0
         else:
-            layout_fn = getattr(self.engine, "weight_layout", None)
-            expected = expected_digests(mapped, layout_fn() if layout_fn is not None else None, self._verify_samples)
+            if self._layout is None:  # an engine's layout is fixed for its lifetime
+                layout_fn = getattr(self.engine, "weight_layout", None)
+                self._layout = layout_fn() if layout_fn is not None else {}
+            expected = expected_digests(mapped, self._layout, self._verify_samples)
             verify_s = time.perf_counter() - start
             start = time.perf_counter()
             self.engine.load_weights(mapped, version, expected_digests=expected)

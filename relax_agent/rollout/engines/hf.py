@@ -279,7 +279,7 @@ class HFEngine:
                     self._prefix.clear()
                 if expected_digests is not None:
                     verify_start = time.perf_counter()
-                    diff = compare_digests(expected_digests, self.weight_digest(expected_digests))
+                    diff = compare_digests(expected_digests, self.weight_digest(expected_digests, target))
                     self.stats.weight_verify_s += time.perf_counter() - verify_start
                     if diff:
                         self._unverified = (f"version {int(version)} failed weight verification after the load "
@@ -302,10 +302,12 @@ class HFEngine:
         for name, value in state_dict.items():
             target[name].copy_(value)
 
-    def weight_digest(self, expected: Mapping[str, TensorDigest]) -> dict[str, TensorDigest | None]:
+    def weight_digest(self, expected: Mapping[str, TensorDigest],
+                      held: Mapping[str, torch.Tensor] | None = None) -> dict[str, TensorDigest | None]:
         """Digests of the model's tensors named in ``expected`` as this engine holds them (its dtype),
-        each with that entry's sample count; None for a name the model does not have."""
-        held = self._model.state_dict()
+        each with that entry's sample count; None for a name the model does not have. ``held``: the
+        model's ``state_dict()`` if the caller has it."""
+        held = self._model.state_dict() if held is None else held
         return {name: tensor_digest(held[name], samples=want.samples) if name in held else None
                 for name, want in expected.items()}
 
