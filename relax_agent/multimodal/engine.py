@@ -31,8 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
-from relax_agent.weights.digest import TensorDigest, tensor_digest
-from relax_agent.weights.digest import compare as compare_digests
+from relax_agent.weights.digest import Expected, tensor_digest, verify_held
 from relax_agent.moe.record import build_route_recorder
 from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.processor import MediaFamily, check_placeholders
@@ -176,11 +175,11 @@ class MediaEngine:
                           prompt_routed_experts=routes[:p - 1])
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
-                     expected_digests: Mapping[str, TensorDigest] | None = None) -> None:
+                     expected_digests: Expected | None = None) -> None:
         """Copy ``state_dict`` (a subset of the model's keys; cast to its dtypes) between requests.
 
         Args:
-            expected_digests: ``weights.verify``: digests of what was sent in this engine's dtypes;
+            expected_digests: ``weights.verify``: digests of what was sent in this engine's dtypes (or a future);
                 compared after the copy, under the lock no request runs without. On a mismatch the
                 version is not served and every request fails (``EngineError``) until a later load
                 verifies, as :meth:`relax_agent.rollout.engines.hf.HFEngine.load_weights`.
@@ -202,9 +201,8 @@ class MediaEngine:
             self._copy_weights(target, state_dict)
             if expected_digests is not None:
                 verify_start = time.perf_counter()
-                diff = compare_digests(expected_digests, {
-                    n: tensor_digest(target[n], samples=d.samples) if n in target else None
-                    for n, d in expected_digests.items()})
+                diff = verify_held(expected_digests, lambda want: {
+                    n: tensor_digest(target[n], samples=d.samples) if n in target else None for n, d in want.items()})
                 self.stats.weight_verify_s += time.perf_counter() - verify_start
                 if diff:
                     self._unverified = (f"version {int(version)} failed weight verification after the load "

@@ -30,10 +30,11 @@ decides (the engines refuse the version, see :mod:`relax_agent.weights.subscribe
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import zlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 import torch
@@ -146,6 +147,28 @@ def expected_digests(state_dict: Mapping[str, torch.Tensor], layout: Mapping[str
             dtype = tensor.dtype
         out[name] = tensor_digest(tensor, dtype, samples)
     return out
+
+
+Expected = Union[Mapping[str, TensorDigest], "concurrent.futures.Future[Mapping[str, TensorDigest]]"]
+"""What an engine's ``load_weights(..., expected_digests=)`` gets: the digests, or a future of them
+(the subscriber computes them on a worker thread while the engine copies, see :func:`verify_held`)."""
+
+
+def resolve(expected: Expected) -> Mapping[str, TensorDigest]:
+    """``expected`` itself, or the result of the future computing it (waits for it)."""
+    return expected.result() if isinstance(expected, concurrent.futures.Future) else expected
+
+
+def verify_held(expected: Expected,
+                held: Callable[[Mapping[str, TensorDigest]], Mapping[str, TensorDigest | None]]) -> list[str]:
+    """:func:`compare` of the expected digests (resolved) with ``held(expected)``, the engine's
+    digests of what it now holds. An exception on either side (the future's included) becomes a
+    difference line, so an engine refuses a version it could not verify."""
+    try:
+        want = resolve(expected)
+        return compare(want, held(want))
+    except Exception as exc:  # the version must not be served unverified
+        return [f"the digests could not be computed: {type(exc).__name__}: {exc}"]
 
 
 def compare(expected: Mapping[str, TensorDigest], actual: Mapping[str, TensorDigest | None]) -> list[str]:

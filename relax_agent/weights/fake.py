@@ -10,8 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from relax_agent.errors import WeightSyncError
-from relax_agent.weights.digest import TensorDigest, tensor_digest
-from relax_agent.weights.digest import compare as compare_digests
+from relax_agent.weights.digest import Expected, tensor_digest, verify_held
 
 
 @dataclass
@@ -48,7 +47,7 @@ class TensorEngine:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
-                     expected_digests: Mapping[str, TensorDigest] | None = None) -> None:
+                     expected_digests: Expected | None = None) -> None:
         """Copy (and cast) ``state_dict`` in under the lock; with ``expected_digests`` (``weights.verify``)
         compare a digest of what it then holds and, on a mismatch, put the previous values back.
 
@@ -61,13 +60,14 @@ class TensorEngine:
             raise WeightSyncError(f"load_weights: unknown keys {unknown[:3]}")
         with self._lock, torch.no_grad():
             start = time.perf_counter()
-            backup = {name: self.tensors[name].clone() for name in state_dict} if expected_digests else {}
+            verify = expected_digests is not None
+            backup = {name: self.tensors[name].clone() for name in state_dict} if verify else {}
             self._copy(state_dict)
-            if expected_digests:
+            if verify:
                 verify_start = time.perf_counter()
-                diff = compare_digests(expected_digests, {
+                diff = verify_held(expected_digests, lambda want: {
                     n: tensor_digest(self.tensors[n], samples=d.samples) if n in self.tensors else None
-                    for n, d in expected_digests.items()})
+                    for n, d in want.items()})
                 self.stats.weight_verify_s += time.perf_counter() - verify_start
                 if diff:
                     for name, value in backup.items():

@@ -32,6 +32,7 @@ corrected) one while the engine keeps serving its last complete version.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import inspect
 import logging
@@ -102,6 +103,7 @@ class EngineSubscriber:
                  keepalive_s: float | None = None, verify_samples: int | None = None) -> None:
         self.engine = engine
         self._layout: dict[str, Any] | None = None
+        self._digests: concurrent.futures.ThreadPoolExecutor | None = None
         self._verify_samples = verify_samples if verify_samples is not None and _takes_digests(engine) else None
         if verify_samples is not None and self._verify_samples is None:
             log.warning("%s: weights.verify is on but %s.load_weights takes no expected_digests; its weight loads "
@@ -229,7 +231,8 @@ class EngineSubscriber:
 
     def _load(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], version: int) -> tuple[float, float]:
         """engine.load_weights (verified with ``verify_samples``); returns the engine's pause in seconds
-        (time it could not decode) and the seconds spent on digests (here and in the engine)."""
+        (time it could not decode) and the wall seconds the verification added to it (the engine's
+        ``stats.weight_verify_s``: its digests, and any wait for the expected ones)."""
         stats = getattr(self.engine, "stats", None)
         before = getattr(stats, "weight_load_s", None)
         verify_before = getattr(stats, "weight_verify_s", 0.0)
@@ -242,11 +245,13 @@ class EngineSubscriber:
             if self._layout is None:  # an engine's layout is fixed for its lifetime
                 layout_fn = getattr(self.engine, "weight_layout", None)
                 self._layout = layout_fn() if layout_fn is not None else {}
-            expected = expected_digests(mapped, self._layout, self._verify_samples)
-            verify_s = time.perf_counter() - start
-            start = time.perf_counter()
+            if self._digests is None:
+                self._digests = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-digest-{self._name}")
+            # the expected digests are computed while the engine copies (its copy releases the GIL); the
+            # engine waits for them after its copy, inside its own verify time
+            expected = self._digests.submit(expected_digests, mapped, self._layout, self._verify_samples)
             self.engine.load_weights(mapped, version, expected_digests=expected)
-            verify_s += getattr(stats, "weight_verify_s", 0.0) - verify_before
+            verify_s = getattr(stats, "weight_verify_s", 0.0) - verify_before
         if before is None:
             return time.perf_counter() - start, verify_s
         return stats.weight_load_s - before, verify_s
@@ -312,5 +317,7 @@ class EngineSubscriber:
             if applying_done:
                 self._apply_lock.release()
             self._receiver.close()
+            if self._digests is not None:
+                self._digests.shutdown(wait=False)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_timeout_s)

@@ -137,3 +137,19 @@ def test_malformed_digests_in_version_metadata_are_refused():
     assert VersionMeta.from_json({**meta, "digests": {"w": [[2], "float32", "00", 16]}}).digests["w"][1] == "float32"
     with pytest.raises(WeightSyncError, match="digests must map"):
         VersionMeta.from_json({**meta, "digests": {"w": "abc"}})
+
+
+def test_a_load_whose_expected_digests_cannot_be_computed_is_refused_not_served_unverified():
+    import concurrent.futures
+
+    engine = TensorEngine(weights(0))
+    failed: concurrent.futures.Future = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("boom"))
+    with pytest.raises(WeightSyncError, match=r"version 1 .*could not be computed: RuntimeError: boom"):
+        engine.load_weights(weights(1), 1, expected_digests=failed)
+    version, held = engine.snapshot()
+    assert version == 0 and torch.equal(held["proj"], weights(0)["proj"])
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(expected_digests(weights(1), engine.weight_layout()))
+    engine.load_weights(weights(1), 1, expected_digests=done)
+    assert engine.policy_version == 1

@@ -56,8 +56,7 @@ from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
-from relax_agent.weights.digest import TensorDigest, tensor_digest
-from relax_agent.weights.digest import compare as compare_digests
+from relax_agent.weights.digest import Expected, TensorDigest, tensor_digest, verify_held
 
 _STOP = object()
 """Queue sentinel that ends the worker."""
@@ -242,7 +241,7 @@ class HFEngine:
         return [f.result() for f in futures]
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
-                     expected_digests: Mapping[str, TensorDigest] | None = None) -> None:
+                     expected_digests: Expected | None = None) -> None:
         """Copy ``state_dict`` into the model between decode batches and set ``policy_version``.
 
         Blocks until the running rows (if any) have finished; no new request joins them
@@ -250,8 +249,8 @@ class HFEngine:
         model's (partial updates); values are cast to the parameter's dtype and device.
 
         Args:
-            expected_digests: name -> digest of what was sent, in this engine's dtypes
-                (``weights.verify``, :mod:`relax_agent.weights.digest`). After the copy, still holding
+            expected_digests: name -> digest of what was sent, in this engine's dtypes, or a future of
+                them (``weights.verify``, :mod:`relax_agent.weights.digest`). After the copy, still holding
                 the lock no batch decodes without, the engine digests the parameters it now holds and
                 compares; on a mismatch the version is not served: ``policy_version`` stays, and every
                 request fails with :class:`EngineError` until a later load verifies (the parameters are
@@ -279,7 +278,7 @@ class HFEngine:
                     self._prefix.clear()
                 if expected_digests is not None:
                     verify_start = time.perf_counter()
-                    diff = compare_digests(expected_digests, self.weight_digest(expected_digests, target))
+                    diff = verify_held(expected_digests, lambda want: self.weight_digest(want, target))
                     self.stats.weight_verify_s += time.perf_counter() - verify_start
                     if diff:
                         self._unverified = (f"version {int(version)} failed weight verification after the load "

@@ -69,7 +69,7 @@ from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncEr
 from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
-from relax_agent.weights.digest import TensorDigest, tensor_digest
+from relax_agent.weights.digest import Expected, TensorDigest, resolve, tensor_digest
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 
@@ -368,7 +368,7 @@ class VLLMEngine:
         return [f.result() for f in futures]
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
-                     expected_digests: Mapping[str, TensorDigest] | None = None) -> None:
+                     expected_digests: Expected | None = None) -> None:
         """Apply ``state_dict`` as ``version`` between two engine steps; reset the prefix cache.
 
         Keys may be a subset of :meth:`weight_layout` (the others keep their current values);
@@ -376,9 +376,9 @@ class VLLMEngine:
         ``engine.vllm.update_policy``. Blocks until the server serves ``version``.
 
         Args:
-            expected_digests: name -> digest of what was sent, in the engine dtype (``weights.verify``,
-                :mod:`relax_agent.weights.digest`). The server digests every tensor of the version file
-                as it read it, i.e. exactly what vLLM's ``reload_weights`` is then given, and refuses the
+            expected_digests: name -> digest of what was sent, in the engine dtype, or a future of them
+                (``weights.verify``, :mod:`relax_agent.weights.digest`). The server digests every tensor
+                of the version file as it read it, i.e. exactly what vLLM's ``reload_weights`` is then given, and refuses the
                 version before it aborts a request or touches a weight if one differs: the previous
                 version keeps serving. Tensors the checkpoint names differently (an MoE's fused experts,
                 saved per expert) are checked against digests of the tensors this process wrote. What is
@@ -406,8 +406,14 @@ class VLLMEngine:
             body = {"path": str(path), "version": int(version), "policy": self._cfg.vllm.update_policy}
             if expected_digests is not None:
                 verify_start = time.perf_counter()
-                body["expected"] = _file_digests(written, expected_digests, self._dtype)
-                self.stats.weight_verify_s += time.perf_counter() - verify_start
+                try:
+                    body["expected"] = _file_digests(written, resolve(expected_digests), self._dtype)
+                except Exception as exc:  # not sent: the server keeps its version
+                    path.unlink(missing_ok=True)
+                    raise WeightSyncError(f"load_weights: version {version}: the digests to verify it could not be "
+                                          f"computed ({type(exc).__name__}: {exc}); not applied") from exc
+                finally:
+                    self.stats.weight_verify_s += time.perf_counter() - verify_start
             try:
                 reply = self._call(self._post("/load_weights", body), self._cfg.vllm.load_timeout_s + 30.0)
             except EngineError as exc:
