@@ -11,10 +11,11 @@ evenly over the flattened tensor, plus its last 16 elements; tensors of at most 
 elements are hashed in full (norms, biases). Why not a full pass: loading a version is itself
 one read and one write of every weight (plus the publisher's finite check, another read), and a
 digest that reads every element adds a pass of the same order on each side: a float64 sum and sum
-of squares of SmolLM2-135M costs more than its whole in-process sync (``benchmarks/weight_verify.py``
-prints both). A sample's cost is set by the cache lines it touches, not the elements: a block of
-16 fp32 elements is one 64-byte line, so 128 blocks per tensor cost ~128 memory accesses, a few
-percent of the sync for the 135M model.
+of squares of SmolLM2-135M cost 0.8-3x its whole in-process sync in ``benchmarks/weight_verify.py``
+runs. A sample's cost is set by the cache lines it touches, not the elements: a block of
+16 fp32 elements is one 64-byte line, so 128 blocks per tensor cost ~128 memory accesses; with the
+per-tensor overhead (~8 us) both sides cost ~8 ms for the 135M model's 273 tensors, and the
+expected side runs while the engine copies.
 
 What it catches: a tensor that was not loaded, or loaded from another version or tensor (a
 training step moves nearly every element, so every block differs); one held with another shape,
