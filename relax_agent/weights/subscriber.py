@@ -246,7 +246,8 @@ class EngineSubscriber:
                 layout_fn = getattr(self.engine, "weight_layout", None)
                 self._layout = layout_fn() if layout_fn is not None else {}
             if self._digests is None:
-                self._digests = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weights-digest-{self._name}")
+                self._digests = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"weights-digest-{self._name}")
             # the expected digests are computed while the engine copies (its copy releases the GIL); the
             # engine waits for them after its copy, inside its own verify time
             expected = self._digests.submit(expected_digests, mapped, self._layout, self._verify_samples)

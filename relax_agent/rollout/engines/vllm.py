@@ -378,12 +378,12 @@ class VLLMEngine:
         Args:
             expected_digests: name -> digest of what was sent, in the engine dtype, or a future of them
                 (``weights.verify``, :mod:`relax_agent.weights.digest`). The server digests every tensor
-                of the version file as it read it, i.e. exactly what vLLM's ``reload_weights`` is then given, and refuses the
-                version before it aborts a request or touches a weight if one differs: the previous
-                version keeps serving. Tensors the checkpoint names differently (an MoE's fused experts,
-                saved per expert) are checked against digests of the tensors this process wrote. What is
-                not checked: vLLM's fused and, on CPU, oneDNN-prepacked copies made from them, which
-                cannot be read back.
+                of the version file as it read it, i.e. exactly what vLLM's ``reload_weights`` is then
+                given, and if one differs refuses the version before it aborts a request or touches a
+                weight: the previous version keeps serving. Tensors the checkpoint names differently (an
+                MoE's fused experts, saved per expert) are checked against digests of the tensors this
+                process wrote. What is not checked: vLLM's fused and, on CPU, oneDNN-prepacked copies made
+                from them, which cannot be read back.
 
         Raises:
             WeightSyncError: an unknown key or a shape mismatch (nothing is applied), the server
