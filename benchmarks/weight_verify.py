@@ -6,8 +6,9 @@ published in-process (colocate, ``weights.transport: inproc``, as the main job r
 ``HFEngine``, ``--rounds`` times with ``weights.verify`` on and off in turns (so load from other
 processes hits both alike). Prints medians of: the sync with verify off, the sync with verify
 on, ``weights/verify_s`` (the wall time verification adds to the engine's load), and
-``verify_s / sync_s`` — the target is <= 5 % — and the same for the least disturbed rounds (on a shared machine the sync, which is
-memory-bound, stretches several-fold with the other processes' load). For comparison it also
+``verify_s / sync_s`` — the target is <= 5 % — and the same for the least disturbed rounds
+(on a shared machine the sync, which is memory-bound, stretches several-fold with the other
+processes' load). For comparison it also
 times a full-pass digest (float64 sum and sum of squares of every tensor) of the same weights,
 the alternative :mod:`relax_agent.weights.digest` explains it does not use.
 
