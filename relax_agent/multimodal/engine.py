@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.weights.digest import Expected, tensor_digest, verify_held
 from relax_agent.moe.record import build_route_recorder
 from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.processor import MediaFamily, check_placeholders
@@ -52,6 +53,7 @@ class MediaEngineStats:
     media_items: int = 0
     weight_loads: int = 0
     weight_load_s: float = 0.0
+    weight_verify_s: float = 0.0
 
 
 class MediaEngine:
@@ -86,6 +88,8 @@ class MediaEngine:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="media-engine")
         self._version = 0
+        self._unverified: str | None = None
+        """Why the weights held failed verification (then no request is served), else None."""
         self._closed = False
         self._routes = build_route_recorder(self._model) if record_routes else None
         self.stats = MediaEngineStats()
@@ -146,6 +150,8 @@ class MediaEngine:
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self._device)
         mask = torch.ones_like(input_ids)
         with self._lock, torch.no_grad(), torch.random.fork_rng(devices=[]):
+            if self._unverified is not None:
+                raise EngineError(f"the media engine's weights are not verified: {self._unverified}")
             torch.manual_seed(seed)
             version = self._version
             if self._routes is not None:
@@ -173,11 +179,19 @@ class MediaEngine:
         return Generation(tuple(tokens), tuple(logprobs), finish, version, routed_experts=routes[p - 1:p - 1 + len(tokens)],
                           prompt_routed_experts=routes[:p - 1])
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, Any], version: int,
+                     expected_digests: Expected | None = None) -> None:
         """Copy ``state_dict`` (a subset of the model's keys; cast to its dtypes) between requests.
 
+        Args:
+            expected_digests: ``weights.verify``: digests of what was sent in this engine's dtypes (or a future);
+                compared after the copy, under the lock no request runs without. On a mismatch the
+                version is not served and every request fails (``EngineError``) until a later load
+                verifies, as :meth:`relax_agent.rollout.engines.hf.HFEngine.load_weights`.
+
         Raises:
-            WeightSyncError: an unknown key or a shape mismatch (nothing is copied then).
+            WeightSyncError: an unknown key or a shape mismatch (nothing is copied then); a digest
+                that differs after the copy (names the version and each tensor).
         """
         target = self._model.state_dict()
         unknown = [k for k in state_dict if k not in target]
@@ -189,11 +203,28 @@ class MediaEngine:
                                       f"the model expects {tuple(target[name].shape)}")
         with self._lock, torch.no_grad():
             start = time.perf_counter()
-            for name, value in state_dict.items():
-                target[name].copy_(value)
+            self._copy_weights(target, state_dict)
+            if expected_digests is not None:
+                verify_start = time.perf_counter()
+                diff = verify_held(expected_digests, lambda want: {
+                    n: tensor_digest(target[n], samples=d.samples) if n in target else None for n, d in want.items()})
+                self.stats.weight_verify_s += time.perf_counter() - verify_start
+                if diff:
+                    self._unverified = (f"version {int(version)} failed weight verification after the load "
+                                        f"({diff[0]}); this engine serves no version until a later one verifies")
+                    self.stats.weight_load_s += time.perf_counter() - start
+                    raise WeightSyncError(f"load_weights: version {int(version)}: what the engine holds after the "
+                                          f"load differs from what was sent in {len(diff)} tensor(s); not served "
+                                          "(weights.verify):\n  " + "\n  ".join(diff[:20]))
+            self._unverified = None
             self._version = int(version)
             self.stats.weight_loads += 1
             self.stats.weight_load_s += time.perf_counter() - start
+
+    def _copy_weights(self, target: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any]) -> None:
+        """Copy (and cast) each of ``state_dict`` into the model's tensor of that name (lock held)."""
+        for name, value in state_dict.items():
+            target[name].copy_(value)
 
     def close(self) -> None:
         """Refuse new requests and stop the worker after the running one."""

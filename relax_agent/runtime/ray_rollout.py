@@ -81,12 +81,13 @@ class RolloutReplica:
     def _subscribe(self, engine: Any) -> Any:
         from relax_agent.errors import WeightSyncError
         from relax_agent.weights.subscriber import EngineSubscriber
-        from relax_agent.weights.sync import keepalive_s
+        from relax_agent.weights.sync import keepalive_s, verify_samples
         from relax_agent.weights.tcp import TcpReceiver
 
         w = self.cfg.weights
         sub = EngineSubscriber(engine, TcpReceiver(w, secret=self.coordinator.credential.subscriber),
-                               self.coordinator, self.name, w.name_map or None, w.poll_timeout_s, keepalive_s(w))
+                               self.coordinator, self.name, w.name_map or None, w.poll_timeout_s, keepalive_s(w),
+                               verify_samples(w))
         report = sub.sync_latest(0.0)
         if report is not None and report.error is not None:
             sub.close()

@@ -6,6 +6,7 @@ YAML::
       transport: tcp          # inproc (colocate) | tcp (CPU, cross-host) | nccl (GPUs)
       bucket_mb: 64
       port: 0                 # 0: an ephemeral port, published through the coordinator
+      verify: true            # engines check a digest of what they loaded against what was sent
 
 ``build_weight_sync(cfg, engines)`` (in :mod:`relax_agent.weights.sync`) turns it into a
 :class:`~relax_agent.weights.sync.WeightSync`.
@@ -59,6 +60,15 @@ class WeightSyncConfig(Section):
     """Refuse to publish a state dict with NaN or inf in a floating-point tensor (a diverged or
     overflowed update), so engines keep their last good version; costs one reduction pass over the
     weights (~0.2 s for 512 MiB fp32 on 2 CPU cores)."""
+    verify: bool = True
+    """After an engine loads a version, compare a digest of the weights it now holds (its own layout
+    and dtype) with one of the tensors that were sent (:mod:`relax_agent.weights.digest`); a mismatch
+    refuses the version naming the tensor, and that engine serves no version until a later one
+    verifies. Costs a strided sample per tensor (``weights/verify_s`` per publish). Engines that
+    cannot report a digest are loaded unverified (logged once)."""
+    verify_samples: int = Field(default=2048, ge=16)
+    """Elements per tensor the digest hashes: ``verify_samples // 16`` evenly spaced blocks of 16
+    plus the last 16 (tensors this small or smaller in full); the cost grows with the blocks."""
     publish_timeout_s: float = Field(default=600.0, gt=0.0)
     """How long ``publish`` waits for every attached engine to apply the version; one that has not
     by then is reported as lagging (``SyncStats.lagging``), not waited for again until it catches

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from relax_agent.errors import WeightSyncError
+from relax_agent.weights.digest import Expected, tensor_digest, verify_held
 
 
 @dataclass
@@ -18,6 +19,7 @@ class TensorEngineStats:
 
     weight_loads: int = 0
     weight_load_s: float = 0.0
+    weight_verify_s: float = 0.0
 
 
 class TensorEngine:
@@ -44,22 +46,41 @@ class TensorEngine:
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Copy (and cast) ``state_dict`` in under the lock.
+    def load_weights(self, state_dict: Mapping[str, Any], version: int,
+                     expected_digests: Expected | None = None) -> None:
+        """Copy (and cast) ``state_dict`` in under the lock; with ``expected_digests`` (``weights.verify``)
+        compare a digest of what it then holds and, on a mismatch, put the previous values back.
 
         Raises:
-            WeightSyncError: an unknown key (nothing is copied then).
+            WeightSyncError: an unknown key (nothing is copied then); a digest mismatch (names the
+                version and tensor; the previous version stays).
         """
         unknown = [k for k in state_dict if k not in self.tensors]
         if unknown:
             raise WeightSyncError(f"load_weights: unknown keys {unknown[:3]}")
         with self._lock, torch.no_grad():
             start = time.perf_counter()
-            for name, value in state_dict.items():
-                self.tensors[name].copy_(value)
+            verify = expected_digests is not None
+            backup = {name: self.tensors[name].clone() for name in state_dict} if verify else {}
+            self._copy(state_dict)
+            if verify:
+                verify_start = time.perf_counter()
+                diff = verify_held(expected_digests, lambda want: {
+                    n: tensor_digest(self.tensors[n], samples=d.samples) if n in self.tensors else None
+                    for n, d in want.items()})
+                self.stats.weight_verify_s += time.perf_counter() - verify_start
+                if diff:
+                    for name, value in backup.items():
+                        self.tensors[name].copy_(value)
+                    raise WeightSyncError(f"load_weights: version {int(version)} differs after the load from what "
+                                          f"was sent; not applied: {'; '.join(diff)}")
             self._version = int(version)
             self.stats.weight_loads += 1
             self.stats.weight_load_s += time.perf_counter() - start
+
+    def _copy(self, state_dict: Mapping[str, Any]) -> None:
+        for name, value in state_dict.items():
+            self.tensors[name].copy_(value)
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(version, copy of the tensors), read atomically."""

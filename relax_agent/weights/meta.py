@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -84,6 +84,10 @@ class VersionMeta:
             published again after a refusal is told apart from the refused one.
         epoch: run id of the coordinator that committed it ("" before): version numbers of
             different runs (a restarted publisher starts again at 0 or 1) are told apart by it.
+        digests: ``weights.verify`` over a transport that moves bytes (tcp, nccl): name ->
+            ``TensorDigest.to_json()`` of each sent tensor in its published dtype
+            (:mod:`relax_agent.weights.digest`), which a subscriber checks the received tensors
+            against before loading them; empty otherwise.
     """
 
     version: int
@@ -96,6 +100,7 @@ class VersionMeta:
     address: str | None = None
     commit: int = 0
     epoch: str = ""
+    digests: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def num_buckets(self) -> int:
@@ -133,6 +138,10 @@ class VersionMeta:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (key == "bucket_bytes" and value == 0):
                 raise WeightSyncError(f"malformed version metadata: {key}={value!r}; expected a "
                                       f"{'positive' if key == 'bucket_bytes' else 'non-negative'} int")
+        if not isinstance(meta.digests, dict) or not all(
+                isinstance(k, str) and isinstance(v, (list, tuple)) and len(v) == 4 for k, v in meta.digests.items()):
+            raise WeightSyncError("malformed version metadata: digests must map tensor names to "
+                                  "[shape, dtype, sample hash, samples]")
         for t in meta.tensors:
             if not isinstance(t.name, str) or not isinstance(t.offset, int) or not isinstance(t.nbytes, int) \
                     or t.offset < 0 or t.nbytes < 0 or any(d < 0 for d in t.shape):

@@ -18,7 +18,7 @@ from relax_agent.weights.base import Receiver
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.service import HttpCoordinator
 from relax_agent.weights.subscriber import EngineSubscriber, NameMap
-from relax_agent.weights.sync import keepalive_s
+from relax_agent.weights.sync import keepalive_s, verify_samples
 
 
 def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str = "replica",
@@ -52,7 +52,7 @@ def connect_subscriber(url: str, engine: Any, cfg: WeightSyncConfig, name: str =
     coordinator = HttpCoordinator(url, timeout_s=cfg.connect_timeout_s, token=token)
     sub = EngineSubscriber(engine, _receiver(cfg, rank, address, token), coordinator, name,
                            name_map if name_map is not None else (cfg.name_map or None), cfg.poll_timeout_s,
-                           keepalive_s(cfg))
+                           keepalive_s(cfg), verify_samples(cfg))
     report = sub.sync_latest(wait_first_s)
     if report is not None and report.error is not None:
         sub.close()

@@ -10,7 +10,15 @@ For each new version it
 3. calls ``engine.load_weights(tensors, version)``, which swaps them in between decode
    batches (casting fp32 master weights to the engine's bf16/fp16), so no generation mixes
    versions; the engine keeps serving its last complete version if anything fails;
-4. reports the outcome and timings to the coordinator.
+4. with ``weights.verify`` (on by default) and an engine whose ``load_weights`` takes
+   ``expected_digests``: passes the digests of the received tensors, cast to the engine's dtypes
+   (:mod:`relax_agent.weights.digest`); the engine compares them with a digest of what it holds
+   after the load, before it serves the version, and refuses the version naming the tensor on a
+   mismatch (see the engine for what it then serves). Before that, over tcp and nccl, the received
+   tensors are checked against the digests the publisher computed of what it sent (in the
+   version's metadata); inproc subscribers receive the publisher's own tensors. So the check
+   covers publisher -> transport -> engine;
+5. reports the outcome and timings (``verify_s``: digest time, both sides) to the coordinator.
 
 ``sync_latest()`` is what a late-joining replica calls before it serves; ``start()`` follows
 new versions in a background thread. Versions count within a publisher epoch (the
@@ -24,7 +32,9 @@ corrected) one while the engine keeps serving its last complete version.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import inspect
 import logging
 import threading
 import time
@@ -35,6 +45,8 @@ import torch
 from relax_agent.errors import VersionGoneError, WeightSyncError
 from relax_agent.weights.base import Receiver
 from relax_agent.weights.coordinator import ApplyReport, CoordinatorApi
+from relax_agent.weights.digest import TensorDigest, expected_digests, tensor_digest
+from relax_agent.weights.digest import compare as compare_digests
 from relax_agent.weights.meta import VersionMeta, format_diff, layout_diff
 
 log = logging.getLogger("relax_agent.weights")
@@ -48,6 +60,14 @@ the publisher replaced the one being pulled (a fast trainer publishing during ev
 
 NameMap = Mapping[str, str] | Callable[[str], "str | None"]
 """Publisher name -> engine name; a callable may return None to skip a tensor."""
+
+
+def _takes_digests(engine: Any) -> bool:
+    """Whether ``engine.load_weights`` accepts ``expected_digests`` (it can verify a load)."""
+    try:
+        return "expected_digests" in inspect.signature(engine.load_weights).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def map_names(names: list[str], name_map: NameMap | None) -> dict[str, str]:
@@ -74,12 +94,20 @@ class EngineSubscriber:
         keepalive_s: while a version is received and loaded, tell the coordinator every this many
             seconds that this subscriber is alive (so a long transfer is not taken for silence,
             ``weights.subscriber_silence_s``); None sends none.
+        verify_samples: ``weights.verify``: elements per tensor the load's digest check samples
+            (``weights.verify_samples``); None loads unverified.
     """
 
     def __init__(self, engine: Any, receiver: Receiver, coordinator: CoordinatorApi, name: str = "engine",
                  name_map: NameMap | None = None, poll_timeout_s: float = 30.0,
-                 keepalive_s: float | None = None) -> None:
+                 keepalive_s: float | None = None, verify_samples: int | None = None) -> None:
         self.engine = engine
+        self._layout: dict[str, Any] | None = None
+        self._digests: concurrent.futures.ThreadPoolExecutor | None = None
+        self._verify_samples = verify_samples if verify_samples is not None and _takes_digests(engine) else None
+        if verify_samples is not None and self._verify_samples is None:
+            log.warning("%s: weights.verify is on but %s.load_weights takes no expected_digests; its weight loads "
+                        "are not verified", name, type(engine).__name__)
         self._keepalive_s = keepalive_s
         self._receiver = receiver
         self._coordinator = coordinator
@@ -135,7 +163,9 @@ class EngineSubscriber:
                     raise
                 with self._keepalive():
                     tensors, stats = self._receiver.receive(meta)
-                    stats["pause_s"] = self._load(tensors, names, meta.version)
+                    received_s = self._check_received(tensors, meta)
+                    stats["pause_s"], stats["verify_s"] = self._load(tensors, names, meta.version)
+                    stats["verify_s"] += received_s
                 report = ApplyReport(self.id, meta.version, None, stats)
                 self.applied_version, self.applied_epoch = meta.version, meta.epoch
             except VersionGoneError as exc:  # superseded while pulling: not a refusal, nothing to report
@@ -180,15 +210,52 @@ class EngineSubscriber:
         return (self.applied_version is not None and meta.epoch == self.applied_epoch
                 and meta.version <= self.applied_version)
 
-    def _load(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], version: int) -> float:
-        """engine.load_weights; returns the engine's pause in seconds (time it could not decode)."""
+    def _check_received(self, tensors: Mapping[str, torch.Tensor], meta: VersionMeta) -> float:
+        """Compare the received tensors with the publisher's digests in ``meta`` (tcp, nccl under
+        ``weights.verify``), before the engine sees them; returns the seconds it took.
+
+        Raises:
+            WeightSyncError: a tensor differs or is missing (names the version and each tensor).
+        """
+        if self._verify_samples is None or not meta.digests:
+            return 0.0
+        start = time.perf_counter()
+        sent = {name: TensorDigest.from_json(d) for name, d in meta.digests.items()}
+        diff = compare_digests(sent, {n: tensor_digest(tensors[n], samples=d.samples) if n in tensors else None
+                                      for n, d in sent.items()})
+        if diff:
+            raise WeightSyncError(f"{self.id} refuses version {meta.version}: what it received differs from what the "
+                                  f"publisher sent in {len(diff)} tensor(s), not loaded (weights.verify):\n  "
+                                  + "\n  ".join(diff[:20]))
+        return time.perf_counter() - start
+
+    def _load(self, tensors: Mapping[str, torch.Tensor], names: dict[str, str], version: int) -> tuple[float, float]:
+        """engine.load_weights (verified with ``verify_samples``); returns the engine's pause in seconds
+        (time it could not decode) and the wall seconds the verification added to it (the engine's
+        ``stats.weight_verify_s``: its digests, and any wait for the expected ones)."""
         stats = getattr(self.engine, "stats", None)
         before = getattr(stats, "weight_load_s", None)
+        verify_before = getattr(stats, "weight_verify_s", 0.0)
+        mapped = {names[n]: t for n, t in tensors.items() if n in names}
         start = time.perf_counter()
-        self.engine.load_weights({names[n]: t for n, t in tensors.items() if n in names}, version)
+        if self._verify_samples is None:
+            self.engine.load_weights(mapped, version)
+            verify_s = 0.0
+        else:
+            if self._layout is None:  # an engine's layout is fixed for its lifetime
+                layout_fn = getattr(self.engine, "weight_layout", None)
+                self._layout = layout_fn() if layout_fn is not None else {}
+            if self._digests is None:
+                self._digests = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"weights-digest-{self._name}")
+            # the expected digests are computed while the engine copies (its copy releases the GIL); the
+            # engine waits for them after its copy, inside its own verify time
+            expected = self._digests.submit(expected_digests, mapped, self._layout, self._verify_samples)
+            self.engine.load_weights(mapped, version, expected_digests=expected)
+            verify_s = getattr(stats, "weight_verify_s", 0.0) - verify_before
         if before is None:
-            return time.perf_counter() - start
-        return stats.weight_load_s - before
+            return time.perf_counter() - start, verify_s
+        return stats.weight_load_s - before, verify_s
 
     def sync_latest(self, timeout_s: float = 0.0) -> ApplyReport | None:
         """Apply the latest complete version if it is newer than the applied one (late join).
@@ -251,5 +318,7 @@ class EngineSubscriber:
             if applying_done:
                 self._apply_lock.release()
             self._receiver.close()
+            if self._digests is not None:
+                self._digests.shutdown(wait=False)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_timeout_s)

@@ -28,6 +28,7 @@ from relax_agent.weights.auth import new_secret
 from relax_agent.weights.base import Receiver, Sender
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.coordinator import ApplyReport, Coordinator
+from relax_agent.weights.digest import tensor_digest
 from relax_agent.weights.subscriber import EngineSubscriber, NameMap
 
 log = logging.getLogger("relax_agent.weights")
@@ -35,6 +36,8 @@ log = logging.getLogger("relax_agent.weights")
 SYNC_S = "timing/weight_sync_s"
 SYNC_GB_PER_S = "weights/gb_per_s"
 PAUSE_S = "weights/engine_pause_s"
+VERIFY_S = "weights/verify_s"
+"""Seconds the slowest subscriber spent on the load's digest check (``weights.verify``)."""
 DROPPED = "weights/subscribers_dropped"
 """Subscribers a publish unregistered for silence (``weights.subscriber_silence_s``)."""
 
@@ -58,6 +61,9 @@ class SyncStats:
             keep following and catch up on their own.
         dropped: subscribers unregistered during this publish for silence
             (``weights.subscriber_silence_s``): not waited for.
+        verify_s: time spent on digests (``weights.verify``): the publisher's digests of what it sent
+            (tcp, nccl) plus the longest a subscriber spent on the received tensors' and the
+            engine's digests.
     """
 
     version: int
@@ -71,11 +77,12 @@ class SyncStats:
     resumes: int = 0
     lagging: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    verify_s: float = 0.0
 
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys for the metrics log."""
         return {SYNC_S: self.seconds, SYNC_GB_PER_S: self.gb_per_s, PAUSE_S: self.pause_s,
-                DROPPED: float(len(self.dropped))}
+                VERIFY_S: self.verify_s, DROPPED: float(len(self.dropped))}
 
 
 class WeightSync:
@@ -139,7 +146,7 @@ class WeightSync:
                                   "start one per rollout process with relax_agent.weights.remote.connect_subscriber")
         sub = EngineSubscriber(engine, self._make_receiver(), self.coordinator, name,
                                name_map if name_map is not None else (self.cfg.name_map or None),
-                               self.cfg.poll_timeout_s, keepalive_s(self.cfg))
+                               self.cfg.poll_timeout_s, keepalive_s(self.cfg), verify_samples(self.cfg))
         report = sub.sync_latest(0.0)  # the latest version, if any (again on a newer one if a publish races it)
         if report is not None and report.error is not None:
             sub.close()
@@ -179,6 +186,12 @@ class WeightSync:
             _check_finite(state_dict, version)
         meta = self._sender.stage(state_dict, version)
         stage_s = time.perf_counter() - start
+        sent_digest_s = 0.0
+        if self.cfg.verify and self.cfg.transport != "inproc":  # inproc subscribers read these very tensors
+            digest_start = time.perf_counter()
+            meta = replace(meta, digests={t.name: tensor_digest(state_dict[t.name], samples=self.cfg.verify_samples)
+                                          .to_json() for t in meta.tensors if t.alias_of is None})
+            sent_digest_s = time.perf_counter() - digest_start
         try:
             if self.cfg.transport == "inproc":
                 for sub in self._local:  # refuse before any engine changes
@@ -203,7 +216,7 @@ class WeightSync:
                         "%s s; reported as lagging (they catch up on their own)", version, missing,
                         self.cfg.publish_timeout_s)
         stats = _stats(meta.version, meta.total_bytes, seconds, stage_s, reports, tuple(behind + missing))
-        return replace(stats, dropped=tuple(dropped))
+        return replace(stats, dropped=tuple(dropped), verify_s=stats.verify_s + sent_digest_s)
 
     def _still_lagging(self, subscribers: list[str]) -> tuple[list[str], list[str]]:
         """Split ``subscribers`` into those to wait for and those still behind a version an earlier
@@ -272,7 +285,8 @@ def _stats(version: int, nbytes: int, seconds: float, stage_s: float, reports: d
                      gb_per_s=nbytes * n / seconds / 1e9 if seconds > 0 else 0.0,
                      pause_s=max((s.get("pause_s", 0.0) for s in done), default=0.0), stage_s=stage_s,
                      transfer_s=max((s.get("receive_s", 0.0) for s in done), default=0.0), subscribers=n,
-                     resumes=int(sum(s.get("resumes", 0.0) for s in done)), lagging=lagging)
+                     resumes=int(sum(s.get("resumes", 0.0) for s in done)), lagging=lagging,
+                     verify_s=max((s.get("verify_s", 0.0) for s in done), default=0.0))
 
 
 def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> WeightSync:
@@ -296,6 +310,11 @@ def build_weight_sync(cfg: WeightSyncConfig, engines: Sequence[Any] = ()) -> Wei
         sync.close()
         raise
     return sync
+
+
+def verify_samples(cfg: WeightSyncConfig) -> int | None:
+    """What an :class:`EngineSubscriber` gets as ``verify_samples``: None with ``weights.verify`` off."""
+    return cfg.verify_samples if cfg.verify else None
 
 
 def keepalive_s(cfg: WeightSyncConfig) -> float:

@@ -347,6 +347,47 @@ def test_weight_sync_publishes_into_the_engine(policy, engine, restore):
 
 
 @needs_vllm
+def test_weight_sync_verifies_what_the_server_loads_and_refuses_a_corrupted_tensor(policy, engine, restore,
+                                                                                    monkeypatch):
+    """weights.verify (on by default): a tensor changed between the client's write and vLLM's load fails
+    the publish naming that tensor and version; the server keeps serving the previous version."""
+    from safetensors import safe_open
+
+    from relax_agent.weights import WeightSyncConfig, build_weight_sync
+
+    model, _ = policy
+    corrupted = "model.layers.0.mlp.down_proj.weight"
+    write = engine._write_version
+
+    def write_then_corrupt(path, state_dict):
+        written = write(path, state_dict)
+        with safe_open(str(path), framework="pt") as f:
+            tensors = [(n, f.get_tensor(n).clone()) for n in f.keys()]
+        for name, tensor in tensors:
+            if name == corrupted:
+                tensor[0, :8] += 1.0
+        write_safetensors(path, tensors)
+        return written
+
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), engines=[engine])
+    try:
+        version = engine.policy_version + 1
+        clean = sync.publish(perturbed(model, seed=4), version=version)
+        assert clean.subscribers == 1 and engine.policy_version == version and clean.verify_s > 0
+        monkeypatch.setattr(engine, "_write_version", write_then_corrupt)
+        with pytest.raises(WeightSyncError) as info:
+            sync.publish(perturbed(model, seed=5), version=version + 1)
+        message = str(info.value)
+        assert f"version {version + 1}" in message and corrupted in message and "the server read" in message
+        assert "model.layers.0.mlp.up_proj.weight" not in message
+        assert engine.policy_version == version and engine.server_stats()["last_load"]["version"] == version
+        gen = engine.generate_many([prompt_of(5)], SamplingParams(max_new_tokens=3, seed=1))[0]
+        assert gen.policy_version == version and set(gen.token_versions) == {version}
+    finally:
+        sync.close()
+
+
+@needs_vllm
 def test_abort_resume_tags_every_token_with_the_version_that_sampled_it(policy, engine, restore):
     model, _ = policy
     prompt = prompt_of(20, 7)

@@ -227,6 +227,27 @@ def test_an_update_of_only_the_experts_reaches_the_vllm_forward(engines, arch):
 
 
 @needs_vllm
+def test_an_moe_update_through_the_weight_sync_is_verified_under_the_checkpoints_per_expert_names(engines):
+    """weights.verify: the fused experts are written per expert (names the publisher never sent);
+    the server checks those against digests of what was written, the rest against what was sent."""
+    from relax_agent.weights import WeightSyncConfig, build_weight_sync
+
+    model, _, engine = engines("qwen3_moe")
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    sync = build_weight_sync(WeightSyncConfig(transport="inproc"), [engine])
+    try:
+        version = engine.policy_version + 1
+        stats = sync.publish(perturbed(model, seed=5), version)
+        assert engine.policy_version == version and stats.verify_s > 0
+        last = engine.server_stats()["last_load"]
+        per_expert = [n for n in engine._file_names if ".experts." in n]
+        assert last["verify_s"] > 0 and per_expert and last["verified"] == len(engine._file_names)
+    finally:
+        sync.close()
+        engine.load_weights(original, version=engine.policy_version + 1)
+
+
+@needs_vllm
 def test_a_server_that_cannot_record_routes_is_a_config_error_naming_why(tmp_path, monkeypatch):
     """A dense llama forced to record routes: the server refuses at start-up (exit 78), saying why."""
     model, tok = load_policy(ModelConfig(path=str(make_tiny_model(tmp_path / "dense", arch="llama", head_dim=32))))

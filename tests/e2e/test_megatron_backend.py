@@ -139,9 +139,11 @@ def test_weight_sync_publishes_what_the_torch_backend_would(tiny_model_dir, llam
         engine = HFEngine(model, tok, EngineConfig(), seed=0)
         sync = build_weight_sync(WeightSyncConfig(transport="inproc"), [engine])
         try:
-            sync.publish(megatron.policy_state_dict(), 1)
+            stats = sync.publish(megatron.policy_state_dict(), 1)
             got, want = engine._model.state_dict(), torch_trainer.model.state_dict()
             assert engine.policy_version == 1 and got.keys() == want.keys()
+            # weights.verify (on by default): the engine's digest of the gathered shards matched
+            assert stats.verify_s > 0 and engine.stats.weight_verify_s > 0
             before = llama.state_dict()
             for name, value in want.items():
                 assert not torch.equal(value, before[name]) or name.endswith("norm.weight"), name

@@ -25,7 +25,8 @@ distribution is the truncated one, and the importance ratio should account for t
 Weights: :meth:`HFEngine.load_weights` waits until the running rows have finished (no new
 row joins meanwhile), copies the weights and clears the prefix cache, all under the lock a
 running batch holds. So every token of a generation comes from one policy version, and no
-token is ever computed on KV written by older weights.
+token is ever computed on KV written by older weights. With ``weights.verify`` it digests what
+it now holds under the same lock and refuses a version whose digest differs from what was sent.
 
 Reproducibility: a row samples from its own ``torch.Generator`` seeded with its request's
 seed, so what it samples does not depend on which other rows share its batch. With
@@ -55,6 +56,7 @@ from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.weights.digest import Expected, TensorDigest, tensor_digest, verify_held
 
 _STOP = object()
 """Queue sentinel that ends the worker."""
@@ -79,6 +81,7 @@ class EngineStats:
         max_batch_rows: most rows decoding together.
         weight_loads: :meth:`HFEngine.load_weights` calls applied.
         weight_load_s: seconds spent copying weights in, during which no batch could decode.
+        weight_verify_s: part of ``weight_load_s`` spent on digests of the loaded weights (``weights.verify``).
     """
 
     batches: int = 0
@@ -93,6 +96,7 @@ class EngineStats:
     max_batch_rows: int = 0
     weight_loads: int = 0
     weight_load_s: float = 0.0
+    weight_verify_s: float = 0.0
 
 
 @dataclass
@@ -159,6 +163,8 @@ class HFEngine:
         self._weights_lock = threading.Lock()
         self._submit_lock = threading.Lock()
         self._version = 0
+        self._unverified: str | None = None
+        """Why the weights held failed verification (then no request is served), else None."""
         self._closed = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self.stats = EngineStats()
@@ -234,15 +240,25 @@ class HFEngine:
             self._submit(list(prompt), p, lambda r, f=fut: _resolve(f, r))
         return [f.result() for f in futures]
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, Any], version: int,
+                     expected_digests: Expected | None = None) -> None:
         """Copy ``state_dict`` into the model between decode batches and set ``policy_version``.
 
         Blocks until the running rows (if any) have finished; no new request joins them
         meanwhile. Clears the prefix cache (its KV came from the old weights). Keys may be a subset of the
         model's (partial updates); values are cast to the parameter's dtype and device.
 
+        Args:
+            expected_digests: name -> digest of what was sent, in this engine's dtypes, or a future of
+                them (``weights.verify``, :mod:`relax_agent.weights.digest`). After the copy, still holding
+                the lock no batch decodes without, the engine digests the parameters it now holds and
+                compares; on a mismatch the version is not served: ``policy_version`` stays, and every
+                request fails with :class:`EngineError` until a later load verifies (the parameters are
+                already overwritten, so the previous version cannot be served either).
+
         Raises:
-            WeightSyncError: an unknown key or a shape mismatch (nothing is copied then).
+            WeightSyncError: an unknown key or a shape mismatch (nothing is copied then); a digest
+                that differs after the copy (names the version and each tensor).
         """
         target = self._model.state_dict()
         unknown = [k for k in state_dict if k not in target]
@@ -257,10 +273,21 @@ class HFEngine:
         try:
             with self._weights_lock, torch.no_grad():
                 start = time.perf_counter()
-                for name, value in state_dict.items():
-                    target[name].copy_(value)
+                self._copy_weights(target, state_dict)
                 if self._prefix is not None:
                     self._prefix.clear()
+                if expected_digests is not None:
+                    verify_start = time.perf_counter()
+                    diff = verify_held(expected_digests, lambda want: self.weight_digest(want, target))
+                    self.stats.weight_verify_s += time.perf_counter() - verify_start
+                    if diff:
+                        self._unverified = (f"version {int(version)} failed weight verification after the load "
+                                            f"({diff[0]}); this engine serves no version until a later one verifies")
+                        self.stats.weight_load_s += time.perf_counter() - start
+                        raise WeightSyncError(f"load_weights: version {int(version)}: what the engine holds after "
+                                              f"the load differs from what was sent in {len(diff)} tensor(s); not "
+                                              "served (weights.verify):\n  " + "\n  ".join(diff[:20]))
+                self._unverified = None
                 self._version = int(version)
                 self.stats.weight_loads += 1
                 self.stats.weight_load_s += time.perf_counter() - start
@@ -268,6 +295,20 @@ class HFEngine:
             with self._loads_cv:
                 self._loads_pending -= 1
                 self._loads_cv.notify_all()
+
+    def _copy_weights(self, target: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any]) -> None:
+        """Copy (and cast) each of ``state_dict`` into the model's tensor of that name (lock held)."""
+        for name, value in state_dict.items():
+            target[name].copy_(value)
+
+    def weight_digest(self, expected: Mapping[str, TensorDigest],
+                      held: Mapping[str, torch.Tensor] | None = None) -> dict[str, TensorDigest | None]:
+        """Digests of the model's tensors named in ``expected`` as this engine holds them (its dtype),
+        each with that entry's sample count; None for a name the model does not have. ``held``: the
+        model's ``state_dict()`` if the caller has it."""
+        held = self._model.state_dict() if held is None else held
+        return {name: tensor_digest(held[name], samples=want.samples) if name in held else None
+                for name, want in expected.items()}
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (weight sync checks it)."""
@@ -391,6 +432,9 @@ class HFEngine:
         served = list(live)
         try:
             with self._weights_lock:
+                if self._unverified is not None:
+                    _fail_unfinished(served, EngineError(f"the engine's weights are not verified: {self._unverified}"))
+                    return
                 self._decode(live, served, self._version)
         except _Closed:
             _fail_unfinished(served, EngineError("the engine was closed while this request was decoding"))

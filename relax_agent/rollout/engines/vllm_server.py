@@ -23,7 +23,7 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   ``"routes": {"data", "dtype", "shape"}``: base64 of the C-order bytes of an
   ``[n, moe_layers, top_k]`` array of expert ids (see :class:`RouteCapture`).
 - ``POST /abort`` ``{"id"}``: stop that request now (its ``/generate`` answers ``"abort"``).
-- ``POST /load_weights`` ``{"path", "version", "policy"}``: reload every weight from the
+- ``POST /load_weights`` ``{"path", "version", "policy", "expected"}``: reload every weight from the
   safetensors file ``path`` (checkpoint names, e.g. ``model.layers.0.self_attn.q_proj.weight``)
   through vLLM's ``reload_weights`` (which re-fuses qkv/gate-up and repacks for the CPU
   kernels; the CPU MoE experts' prepack, which it skips on an update, is redone), reset the
@@ -32,7 +32,11 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   resumes each one from the tokens it already has (prompt + sampled tokens as the new
   prompt, the rest of its budget), so later tokens carry the new version;
   ``"finish_old"`` admits no new request, lets the running ones finish on the old weights,
-  then reloads. Answers ``{"version", "pause_s", "read_s", "reload_s", "aborted"}``
+  then reloads. ``expected`` (optional, ``weights.verify``): name -> ``[shape, dtype, sample hash,
+  samples]`` (:func:`tensor_digest`) of tensors to check as the server read them, before anything
+  is aborted or reloaded; a difference answers 409 naming the tensors, and the previous version
+  keeps serving. Answers ``{"version", "pause_s", "read_s", "reload_s", "verify_s", "verified",
+  "aborted"}`` (``verified``: tensors checked)
   (``pause_s``: time the engine could not step).
 - ``GET /stats``: counters since start (``max_running``: most requests in one batch); ``GET /health``: ``{"version"}`` (500 once the
   engine thread died).
@@ -119,6 +123,58 @@ class _Load:
     policy: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    expected: dict[str, list] | None = None
+    """name -> [shape, dtype, sample hash, samples] of the tensors to verify (``weights.verify``)."""
+
+
+class VerificationError(Exception):
+    """A version's tensors, as the server read them, differ from what the client says it sent."""
+
+
+def tensor_digest(tensor: Any, samples: int) -> list:
+    """``[shape, dtype, sample hash, samples]`` of ``tensor``: the same digest as
+    ``relax_agent.weights.digest.tensor_digest`` (this script cannot import relax_agent): CRC-32 of
+    ``repr((shape, "torch.<dtype>"))``, then of the raw bytes of the sampled elements (all of them
+    up to ``samples``; else ``samples // 16`` evenly spaced blocks of 16, then the last 16)."""
+    import zlib
+
+    import torch
+
+    shape = tuple(int(d) for d in tensor.shape)
+    crc = zlib.crc32(repr((shape, str(tensor.dtype))).encode())
+    flat = tensor.detach().reshape(-1)
+    numel = flat.numel()
+    if numel:
+        if numel <= samples:
+            index = torch.arange(numel)
+        else:
+            blocks = max(1, samples // 16)
+            starts = torch.arange(blocks) * (numel // blocks)
+            index = torch.cat([(starts[:, None] + torch.arange(16)).reshape(-1), torch.arange(numel - 16, numel)])
+        picked = flat.index_select(0, index.to(flat.device)).to("cpu").contiguous()
+        crc = zlib.crc32(picked.view(torch.uint8).numpy(), crc)
+    return [list(shape), str(tensor.dtype).removeprefix("torch."), f"{crc:08x}", samples]
+
+
+def verify_tensors(tensors: list, expected: dict[str, list], version: int) -> None:
+    """Compare the digest of each tensor named in ``expected`` with it.
+
+    Raises:
+        VerificationError: names the version and every tensor that differs or is missing.
+    """
+    held = dict(tensors)
+    bad = []
+    for name, want in expected.items():
+        if name not in held:
+            bad.append(f"{name}: not in the version file the server read")
+            continue
+        got = tensor_digest(held[name], int(want[3]))
+        if got[:3] != [list(want[0]), want[1], want[2]]:
+            bad.append(f"{name}: the server read shape {tuple(got[0])} {got[1]}, sample hash {got[2]}; "
+                       f"sent {tuple(want[0])} {want[1]}, sample hash {want[2]}")
+    if bad:
+        raise VerificationError(f"version {version}: {len(bad)} tensor(s) differ from what was sent, the engine "
+                                f"keeps serving its previous version (weights.verify): " + "; ".join(bad[:20]))
 
 
 def _settle(req_loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -> None:
@@ -418,6 +474,11 @@ class EngineLoop:
 
     def _apply_load(self, load: _Load) -> None:
         start = time.perf_counter()
+        try:
+            tensors, read_s, verify_s = self._read(load)
+        except VerificationError as exc:  # nothing was touched: the previous version keeps serving
+            _settle(load.loop, load.future, exc)
+            return
         aborted = 0
         if load.policy == "abort_resume":
             for vid, req in list(self.running.items()):
@@ -428,7 +489,7 @@ class EngineLoop:
                 self.parked.append(req)
                 aborted += 1
         try:
-            read_s, reload_s = self._reload(load.path)
+            reload_s = self._reload(tensors)
         except Exception as exc:  # the old weights may be half replaced: nothing can be trusted now
             _settle(load.loop, load.future, RuntimeError(f"reload_weights from {load.path} failed: "
                                                          f"{type(exc).__name__}: {exc}"))
@@ -441,24 +502,36 @@ class EngineLoop:
         self.stats["weight_loads"] += 1
         self.stats["weight_load_s"] += pause_s
         detail = {"version": load.version, "pause_s": pause_s, "read_s": read_s, "reload_s": reload_s,
-                  "aborted": aborted}
+                  "verify_s": verify_s, "verified": len(load.expected or ()), "aborted": aborted}
         self.stats["last_load"] = detail
         _settle(load.loop, load.future, detail)
 
-    def _reload(self, path: str) -> tuple[float, float]:
-        """Read ``path`` (a safetensors file, memory-mapped) and reload it in place; (read_s, reload_s)."""
+    def _read(self, load: _Load) -> tuple[list, float, float]:
+        """Read ``load.path`` (a safetensors file, memory-mapped) and verify the tensors in ``load.expected``
+        as read, before any is loaded; (tensors, read_s, verify_s).
+
+        Raises:
+            VerificationError: a tensor differs from what the client sent (names it).
+        """
         from safetensors import safe_open
 
         start = time.perf_counter()
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with safe_open(load.path, framework="pt", device="cpu") as f:
             tensors = [(name, f.get_tensor(name)) for name in f.keys()]
         read_s = time.perf_counter() - start
+        if load.expected:
+            verify_tensors(tensors, load.expected, load.version)
+        return tensors, read_s, time.perf_counter() - start - read_s
+
+    def _reload(self, tensors: list) -> float:
+        """Reload ``tensors`` (checkpoint names) in place; returns the seconds it took."""
+        start = time.perf_counter()
         loaded = {name for name, _ in tensors}
         tied = self.llm.apply_model(_tied_parameters)[0]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
         self.llm.apply_model(lambda model: _tie_again(model, tied, loaded))
         self.llm.apply_model(_prepack_cpu_experts_again)
-        return read_s, time.perf_counter() - start - read_s
+        return time.perf_counter() - start
 
 
 def _tied_parameters(model: Any) -> list[list[str]]:
@@ -590,10 +663,13 @@ def build_app(engine: EngineLoop, token: str) -> Any:
         if not os.path.isfile(str(body["path"])):
             raise HTTPException(422, f"path={body['path']!r} is not a file")
         loop = asyncio.get_running_loop()
-        load = _Load(str(body["path"]), int(body["version"]), policy, loop, loop.create_future())
+        load = _Load(str(body["path"]), int(body["version"]), policy, loop, loop.create_future(),
+                     body.get("expected"))
         engine.commands.put(("load", load))
         try:
             return await load.future
+        except VerificationError as exc:
+            raise HTTPException(409, str(exc)) from exc
         except RuntimeError as exc:
             raise HTTPException(500, str(exc)) from exc
 
