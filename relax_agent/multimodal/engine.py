@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
-from relax_agent.weights.digest import Expected, tensor_digest, verify_held
+from relax_agent.weights.digest import Expected, load_failure, tensor_digest
 from relax_agent.moe.record import build_route_recorder
 from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.processor import MediaFamily, check_placeholders
@@ -205,17 +205,14 @@ class MediaEngine:
             start = time.perf_counter()
             self._copy_weights(target, state_dict)
             if expected_digests is not None:
-                verify_start = time.perf_counter()
-                diff = verify_held(expected_digests, lambda want: {
-                    n: tensor_digest(target[n], samples=d.samples) if n in target else None for n, d in want.items()})
-                self.stats.weight_verify_s += time.perf_counter() - verify_start
-                if diff:
-                    self._unverified = (f"version {int(version)} failed weight verification after the load "
-                                        f"({diff[0]}); this engine serves no version until a later one verifies")
+                spent, failure = load_failure(expected_digests, lambda want: {
+                    n: tensor_digest(target[n], samples=d.samples) if n in target else None for n, d in want.items()},
+                    version)
+                self.stats.weight_verify_s += spent
+                if failure is not None:
+                    self._unverified = failure.unverified  # type: ignore[attr-defined]
                     self.stats.weight_load_s += time.perf_counter() - start
-                    raise WeightSyncError(f"load_weights: version {int(version)}: what the engine holds after the "
-                                          f"load differs from what was sent in {len(diff)} tensor(s); not served "
-                                          "(weights.verify):\n  " + "\n  ".join(diff[:20]))
+                    raise failure
             self._unverified = None
             self._version = int(version)
             self.stats.weight_loads += 1

@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 import torch
+
+from relax_agent.errors import WeightSyncError
 
 DEFAULT_SAMPLES = 2048
 """Elements sampled per tensor (:func:`sample_index`)."""
@@ -170,6 +173,24 @@ def verify_held(expected: Expected,
         return compare(want, held(want))
     except Exception as exc:  # the version must not be served unverified
         return [f"the digests could not be computed: {type(exc).__name__}: {exc}"]
+
+
+def load_failure(expected: Expected, held: Callable[[Mapping[str, TensorDigest]], Mapping[str, TensorDigest | None]],
+                 version: int) -> tuple[float, WeightSyncError | None]:
+    """An engine's check after it copied ``version`` in: (seconds spent, the error to raise or None).
+
+    The error's ``unverified`` attribute is the reason the engine then gives for serving nothing."""
+    start = time.perf_counter()
+    diff = verify_held(expected, held)
+    spent = time.perf_counter() - start
+    if not diff:
+        return spent, None
+    err = WeightSyncError(f"load_weights: version {int(version)}: what the engine holds after the load differs from "
+                          f"what was sent in {len(diff)} tensor(s); not served (weights.verify):\n  "
+                          + "\n  ".join(diff[:20]))
+    err.unverified = (f"version {int(version)} failed weight verification after the load ({diff[0]}); "  # type: ignore[attr-defined]
+                      "this engine serves no version until a later one verifies")
+    return spent, err
 
 
 def compare(expected: Mapping[str, TensorDigest], actual: Mapping[str, TensorDigest | None]) -> list[str]:

@@ -56,7 +56,7 @@ from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
-from relax_agent.weights.digest import Expected, TensorDigest, tensor_digest, verify_held
+from relax_agent.weights.digest import Expected, TensorDigest, load_failure, tensor_digest
 
 _STOP = object()
 """Queue sentinel that ends the worker."""
@@ -277,16 +277,12 @@ class HFEngine:
                 if self._prefix is not None:
                     self._prefix.clear()
                 if expected_digests is not None:
-                    verify_start = time.perf_counter()
-                    diff = verify_held(expected_digests, lambda want: self.weight_digest(want, target))
-                    self.stats.weight_verify_s += time.perf_counter() - verify_start
-                    if diff:
-                        self._unverified = (f"version {int(version)} failed weight verification after the load "
-                                            f"({diff[0]}); this engine serves no version until a later one verifies")
+                    spent, failure = load_failure(expected_digests, lambda want: self.weight_digest(want, target), version)
+                    self.stats.weight_verify_s += spent
+                    if failure is not None:
+                        self._unverified = failure.unverified  # type: ignore[attr-defined]
                         self.stats.weight_load_s += time.perf_counter() - start
-                        raise WeightSyncError(f"load_weights: version {int(version)}: what the engine holds after "
-                                              f"the load differs from what was sent in {len(diff)} tensor(s); not "
-                                              "served (weights.verify):\n  " + "\n  ".join(diff[:20]))
+                        raise failure
                 self._unverified = None
                 self._version = int(version)
                 self.stats.weight_loads += 1
