@@ -245,6 +245,7 @@ class _Sampled:
     gen: Generation
     text: str
     parsed_text: str = ""
+    stop_string: str | None = None
 
 
 @dataclass
@@ -557,7 +558,8 @@ class AgentSession:
         cut = _marker_cut(text, markers)
         parsed = forced_text + self._parse_decode(gen.token_ids)
         parsed_cut = _marker_cut(parsed, markers)
-        return _Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut])
+        return _Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut],
+                        _stop_hit(text, markers))
 
     def _cut(self, gen: Generation, markers: list[tuple[str, bool]], forced_text: str) -> Generation:
         """``gen`` up to the token that completes the first marker (finish reason "stop"), or as is."""
@@ -591,7 +593,7 @@ class AgentSession:
         tokens = tuple(tok.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
         choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
                         tokens, s.gen.logprobs if req.logprobs else (),
-                        token_bytes(tok, s.gen.token_ids) if req.logprobs else ())
+                        token_bytes(tok, s.gen.token_ids) if req.logprobs else (), s.stop_string)
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
         parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else None
@@ -842,6 +844,15 @@ def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
         if i >= 0 and (best is None or i < best[0]):
             best = (i, i + len(marker) if keep else i)
     return None if best is None else best[1]
+
+
+def _stop_hit(text: str, markers: list[tuple[str, bool]]) -> str | None:
+    """The stop string (a marker not kept) that ends ``text`` at the earliest marker, or None."""
+    found = [(i, marker) for marker, keep in markers if (i := text.find(marker)) >= 0]
+    if not found:
+        return None
+    i, marker = min(found)
+    return None if dict(markers)[marker] else marker
 
 
 def _call_opening(parser: ToolCallParser) -> str | None:
