@@ -70,6 +70,8 @@ class EndpointServer:
 
     Attributes:
         base_url: ``http://127.0.0.1:{port}/v1`` (what agents get as ``OPENAI_BASE_URL``).
+        root_url: ``http://127.0.0.1:{port}`` (what agents get as ``ANTHROPIC_BASE_URL``: the
+            ``anthropic`` SDK adds ``/v1/messages`` itself).
     """
 
     def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024) -> None:
@@ -89,7 +91,8 @@ class EndpointServer:
             raise ConfigError(f"rollout.agent.port={port}: cannot listen on 127.0.0.1:{port} ({exc}); "
                               "choose a free port or 0") from exc
         self.port = self._sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.root_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.root_url}/v1"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None

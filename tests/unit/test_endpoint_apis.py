@@ -1,0 +1,235 @@
+"""The OpenAI Responses API (``/v1/responses``) and Anthropic Messages (``/v1/messages``) through the
+official ``openai`` and ``anthropic`` SDKs on 127.0.0.1: a tool-call round trip (plain and
+streamed) is one chained episode whose trained tokens are exactly the sampled ones, the streamed
+events are the ones each SDK parses, and refusals come in each API's error shape."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from relax_agent.config import ModelConfig
+from relax_agent.models import load_tokenizer
+from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.proxy.server import EndpointServer
+from tests.unit.test_endpoint_openai import TOOLS, ScriptedEngine, open_session
+
+USER = [{"role": "user", "content": "Compute 1 + 2."}]
+RESPONSES_TOOLS = [{"type": "function", "name": "add", "description": "Add two numbers.",
+                    "parameters": TOOLS[0]["function"]["parameters"]}]
+ANTHROPIC_TOOLS = [{"name": "add", "description": "Add two numbers.", "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(ModelConfig(path=str(tiny_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = EndpointServer().start()
+    yield srv
+    srv.close()
+
+
+def _odd_ids(tok, *pieces):
+    """Token ids of ``pieces`` tokenized one by one: not how the tokenizer splits their concatenation
+    (a re-tokenized history would differ from them)."""
+    return [i for p in pieces for i in tok(p, add_special_tokens=False)["input_ids"]] + [2]
+
+
+def _call_then_answer(tok):
+    call = _odd_ids(tok, "<tool_", "call>\n", '{"name": "add", "argu', 'ments": {"a": 1, "b": 2}}\n</tool_call>')
+    answer = _odd_ids(tok, "Ans", "wer: ", "3")
+    assert tok(tok.decode(call[:-1]), add_special_tokens=False)["input_ids"] != call[:-1]
+    return call, answer
+
+
+def _assert_one_chain(session, tok, call, answer, tool_msg, engine):
+    """The episode is one chain: prompt, the sampled call, the tool result's template delta, the
+    sampled answer; trained tokens (loss mask 1) are exactly the sampled ones."""
+    renderer = ChatRenderer(tok)
+    prompt = list(renderer.render_prompt(USER, TOOLS).token_ids)
+    delta = renderer.observation_delta([tool_msg], closed=True)
+    rec = session.trained()
+    assert rec.token_ids == prompt + call + delta + answer
+    assert rec.loss_mask == [0] * len(prompt) + [1] * len(call) + [0] * len(delta) + [1] * len(answer)
+    assert [list(t.token_ids) for t in rec.turns] == [call, answer]
+    assert engine.prompts[1] == prompt + call + delta  # the engine saw the sampled ids, not a re-render
+    assert session.stats.branches == 0 and len(session.recorders()) == 1
+    metrics = session.metrics()
+    assert metrics["agent/chain_replies"] == 2.0 and metrics["agent/dropped_replies"] == 0.0
+
+
+def _anthropic(server, session, **kw):
+    return anthropic.Anthropic(base_url=server.root_url, api_key=session.key, max_retries=0, timeout=60, **kw)
+
+
+# -- /v1/responses -------------------------------------------------------------------------------
+
+
+def test_responses_tool_round_trip_is_one_chain_of_the_sampled_tokens(server, tok):
+    call, answer = _call_then_answer(tok)
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) == 1 else answer)
+    session, client = open_session(server, engine, tok)
+    first = client.responses.create(model="m", input=USER, tools=RESPONSES_TOOLS)
+    assert first.object == "response" and first.status == "completed"
+    assert [item.type for item in first.output] == ["function_call"]
+    fc = first.output[0]
+    assert fc.name == "add" and json.loads(fc.arguments) == {"a": 1, "b": 2}
+    assert first.usage.output_tokens == len(call) and first.usage.input_tokens == session.trained().turns[0].start
+
+    second = client.responses.create(model="m", tools=RESPONSES_TOOLS, input=[
+        *USER, *first.output, {"type": "function_call_output", "call_id": fc.call_id, "output": "3"}])
+    assert second.output_text == "Answer: 3"
+    assert [item.type for item in second.output] == ["message"]
+    _assert_one_chain(session, tok, call, answer, {"role": "tool", "tool_call_id": fc.call_id, "content": "3"}, engine)
+
+
+def test_responses_stream_events_and_round_trip(server, tok):
+    call, answer = _call_then_answer(tok)
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) == 1 else answer)
+    session, client = open_session(server, engine, tok)
+    events = list(client.responses.create(model="m", input=USER, tools=RESPONSES_TOOLS, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    first = events[-1].response
+    fc = first.output[0]
+    assert fc.type == "function_call" and json.loads(fc.arguments) == {"a": 1, "b": 2}
+    assert events[3].delta == events[4].arguments == fc.arguments and events[2].item.call_id == fc.call_id
+
+    # the SDK's accumulating helper rebuilds the same response from the text deltas
+    with client.responses.stream(model="m", tools=RESPONSES_TOOLS, input=[
+            *USER, *first.output, {"type": "function_call_output", "call_id": fc.call_id, "output": "3"}]) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == "Answer: 3"
+    assert final.usage.output_tokens == len(answer)
+    _assert_one_chain(session, tok, call, answer, {"role": "tool", "tool_call_id": fc.call_id, "content": "3"}, engine)
+
+
+def test_responses_instructions_limits_and_refusals(server, tok):
+    engine = ScriptedEngine(lambda prompt: _odd_ids(tok, "Ans", "wer: ", "3"))
+    session, client = open_session(server, engine, tok)
+    cut = client.responses.create(model="m", instructions="Be brief.", input="Compute 1 + 2.", max_output_tokens=2)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 2
+    prompt = ChatRenderer(tok).render_prompt([{"role": "system", "content": "Be brief."}, *USER]).token_ids
+    assert engine.prompts[-1] == list(prompt)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="m", input="hi", previous_response_id="resp_1")
+    assert err.value.status_code == 400 and "stores no responses" in err.value.message
+    assert err.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError, match="built-in tools"):
+        client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="text-only"):
+        client.responses.create(model="m", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://127.0.0.1/x.png"}]}])
+
+
+# -- /v1/messages ----------------------------------------------------------------------------------
+
+
+def test_messages_tool_round_trip_is_one_chain_of_the_sampled_tokens(server, tok):
+    call, answer = _call_then_answer(tok)
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) == 1 else answer)
+    session, _ = open_session(server, engine, tok)
+    client = _anthropic(server, session)
+    first = client.messages.create(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS)
+    assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["tool_use"]
+    use = first.content[0]
+    assert use.name == "add" and use.input == {"a": 1, "b": 2}
+    assert first.usage.output_tokens == len(call)
+
+    second = client.messages.create(model="m", max_tokens=64, tools=ANTHROPIC_TOOLS, messages=[
+        *USER, {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3"}]}])
+    assert second.stop_reason == "end_turn" and second.content[0].text == "Answer: 3"
+    _assert_one_chain(session, tok, call, answer, {"role": "tool", "tool_call_id": use.id, "content": "3"}, engine)
+
+
+def test_messages_stream_events_and_round_trip(server, tok):
+    call, answer = _call_then_answer(tok)
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) <= 2 else answer)
+    session, _ = open_session(server, engine, tok)
+    client = _anthropic(server, session)
+    raw = list(client.messages.create(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS, stream=True))
+    assert [e.type for e in raw] == ["message_start", "content_block_start", "content_block_delta",
+                                     "content_block_stop", "message_delta", "message_stop"]
+    assert raw[2].delta.type == "input_json_delta" and raw[4].delta.stop_reason == "tool_use"
+
+    with client.messages.stream(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS) as stream:
+        first = stream.get_final_message()
+    assert first.stop_reason == "tool_use" and first.content[0].input == {"a": 1, "b": 2}
+    with client.messages.stream(model="m", max_tokens=64, tools=ANTHROPIC_TOOLS, messages=[
+            *USER, {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[0].id,
+                                          "content": "3"}]}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == "Answer: 3" and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == len(answer) and final.usage.input_tokens == len(engine.prompts[-1])
+
+
+def test_messages_chain_through_a_streamed_round_trip(server, tok):
+    call, answer = _call_then_answer(tok)
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) == 1 else answer)
+    session, _ = open_session(server, engine, tok)
+    client = _anthropic(server, session)
+    with client.messages.stream(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS) as stream:
+        first = stream.get_final_message()
+    use = first.content[0]
+    with client.messages.stream(model="m", max_tokens=64, tools=ANTHROPIC_TOOLS, messages=[
+            *USER, {"role": "assistant", "content": first.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3"}]}]) as stream:
+        assert "".join(stream.text_stream) == "Answer: 3"
+    _assert_one_chain(session, tok, call, answer, {"role": "tool", "tool_call_id": use.id, "content": "3"}, engine)
+
+
+def test_messages_stop_sequences_max_tokens_system_and_auth(server, tok):
+    engine = ScriptedEngine(lambda prompt: _odd_ids(tok, "Ans", "wer: ", "3"))
+    session, _ = open_session(server, engine, tok)
+    client = _anthropic(server, session)
+    stopped = client.messages.create(model="m", max_tokens=64, messages=USER, stop_sequences=[": "],
+                                     system="Be brief.")
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == ": "
+    assert stopped.content[0].text == "Answer"
+    prompt = ChatRenderer(tok).render_prompt([{"role": "system", "content": "Be brief."}, *USER]).token_ids
+    assert engine.prompts[-1] == list(prompt)
+    cut = client.messages.create(model="m", max_tokens=2, messages=USER)
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+    # Bearer works as well as x-api-key
+    bearer = anthropic.Anthropic(base_url=server.root_url, auth_token=session.key, max_retries=0, timeout=60)
+    assert bearer.messages.create(model="m", max_tokens=64, messages=USER).content[0].text == "Answer: 3"
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        anthropic.Anthropic(base_url=server.root_url, api_key="nobody", max_retries=0).messages.create(
+            model="m", max_tokens=8, messages=USER)
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "authentication_error"
+
+
+def test_messages_refusals_have_anthropic_error_bodies(server, tok):
+    engine = ScriptedEngine(lambda prompt: _odd_ids(tok, "Answer: 3"))
+    session, _ = open_session(server, engine, tok)
+    client = _anthropic(server, session)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="m", max_tokens=8, messages=USER, extra_body={"top_k": 5})
+    assert err.value.body["error"] == {"type": "invalid_request_error", "message": err.value.body["error"]["message"]}
+    assert "top_k" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="toolu_none"):
+        client.messages.create(model="m", max_tokens=8, messages=[
+            *USER, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_none", "content": "3"}]}])
+    headers = {"x-api-key": session.key, "anthropic-version": "2023-06-01"}
+    missing = httpx.post(f"{server.root_url}/v1/messages", json={"model": "m", "messages": USER}, headers=headers)
+    assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens is required" in missing.json()["error"]["message"]
+    big = httpx.post(f"{server.root_url}/v1/messages", content=b"x" * (server.max_request_bytes + 1), headers=headers)
+    assert big.status_code == 413 and big.json() == {"type": "error", "error": {
+        "type": "request_too_large", "message": big.json()["error"]["message"]}}
+    assert engine.prompts == []
