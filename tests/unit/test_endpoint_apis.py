@@ -6,6 +6,7 @@ events are the ones each SDK parses, and refusals come in each API's error shape
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -232,4 +233,74 @@ def test_messages_refusals_have_anthropic_error_bodies(server, tok):
     big = httpx.post(f"{server.root_url}/v1/messages", content=b"x" * (server.max_request_bytes + 1), headers=headers)
     assert big.status_code == 413 and big.json() == {"type": "error", "error": {
         "type": "request_too_large", "message": big.json()["error"]["message"]}}
+    unknown = httpx.post(f"{server.root_url}/v1/messages/count_tokens", json={}, headers=headers)
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    assert [m.id for m in client.models.list().data] == ["policy"]  # x-api-key works on /v1/models too
     assert engine.prompts == []
+
+
+# -- tool_choice, parallel calls, closed streams (the chat path's rules, through each API) --------------
+
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+NAMED = '<tool_call>\n{"name": "add", "arguments": '
+
+
+def _forced_call(tok, session, engine):
+    forced_ids = tok(NAMED, add_special_tokens=False)["input_ids"]
+    assert engine.prompts[-1][-len(forced_ids):] == forced_ids  # the call opening was forced
+    rec = session.trained()
+    assert rec.loss_mask[rec.turns[0].start - len(forced_ids):rec.turns[0].start] == [0] * len(forced_ids)
+
+
+def test_responses_named_tool_choice_and_parallel_calls(server, tok):
+    engine = ScriptedEngine(lambda prompt: _odd_ids(tok, CALL_TEXT[len(NAMED):]))
+    session, client = open_session(server, engine, tok)
+    out = client.responses.create(model="m", input=USER, tools=RESPONSES_TOOLS,
+                                  tool_choice={"type": "function", "name": "add"})
+    assert [(i.type, i.name, json.loads(i.arguments)) for i in out.output] == [("function_call", "add", {"a": 1, "b": 2})]
+    _forced_call(tok, session, engine)
+    engine2 = ScriptedEngine(_odd_ids(tok, CALL_TEXT + "\n" + CALL_TEXT))
+    _, client2 = open_session(server, engine2, tok, max_new_tokens=128)
+    one = client2.responses.create(model="m", input=USER, tools=RESPONSES_TOOLS, parallel_tool_calls=False)
+    two = client2.responses.create(model="m", input="Compute 2 + 2.", tools=RESPONSES_TOOLS)
+    assert [i.type for i in one.output] == ["function_call"] and [i.type for i in two.output] == ["function_call"] * 2
+
+
+def test_messages_tool_choice_tool_any_none_and_parallel_calls(server, tok):
+    engine = ScriptedEngine(lambda prompt: _odd_ids(tok, CALL_TEXT[len(NAMED):]))
+    session, _ = open_session(server, engine, tok)
+    client = _anthropic(server, session)
+    out = client.messages.create(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS,
+                                 tool_choice={"type": "tool", "name": "add"})
+    assert out.stop_reason == "tool_use" and [(b.name, b.input) for b in out.content] == [("add", {"a": 1, "b": 2})]
+    _forced_call(tok, session, engine)
+    engine2 = ScriptedEngine(_odd_ids(tok, CALL_TEXT + "\n" + CALL_TEXT))
+    session2, _ = open_session(server, engine2, tok, max_new_tokens=128)
+    client2 = _anthropic(server, session2)
+    one = client2.messages.create(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS,
+                                  tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.type for b in one.content] == ["tool_use"]
+    none = client2.messages.create(model="m", messages=USER, tools=ANTHROPIC_TOOLS,
+                                   tool_choice={"type": "none"}, max_tokens=128)
+    assert none.stop_reason == "end_turn" and none.content[0].text == CALL_TEXT + "\n" + CALL_TEXT
+    with pytest.raises(anthropic.BadRequestError, match="needs tools"):
+        client2.messages.create(model="m", max_tokens=8, messages=USER, tool_choice={"type": "any"})
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_closed_stream_aborts_its_generation(server, tok, api):
+    engine = ScriptedEngine(_odd_ids(tok, *(["word "] * 200)), delay_s=0.02)
+    session, client = open_session(server, engine, tok, max_new_tokens=200)
+    if api == "responses":
+        stream = client.responses.create(model="m", input=USER, stream=True)
+        kinds = [next(iter(stream)).type for _ in range(5)]
+        assert kinds[-1] == "response.output_text.delta"
+    else:
+        stream = _anthropic(server, session).messages.create(model="m", max_tokens=200, messages=USER, stream=True)
+        kinds = [next(iter(stream)).type for _ in range(3)]
+        assert kinds[-1] == "content_block_delta"
+    stream.close()
+    deadline = time.monotonic() + 10
+    while engine.cancelled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.cancelled == 1 and session.stats.aborted == 1 and session.replies == []

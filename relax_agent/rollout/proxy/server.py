@@ -221,7 +221,7 @@ def build_app(endpoint: EndpointServer) -> Any:
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         try:
-            endpoint.session_of(bearer(request.headers))
+            endpoint.session_of(bearer(request.headers) or request.headers.get("x-api-key", "").strip())
         except RequestError as exc:
             return _error(exc)
         return {"object": "list", "data": [model_card(endpoint.model_name)]}
@@ -230,7 +230,7 @@ def build_app(endpoint: EndpointServer) -> Any:
     async def model(model: str, request: Request) -> Any:
         """Any model id: the policy answers requests naming any model."""
         try:
-            endpoint.session_of(bearer(request.headers))
+            endpoint.session_of(bearer(request.headers) or request.headers.get("x-api-key", "").strip())
         except RequestError as exc:
             return _error(exc)
         return model_card(model)
