@@ -304,3 +304,24 @@ def test_a_closed_stream_aborts_its_generation(server, tok, api):
     while engine.cancelled == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert engine.cancelled == 1 and session.stats.aborted == 1 and session.replies == []
+
+
+def test_streamed_text_then_a_call_are_two_output_items_sent_back_as_one_turn(server, tok):
+    call = _odd_ids(tok, "Let me add.\n", CALL_TEXT)
+    answer = _odd_ids(tok, "Answer: 3")
+    engine = ScriptedEngine(lambda prompt: call if len(engine.prompts) == 1 else answer, delay_s=0.001)
+    session, client = open_session(server, engine, tok, max_new_tokens=128)
+    with client.responses.stream(model="m", input=USER, tools=RESPONSES_TOOLS) as stream:
+        events = list(stream)
+        first = stream.get_final_response()
+    assert [i.type for i in first.output] == ["message", "function_call"]
+    assert first.output_text == "Let me add."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Let me add."
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "function_call")]
+    fc = first.output[1]
+    second = client.responses.create(model="m", tools=RESPONSES_TOOLS, input=[
+        *USER, *first.output, {"type": "function_call_output", "call_id": fc.call_id, "output": "3"}])
+    assert second.output_text == "Answer: 3"
+    assert [list(t.token_ids) for t in session.trained().turns] == [call, answer]
+    assert session.stats.branches == 0 and session.metrics()["agent/chain_replies"] == 2.0
