@@ -1,6 +1,7 @@
 """`relax-agent train examples/agents/openai_sdk_agent.yaml` runs two steps with the tiny model: every
-episode is the example agent (a subprocess using the openai SDK: chat completions or Responses; or the anthropic SDK) calling the policy's endpoint; `relax-agent
-replay` then judges step 1's agent-driven episodes without divergence."""
+episode is the example agent (a subprocess using the openai SDK, on chat completions or Responses, or
+the anthropic SDK) calling the policy's endpoint; `relax-agent replay` then judges step 1's
+agent-driven episodes without divergence."""
 
 import json
 import os

@@ -128,6 +128,9 @@ def test_responses_instructions_limits_and_refusals(server, tok):
         client.responses.create(model="m", input="hi", previous_response_id="resp_1")
     assert err.value.status_code == 400 and "stores no responses" in err.value.message
     assert err.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="m", input="hi", max_output_tokens=0)
+    assert err.value.body["param"] == "max_output_tokens" and "max_output_tokens must be" in err.value.message
     with pytest.raises(openai.BadRequestError, match="built-in tools"):
         client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
     with pytest.raises(openai.BadRequestError, match="text-only"):

@@ -57,6 +57,8 @@ REFUSED = {
     "conversation": "this endpoint stores no conversations; send the whole conversation as input",
     "prompt": "stored prompts are not available; send instructions and input",
 }
+RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}
+"""Fields of the internal chat request that this API names otherwise (in error bodies)."""
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
@@ -79,7 +81,15 @@ class ResponsesApi:
         return ResponsesStreamWriter(_Response(req, body, model))
 
     def error(self, exc: RequestError) -> dict[str, Any]:
-        return exc.body()
+        """OpenAI's error body, the chat request's field names put back as this API names them
+        (``max_tokens`` -> ``max_output_tokens``, ``messages`` -> ``input``)."""
+        body = exc.body()
+        if exc.param in RENAMED:
+            new = RENAMED[exc.param]
+            body["error"]["param"] = new
+            body["error"]["message"] = body["error"]["message"].replace(f"{exc.param}=", f"{new}=").replace(
+                f"{exc.param} must", f"{new} must")
+        return body
 
 
 def chat_body(body: Any) -> dict[str, Any]:
