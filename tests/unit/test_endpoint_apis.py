@@ -168,6 +168,7 @@ def test_messages_stream_events_and_round_trip(server, tok):
     assert [e.type for e in raw] == ["message_start", "content_block_start", "content_block_delta",
                                      "content_block_stop", "message_delta", "message_stop"]
     assert raw[2].delta.type == "input_json_delta" and raw[4].delta.stop_reason == "tool_use"
+    assert raw[0].message.usage.input_tokens == raw[4].usage.input_tokens == len(engine.prompts[0])
 
     with client.messages.stream(model="m", max_tokens=64, messages=USER, tools=ANTHROPIC_TOOLS) as stream:
         first = stream.get_final_message()

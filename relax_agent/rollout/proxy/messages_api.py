@@ -23,8 +23,8 @@ Response: ``type: "message"`` with content blocks ``text`` (when the reply has t
 ``max_tokens`` or ``stop_sequence`` (with ``stop_sequence``), ``usage``. Streamed: Anthropic's
 events (``message_start``, ``content_block_start`` / ``content_block_delta`` (``text_delta`` as
 tokens are sampled, ``input_json_delta``) / ``content_block_stop``, ``message_delta`` with the stop
-reason and usage, ``message_stop``; ``error`` after a failure). ``message_start`` carries
-``input_tokens: 0``: the prompt's count comes in ``message_delta`` (the SDK takes it from there).
+reason and usage, ``message_stop``; ``error`` after a failure); ``input_tokens`` is in
+``message_start`` and again in ``message_delta`` (there only, for a retry answered from the record).
 Errors have Anthropic's body ``{"type": "error", "error": {"type", "message"}}``. The key is read
 from ``x-api-key`` or ``Authorization: Bearer``.
 """
@@ -244,9 +244,10 @@ class MessagesStreamWriter:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.text_open = False
 
-    def start(self) -> list[str]:
+    def start(self, prompt_tokens: int | None = None) -> list[str]:
+        usage = {"input_tokens": prompt_tokens or 0, "output_tokens": 0}
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [sse_event("message_start", {"type": "message_start", "message": message})]
 
     def text(self, index: int, delta: str) -> list[str]:

@@ -405,7 +405,7 @@ class ChatStreamWriter:
         self.req, self.model = req, model
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
 
-    def start(self) -> list[str]:
+    def start(self, prompt_tokens: int | None = None) -> list[str]:
         return [chunk(self.id, self.model, self.created, i, {"role": "assistant", "content": ""})
                 for i in range(self.req.n)]
 

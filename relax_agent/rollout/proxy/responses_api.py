@@ -276,7 +276,7 @@ class ResponsesStreamWriter:
         self.seq += 1
         return sse_event(kind, body)
 
-    def start(self) -> list[str]:
+    def start(self, prompt_tokens: int | None = None) -> list[str]:
         snapshot = self.response.body(None, [], status="in_progress")
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]

@@ -317,16 +317,18 @@ async def _start_stream(session: AgentSession, req: ChatRequest, writer: StreamW
         if delta:
             queue.put_nowait((index, delta))
 
-    fut = await session.submit(req, body_key, replay, on_text, notes)
+    info: dict[str, int] = {}
+    fut = await session.submit(req, body_key, replay, on_text, notes, info)
     fut.add_done_callback(lambda _: queue.put_nowait(None))
-    return _events(session, writer, fut, streamers, queue, body_key)
+    return _events(session, writer, fut, streamers, queue, body_key, info.get("prompt_tokens"))
 
 
 async def _events(session: AgentSession, writer: StreamWriter, fut: asyncio.Future,
-                  streamers: list["ContentStreamer"], queue: asyncio.Queue, body_key: str) -> AsyncIterator[str]:
+                  streamers: list["ContentStreamer"], queue: asyncio.Queue, body_key: str,
+                  prompt_tokens: int | None) -> AsyncIterator[str]:
     answer_id, finished = None, False
     try:
-        for event in writer.start():
+        for event in writer.start(prompt_tokens):
             yield event
         while (item := await queue.get()) is not None:
             for event in writer.text(*item):

@@ -304,7 +304,7 @@ class AgentSession:
 
     # -- requests -------------------------------------------------------------------------
     async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None,
-                     notes: dict[str, str] | None = None) -> asyncio.Future:
+                     notes: dict[str, str] | None = None, info: dict[str, int] | None = None) -> asyncio.Future:
         """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`. The
         request's messages are matched and tokenized in a worker thread, never on the event loop
         other episodes are served from (a large history cannot stall them).
@@ -315,6 +315,7 @@ class AgentSession:
                 from the record when an identical body was answered or is being answered.
             on_text: streaming listener, called as the text of each choice grows.
             notes: filled with response headers to send (``x-relax-max-tokens`` when capped).
+            info: filled with ``prompt_tokens`` (the prompt's length) once planned (not for a replay).
 
         Raises:
             RequestError: the session has ended (401), or the request cannot be honoured (400).
@@ -327,6 +328,8 @@ class AgentSession:
             self.stats.replayed += 1
             return asyncio.ensure_future(asyncio.shield(self._answers[body_key]))
         plan = await asyncio.to_thread(self._plan, req)
+        if info is not None:
+            info["prompt_tokens"] = len(plan.prompt_ids)
         if self.closed:
             raise RequestError("this episode's session has ended (the agent's API key is no longer valid)",
                                status=401, code="invalid_api_key")

@@ -18,8 +18,9 @@ class StreamWriter(Protocol):
     """The server-sent events of one streamed answer, in order: :meth:`start`, :meth:`text` per
     content delta, then :meth:`finish` (or :meth:`fail`)."""
 
-    def start(self) -> list[str]:
-        """Events sent before anything is sampled."""
+    def start(self, prompt_tokens: int | None) -> list[str]:
+        """Events sent before anything is sampled (``prompt_tokens``: the prompt's length, None when
+        not known yet: a retry answered from the record)."""
 
     def text(self, index: int, delta: str) -> list[str]:
         """Events carrying ``delta``, new content of choice ``index``."""
