@@ -329,3 +329,21 @@ def test_streamed_text_then_a_call_are_two_output_items_sent_back_as_one_turn(se
     assert second.output_text == "Answer: 3"
     assert [list(t.token_ids) for t in session.trained().turns] == [call, answer]
     assert session.stats.branches == 0 and session.metrics()["agent/chain_replies"] == 2.0
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": "m", "input": USER}),
+    ("/v1/messages", {"model": "m", "max_tokens": 64, "messages": USER}),
+])
+def test_an_sdk_retry_gets_the_recorded_answer(server, tok, path, body):
+    engine = ScriptedEngine(_odd_ids(tok, "Answer: 3"))
+    session, _ = open_session(server, engine, tok)
+    headers = {"Authorization": f"Bearer {session.key}"}
+    first = httpx.post(f"{server.root_url}{path}", json=body, headers=headers, timeout=30)
+    again = httpx.post(f"{server.root_url}{path}", json=body, headers={**headers, "x-stainless-retry-count": "1"},
+                       timeout=30)
+    assert first.status_code == again.status_code == 200
+    text = (lambda r: r.json()["output"][0]["content"][0]["text"]) if path == "/v1/responses" \
+        else (lambda r: r.json()["content"][0]["text"])
+    assert text(first) == text(again) == "Answer: 3"
+    assert len(engine.prompts) == 1 and session.stats.replayed == 1 and len(session.replies) == 1
