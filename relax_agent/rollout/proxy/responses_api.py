@@ -32,7 +32,6 @@ after the stream started is ``response.failed``). Errors have OpenAI's error bod
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
