@@ -131,6 +131,9 @@ def test_responses_instructions_limits_and_refusals(server, tok):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="m", input="hi", max_output_tokens=0)
     assert err.value.body["param"] == "max_output_tokens" and "max_output_tokens must be" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="m", input=[*USER, {"type": "function_call_output", "call_id": "c9", "output": "3"}])
+    assert err.value.body["param"] == "input[1].call_id" and "'c9'" in err.value.message
     with pytest.raises(openai.BadRequestError, match="built-in tools"):
         client.responses.create(model="m", input="hi", tools=[{"type": "web_search"}])
     with pytest.raises(openai.BadRequestError, match="text-only"):
@@ -227,7 +230,8 @@ def test_messages_refusals_have_anthropic_error_bodies(server, tok):
         client.messages.create(model="m", max_tokens=8, messages=USER, extra_body={"top_k": 5})
     assert err.value.body["error"] == {"type": "invalid_request_error", "message": err.value.body["error"]["message"]}
     assert "top_k" in err.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError, match="toolu_none"):
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.content\[0\] is a tool_result for "
+                                                      "tool_use_id 'toolu_none'"):
         client.messages.create(model="m", max_tokens=8, messages=[
             *USER, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_none", "content": "3"}]}])
     headers = {"x-api-key": session.key, "anthropic-version": "2023-06-01"}

@@ -128,6 +128,7 @@ def turn_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise RequestError("messages must be a non-empty list of user / assistant turns", "messages")
     out: list[dict[str, Any]] = []
+    used: set[str] = set()
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
@@ -150,12 +151,15 @@ def turn_messages(raw: Any) -> list[dict[str, Any]]:
                         or not isinstance(block.get("input"), dict):
                     raise RequestError(f"{at} must be {{'type': 'tool_use', 'id': ..., 'name': ..., 'input': {{...}}}}",
                                        at)
+                used.add(block["id"])
                 calls.append({"id": block["id"], "type": "function",
                               "function": {"name": block["name"],
                                            "arguments": json.dumps(block["input"], ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise RequestError(f"{at}.tool_use_id must be a string", f"{at}.tool_use_id")
+                if block.get("tool_use_id") not in used:
+                    raise RequestError(f"{at} is a tool_result for tool_use_id {block.get('tool_use_id')!r}, which no "
+                                       f"earlier assistant turn's tool_use has (known ids: {sorted(used)}); a "
+                                       "tool_result must answer a preceding tool_use by its id", f"{at}.tool_use_id")
                 result = block.get("content")
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                                 "content": "" if result is None else _text(result, f"{at}.content")})

@@ -133,6 +133,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise RequestError("input must be a string or a non-empty list of input items", "input")
     out: list[dict[str, Any]] = []
+    used: set[str] = set()
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -149,6 +150,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
                 if not isinstance(item.get(field), str):
                     raise RequestError(f"{where}.{field} must be a string (a function_call item has call_id, name and "
                                        f"arguments), got {item.get(field)!r}", f"{where}.{field}")
+            used.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant":
@@ -156,8 +158,10 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise RequestError(f"{where}.call_id must be a string, got {item.get('call_id')!r}", f"{where}.call_id")
+            if item.get("call_id") not in used:
+                raise RequestError(f"{where} is a function_call_output for call_id {item.get('call_id')!r}, which no "
+                                   f"earlier function_call item has (known ids: {sorted(used)}); send the "
+                                   "function_call item before its output", f"{where}.call_id")
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
