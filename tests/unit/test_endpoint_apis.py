@@ -351,3 +351,16 @@ def test_an_sdk_retry_gets_the_recorded_answer(server, tok, path, body):
         else (lambda r: r.json()["content"][0]["text"])
     assert text(first) == text(again) == "Answer: 3"
     assert len(engine.prompts) == 1 and session.stats.replayed == 1 and len(session.replies) == 1
+
+
+def test_responses_stream_of_a_cut_reply_and_of_an_empty_one(server, tok):
+    engine = ScriptedEngine(lambda prompt: [2] if len(engine.prompts) == 2 else _odd_ids(tok, "Ans", "wer: ", "3"))
+    session, client = open_session(server, engine, tok)
+    cut = list(client.responses.create(model="m", input=USER, max_output_tokens=2, stream=True))
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert "".join(e.delta for e in cut if e.type == "response.output_text.delta") == cut[-1].response.output_text
+    empty = list(client.responses.create(model="m", input="Say nothing.", stream=True))
+    assert empty[-1].type == "response.completed" and empty[-1].response.output_text == ""
+    assert [i.type for i in empty[-1].response.output] == ["message"]
+    assert [e.type for e in empty if e.type.startswith("response.output_item")] == [
+        "response.output_item.added", "response.output_item.done"]
