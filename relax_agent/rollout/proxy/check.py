@@ -130,7 +130,7 @@ class CheckSession(AgentSession):
     seen: list[ChatRequest] = field(default_factory=list)
 
     async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: Any = None,
-                     notes: dict[str, str] | None = None) -> asyncio.Future:
+                     notes: dict[str, str] | None = None, info: dict[str, int] | None = None) -> asyncio.Future:
         self.seen.append(req)
         assert isinstance(self.engine, ScriptedPolicy)
         answered = any(m["role"] == "tool" for m in req.messages)
@@ -142,7 +142,7 @@ class CheckSession(AgentSession):
             self.engine.text = text[len(forced):] if forced and text.startswith(forced) else text
         else:
             self.engine.text = FINAL_ANSWER
-        return await super().submit(req, body_key, replay, on_text, notes)
+        return await super().submit(req, body_key, replay, on_text, notes, info)
 
 
 async def check_agent(cfg: Any, tasks: Sequence[CheckTask], renderer: ChatRenderer, parser: ToolCallParser,
