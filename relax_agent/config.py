@@ -87,7 +87,8 @@ class AgentConfig(Section):
 
     Per episode the command runs as its own process group with ``OPENAI_BASE_URL`` (the
     rollout's OpenAI-compatible endpoint on 127.0.0.1), ``OPENAI_API_KEY`` (a key for this
-    episode only), ``RELAX_TASK_FILE`` (JSON: ``id``, ``sample_id``, ``messages``, ``tools``,
+    episode only), ``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY`` (the same, for the ``anthropic``
+    SDK), ``RELAX_TASK_FILE`` (JSON: ``id``, ``sample_id``, ``messages``, ``tools``,
     ``metadata``: the task's ``task_keys``), ``RELAX_OUTPUT_FILE`` (where it may write JSON
     ``{"reward", "answer", "metrics"}``) and ``TMPDIR`` (the episode's private directory) in an
     environment of only ``inherit_env`` and ``env``.
@@ -103,7 +104,8 @@ class AgentConfig(Section):
     inherit_env: list[str] = Field(default_factory=lambda: list(DEFAULT_AGENT_ENV))
     """Variables of relax-agent's own environment the agent gets (names; a trailing ``*`` matches a
     prefix, ``["*"]`` everything); nothing else is passed, so the run's credentials and a parent's
-    ``OPENAI_API_BASE`` / proxies never reach it. ``OPENAI_*`` variables are always the episode's."""
+    ``OPENAI_API_BASE`` / proxies never reach it. ``OPENAI_*`` and ``ANTHROPIC_*`` variables are always
+    the episode's."""
     task_keys: list[str] = Field(default_factory=list)
     """Keys of the task dict copied to ``metadata`` in the agent's task file. Default none: the
     ground truth (``answer``...) stays with the env, which scores the agent's answer."""

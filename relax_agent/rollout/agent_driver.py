@@ -6,6 +6,8 @@ with, in its environment:
 
 - ``OPENAI_BASE_URL``: the rollout's OpenAI-compatible endpoint on 127.0.0.1
   (:mod:`relax_agent.rollout.proxy.server`), ``OPENAI_API_KEY``: a key valid for this episode only;
+  ``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY``: the same endpoint and key as the ``anthropic``
+  SDK reads them (its ``/v1/messages``);
 - ``RELAX_TASK_FILE``: a JSON file ``{"id", "sample_id", "messages", "tools", "metadata"}``
   (``metadata``: the task dict's ``rollout.agent.task_keys``, none by default: the ground truth
   stays with the env);
@@ -154,6 +156,7 @@ class AgentDriver:
                                          "tools": tools, "metadata": metadata}, default=str))
         env = {**agent_environment(os.environ, self.cfg.inherit_env), **self.cfg.env,
                "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key, "TMPDIR": str(tmp),
+               "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": session.key,
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
         argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
         with log.open("wb") as err:
@@ -263,11 +266,11 @@ def _output_metrics(output: dict[str, Any]) -> dict[str, float]:
 
 def agent_environment(parent: Any, inherit: list[str]) -> dict[str, str]:
     """The variables of ``parent`` named by ``inherit`` (a trailing ``*`` matches a prefix; ``"*"`` all),
-    without any ``OPENAI_*`` (the agent gets the episode's own)."""
+    without any ``OPENAI_*`` or ``ANTHROPIC_*`` (the agent gets the episode's own)."""
     def wanted(name: str) -> bool:
         return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in inherit)
 
-    return {k: v for k, v in parent.items() if wanted(k) and not k.startswith("OPENAI_")}
+    return {k: v for k, v in parent.items() if wanted(k) and not k.startswith(("OPENAI_", "ANTHROPIC_"))}
 
 
 def kill_marked(marker: str, proc_dir: str = "/proc") -> list[int]:

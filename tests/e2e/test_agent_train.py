@@ -1,6 +1,7 @@
 """`relax-agent train examples/agents/openai_sdk_agent.yaml` runs two steps with the tiny model: every
-episode is the example agent (a subprocess using the openai SDK) calling the policy's endpoint; `relax-agent
-replay` then judges step 1's agent-driven episodes without divergence."""
+episode is the example agent (a subprocess using the openai SDK, on chat completions or Responses, or
+the anthropic SDK) calling the policy's endpoint; `relax-agent replay` then judges step 1's
+agent-driven episodes without divergence."""
 
 import json
 import os
@@ -15,13 +16,16 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_training_steps_through_the_example_agent(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("agent", ["openai_sdk_agent.py", "responses_agent.py", "anthropic_agent.py"])
+def test_two_training_steps_through_the_example_agent(tiny_model_dir, tmp_path, agent):
+    """The same run whichever API the agent speaks (chat completions, Responses, Anthropic Messages)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "relax_agent.cli", "train", "examples/agents/openai_sdk_agent.yaml", "--quiet",
            f"model.path={tiny_model_dir}", f"run.output_dir={out}", "trainer.steps=2", "rollout.tasks_per_step=2",
            "rollout.group_size=2", "rollout.max_new_tokens=16", "rollout.max_total_tokens=1024",
            "rollout.agent.env.AGENT_MAX_TURNS='2'", "eval.at_start=false", "eval.num_tasks=2", "trainer.micro_batch_size=4",
-           "checkpoint.every_steps=0", "run.num_threads=1", "logging.tensorboard=false", "logging.plot=false"]
+           "checkpoint.every_steps=0", "run.num_threads=1", "logging.tensorboard=false", "logging.plot=false",
+           f'rollout.agent.command=["{{python}}", "examples/agents/{agent}"]']
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -7,6 +7,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from relax_agent.cli import app
@@ -31,8 +32,10 @@ def _rows(output: str) -> dict[str, str]:
             if line[:5].strip() in ("PASS", "WARN", "FAIL")}
 
 
-def test_the_example_agent_passes_every_check(tiny_model_dir):
-    res = CliRunner().invoke(app, ["agent", "check", str(REPO / "examples/agents/openai_sdk_agent.py"),
+@pytest.mark.parametrize("agent", ["openai_sdk_agent.py", "responses_agent.py", "anthropic_agent.py"])
+def test_the_example_agent_passes_every_check(tiny_model_dir, agent):
+    """The same checks whichever API the agent speaks (chat completions, Responses, Anthropic Messages)."""
+    res = CliRunner().invoke(app, ["agent", "check", str(REPO / "examples/agents" / agent),
                                    "--model", str(tiny_model_dir), "--tasks", "2"])
     assert res.exit_code == 0, res.output
     rows = _rows(res.output)

@@ -9,7 +9,7 @@ the tokenizer, for the chat template). :func:`check_agent` returns one :class:`C
 property training relies on, each with the fix when it fails:
 
 - ``runs``: the program exits 0 within the timeout, with a valid output file if any;
-- ``requests``: it calls the endpoint (``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``);
+- ``requests``: it calls the endpoint (``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, or the ``ANTHROPIC_*`` pair);
 - ``accepted``: no request was refused (4xx; the endpoint's message says why);
 - ``tools sent``: every request offers the task's tools;
 - ``tool calls answered``: a tool call is answered by a ``tool`` message with its id;
@@ -130,7 +130,7 @@ class CheckSession(AgentSession):
     seen: list[ChatRequest] = field(default_factory=list)
 
     async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: Any = None,
-                     notes: dict[str, str] | None = None) -> asyncio.Future:
+                     notes: dict[str, str] | None = None, info: dict[str, int] | None = None) -> asyncio.Future:
         self.seen.append(req)
         assert isinstance(self.engine, ScriptedPolicy)
         answered = any(m["role"] == "tool" for m in req.messages)
@@ -142,7 +142,7 @@ class CheckSession(AgentSession):
             self.engine.text = text[len(forced):] if forced and text.startswith(forced) else text
         else:
             self.engine.text = FINAL_ANSWER
-        return await super().submit(req, body_key, replay, on_text, notes)
+        return await super().submit(req, body_key, replay, on_text, notes, info)
 
 
 async def check_agent(cfg: Any, tasks: Sequence[CheckTask], renderer: ChatRenderer, parser: ToolCallParser,
@@ -202,8 +202,9 @@ def _rows(runs: list[Any]) -> list[CheckRow]:
     errors = [f"{t.id}: {e}" for t, _, e, *_ in runs if e is not None]
     row("runs", errors, "make the program exit 0 within rollout.agent.timeout_s; its stderr is quoted above")
     requests = sum(len(s.seen) for _, s, *_ in runs)
-    row("requests", [f"{t.id}: no chat completion request" for t, s, *_ in runs if not s.seen],
-        "call the endpoint in OPENAI_BASE_URL with OPENAI_API_KEY (OpenAI() reads both from the environment)",
+    row("requests", [f"{t.id}: no request to the endpoint" for t, s, *_ in runs if not s.seen],
+        "call the endpoint in OPENAI_BASE_URL with OPENAI_API_KEY (OpenAI() reads both from the environment; "
+        "Anthropic() reads ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY)",
         ok=f"{requests} requests over {n} tasks")
     row("accepted", [f"{t.id}: {r[0]}" for t, _, _, r, *_ in runs if r],
         "send only what the endpoint honours (the message names the field); see 'Bring your own agent' in the README")

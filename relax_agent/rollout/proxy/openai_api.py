@@ -280,6 +280,7 @@ class Choice:
         tokens / logprobs: [n] the sampled tokens' text and log-probs (``logprobs: true``).
         token_bytes: [n] each token's raw bytes (a token may hold part of a UTF-8 character);
             empty: the UTF-8 of ``tokens``.
+        stop_string: the request's stop string that ended the reply (None: it ended otherwise).
     """
 
     content: str | None
@@ -288,6 +289,7 @@ class Choice:
     tokens: tuple[str, ...] = ()
     logprobs: tuple[float, ...] = ()
     token_bytes: tuple[bytes, ...] = ()
+    stop_string: str | None = None
 
     def message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
@@ -365,3 +367,63 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def now_s() -> int:
     return int(time.time())
+
+
+# -- the wire API -----------------------------------------------------------------------------
+
+
+class ChatCompletionsApi:
+    """``POST /v1/chat/completions`` (see :class:`~relax_agent.rollout.proxy.wire.WireApi`): the body is
+    the internal request itself; ``Authorization: Bearer <key>``."""
+
+    path = "/v1/chat/completions"
+
+    def api_key(self, headers: Any) -> str:
+        return (headers.get("authorization") or "").removeprefix("Bearer ").strip()
+
+    def parse(self, body: Any) -> ChatRequest:
+        return parse_chat_request(body)
+
+    def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
+        return answer.completion()
+
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "ChatStreamWriter":
+        return ChatStreamWriter(req, model)
+
+    def error(self, exc: RequestError) -> dict[str, Any]:
+        return exc.body()
+
+
+class ChatStreamWriter:
+    """``chat.completion.chunk`` events: a role chunk per choice, content deltas, then per choice its
+    tool-call deltas and finish reason (log-probs in its last chunk), the usage chunk when asked
+    for, and ``data: [DONE]``."""
+
+    def __init__(self, req: ChatRequest, model: str) -> None:
+        import uuid
+
+        self.req, self.model = req, model
+        self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
+
+    def start(self, prompt_tokens: int | None = None) -> list[str]:
+        return [chunk(self.id, self.model, self.created, i, {"role": "assistant", "content": ""})
+                for i in range(self.req.n)]
+
+    def text(self, index: int, delta: str) -> list[str]:
+        return [chunk(self.id, self.model, self.created, index, {"content": delta})]
+
+    def finish(self, answer: Answer, rests: list[str]) -> list[str]:
+        import dataclasses
+
+        answer = dataclasses.replace(answer, id=self.id, model=self.model, created=self.created)
+        out = []
+        for i, rest in enumerate(rests):
+            if rest:
+                out.extend(self.text(i, rest))
+            out.extend(final_chunks(answer, i))
+        if self.req.include_usage:
+            out.append(usage_chunk(answer))
+        return out + [SSE_DONE]
+
+    def fail(self, error: RequestError) -> list[str]:
+        return [sse(error.body())]

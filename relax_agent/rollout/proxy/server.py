@@ -1,12 +1,18 @@
 """The OpenAI-compatible endpoint agents call: FastAPI on 127.0.0.1, in a thread of the rollout service.
 
-Routes: ``POST /v1/chat/completions`` (JSON or, with ``stream: true``, server-sent events as
-tokens are sampled), ``GET /v1/models``, ``GET /v1/models/{model}``. Each episode's agent
-authenticates with its own key (``Authorization: Bearer <key>``), which selects its
+Routes: ``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI Responses,
+:mod:`~relax_agent.rollout.proxy.responses_api`) and ``POST /v1/messages`` (Anthropic Messages,
+:mod:`~relax_agent.rollout.proxy.messages_api`), each JSON or, with ``stream: true``, server-sent
+events as tokens are sampled; ``GET /v1/models``, ``GET /v1/models/{model}``. Every POST route is
+one :class:`~relax_agent.rollout.proxy.wire.WireApi` translating to the same internal chat request,
+so recording, chains, budgets and seeds are the same whichever API an agent speaks. Each
+episode's agent authenticates with its own key (``Authorization: Bearer <key>``; on
+``/v1/messages`` also ``x-api-key``), which selects its
 :class:`~relax_agent.rollout.proxy.session.AgentSession`; an unknown or ended key gets 401.
-Every error status comes with the OpenAI error body (``{"error": {"message", "type", "param",
-"code"}}``): refused requests (400, ``param`` naming the field), a body over ``max_request_bytes``
-(413, checked before anything is parsed), unknown paths (404) and methods (405).
+Every error status comes with the API's error body (OpenAI's ``{"error": {"message", "type",
+"param", "code"}}``, Anthropic's ``{"type": "error", "error": {"type", "message"}}``): refused
+requests (400, naming the field), a body over ``max_request_bytes`` (413, checked before
+anything is parsed), unknown paths (404) and methods (405).
 
 Delivery: when the agent has hung up before its (non-streamed) answer is ready, or a stream is
 closed before its end, the session is told the reply was not delivered (an abandoned request is
@@ -32,12 +38,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import hashlib
 import json
 import socket
 import threading
-import uuid
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
@@ -47,10 +51,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from relax_agent.errors import EngineError
 from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
 from relax_agent.rollout.tool_parsers._common import split_reasoning
-from relax_agent.rollout.proxy.openai_api import (
-    SSE_DONE, Answer, ChatRequest, RequestError, chunk, final_chunks, now_s, parse_chat_request, sse, usage_chunk,
-)
+from relax_agent.rollout.proxy.openai_api import Answer, ChatCompletionsApi, ChatRequest, RequestError
 from relax_agent.rollout.proxy.session import AgentSession
+from relax_agent.rollout.proxy.wire import StreamWriter, WireApi, bearer
 
 T = TypeVar("T")
 
@@ -67,6 +70,8 @@ class EndpointServer:
 
     Attributes:
         base_url: ``http://127.0.0.1:{port}/v1`` (what agents get as ``OPENAI_BASE_URL``).
+        root_url: ``http://127.0.0.1:{port}`` (what agents get as ``ANTHROPIC_BASE_URL``: the
+            ``anthropic`` SDK adds ``/v1/messages`` itself).
     """
 
     def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024) -> None:
@@ -86,7 +91,8 @@ class EndpointServer:
             raise ConfigError(f"rollout.agent.port={port}: cannot listen on 127.0.0.1:{port} ({exc}); "
                               "choose a free port or 0") from exc
         self.port = self._sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.root_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{self.root_url}/v1"
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -155,8 +161,12 @@ class EndpointServer:
 
         await self.call(end_here())
 
-    def session_of(self, authorization: str | None) -> AgentSession:
-        key = (authorization or "").removeprefix("Bearer ").strip()
+    def session_of(self, key: str) -> AgentSession:
+        """The open session of API key ``key``.
+
+        Raises:
+            RequestError: 401, no open session has that key.
+        """
         session = self.sessions.get(key)
         if session is None:
             raise RequestError("unknown API key: each episode's agent must use the OPENAI_API_KEY it was started "
@@ -197,10 +207,13 @@ def build_app(endpoint: EndpointServer) -> Any:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = {404: f"unknown path {request.url.path}: this endpoint serves /v1/chat/completions and /v1/models",
+        message = {404: f"unknown path {request.url.path}: this endpoint serves /v1/chat/completions, /v1/responses, "
+                        "/v1/messages and /v1/models",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error(RequestError(message, status=exc.status_code, code=code), dict(exc.headers or {}))
+        error = RequestError(message, status=exc.status_code, code=code)
+        api = next((a for a in apis() if request.url.path.startswith(a.path)), ChatCompletionsApi())
+        return JSONResponse(api.error(error), error.status, headers=dict(exc.headers or {}))
 
     def model_card(model: str) -> dict[str, Any]:
         return {"id": model, "object": "model", "created": 0, "owned_by": "relax-agent"}
@@ -208,7 +221,7 @@ def build_app(endpoint: EndpointServer) -> Any:
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         try:
-            endpoint.session_of(request.headers.get("authorization"))
+            endpoint.session_of(bearer(request.headers) or request.headers.get("x-api-key", "").strip())
         except RequestError as exc:
             return _error(exc)
         return {"object": "list", "data": [model_card(endpoint.model_name)]}
@@ -217,53 +230,71 @@ def build_app(endpoint: EndpointServer) -> Any:
     async def model(model: str, request: Request) -> Any:
         """Any model id: the policy answers requests naming any model."""
         try:
-            endpoint.session_of(request.headers.get("authorization"))
+            endpoint.session_of(bearer(request.headers) or request.headers.get("x-api-key", "").strip())
         except RequestError as exc:
             return _error(exc)
         return model_card(model)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
+    for api in apis():
+        app.post(api.path)(_route(endpoint, api))
+    return app
+
+
+def apis() -> list[WireApi]:
+    """The wire APIs served: chat completions, Responses, Anthropic Messages."""
+    from relax_agent.rollout.proxy.messages_api import MessagesApi
+    from relax_agent.rollout.proxy.responses_api import ResponsesApi
+
+    return [ChatCompletionsApi(), ResponsesApi(), MessagesApi()]
+
+
+def _route(endpoint: EndpointServer, api: WireApi) -> Any:
+    """The handler of ``api``'s path: authenticate, read and translate the body (off the shared loop),
+    answer through the session, reply in ``api``'s format."""
+
+    async def handle(request: Request) -> Any:
         notes: dict[str, str] = {}
+        key = api.api_key(request.headers)
         try:
-            session = endpoint.session_of(request.headers.get("authorization"))
+            session = endpoint.session_of(key)
             raw = await _read_body(request, endpoint.max_request_bytes)
             idem = request.headers.get("idempotency-key")
-            req, body_key = await asyncio.to_thread(_parse_body, raw, idem)  # off the shared loop
+            req, body, body_key = await asyncio.to_thread(_parse_body, api, raw, idem)  # off the shared loop
             replay = idem is not None or _retry_count(request.headers.get("x-stainless-retry-count")) > 0
             if req.stream:
-                events = await _start_stream(session, req, body_key, replay, notes)
+                writer = api.writer(req, body, req.model or session.model_name)
+                events = await _start_stream(session, req, writer, body_key, replay, notes)
                 return StreamingResponse(events, media_type="text/event-stream", headers=notes)
             answer = await (await session.submit(req, body_key, replay, notes=notes))
         except RequestError as exc:
             if exc.status < 500:
-                endpoint.refused.append(((request.headers.get("authorization") or "").removeprefix("Bearer ").strip(),
-                                         f"{exc.status}: {exc}"))
-            return _error(exc)
+                endpoint.refused.append((key, f"{exc.status}: {exc}"))
+            return JSONResponse(api.error(exc), exc.status)
         except EngineError as exc:
-            return JSONResponse({"error": {"message": f"the policy engine failed: {exc}", "type": "server_error",
-                                           "param": None, "code": None}}, 500)
+            return JSONResponse(api.error(RequestError(f"the policy engine failed: {exc}", status=500)), 500)
         except asyncio.CancelledError:
             if session.closed:
-                return JSONResponse({"error": {"message": "the episode ended while this request was answered",
-                                               "type": "server_error", "param": None, "code": None}}, 503)
+                return JSONResponse(api.error(RequestError("the episode ended while this request was answered",
+                                                           status=503)), 503)
             raise
         session.delivered(answer.id, not await request.is_disconnected())
-        return JSONResponse(answer.completion(), headers=notes)
+        return JSONResponse(api.response(answer, req, body), headers=notes)
 
-    return app
+    handle.__name__ = f"post_{api.path.strip('/').replace('/', '_')}"
+    return handle
 
 
-def _parse_body(raw: bytes, idempotency_key: str | None) -> tuple[ChatRequest, str]:
-    """The validated request and its replay key (the idempotency key, else a hash of the body)."""
+def _parse_body(api: WireApi, raw: bytes, idempotency_key: str | None) -> tuple[ChatRequest, dict[str, Any], str]:
+    """The translated request, the body as sent and its replay key (the idempotency key, else a hash of
+    the API's path and body)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from exc
-    req = parse_chat_request(body)
+    req = api.parse(body)
     if idempotency_key:
-        return req, f"idem:{idempotency_key}"
-    return req, hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        return req, body, f"idem:{idempotency_key}"
+    return req, body, hashlib.sha256(json.dumps([api.path, body], sort_keys=True).encode()).hexdigest()
 
 
 def _retry_count(header: str | None) -> int:
@@ -273,7 +304,7 @@ def _retry_count(header: str | None) -> int:
         return 0
 
 
-async def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, replay: bool,
+async def _start_stream(session: AgentSession, req: ChatRequest, writer: StreamWriter, body_key: str, replay: bool,
                         notes: dict[str, str]) -> AsyncIterator[str]:
     """Submit a streamed request and return its server-sent events. The request is submitted before
     the response starts, so a refused one still gets a plain 400."""
@@ -286,36 +317,32 @@ async def _start_stream(session: AgentSession, req: ChatRequest, body_key: str, 
         if delta:
             queue.put_nowait((index, delta))
 
-    fut = await session.submit(req, body_key, replay, on_text, notes)
+    info: dict[str, int] = {}
+    fut = await session.submit(req, body_key, replay, on_text, notes, info)
     fut.add_done_callback(lambda _: queue.put_nowait(None))
-    return _events(session, req, fut, streamers, queue, body_key)
+    return _events(session, writer, fut, streamers, queue, body_key, info.get("prompt_tokens"))
 
 
-async def _events(session: AgentSession, req: ChatRequest, fut: asyncio.Future, streamers: list["ContentStreamer"],
-                  queue: asyncio.Queue, body_key: str) -> AsyncIterator[str]:
-    stream_id, model, created = f"chatcmpl-{uuid.uuid4().hex}", req.model or session.model_name, now_s()
+async def _events(session: AgentSession, writer: StreamWriter, fut: asyncio.Future,
+                  streamers: list["ContentStreamer"], queue: asyncio.Queue, body_key: str,
+                  prompt_tokens: int | None) -> AsyncIterator[str]:
     answer_id, finished = None, False
     try:
-        for i in range(req.n):
-            yield chunk(stream_id, model, created, i, {"role": "assistant", "content": ""})
+        for event in writer.start(prompt_tokens):
+            yield event
         while (item := await queue.get()) is not None:
-            index, delta = item
-            yield chunk(stream_id, model, created, index, {"content": delta})
+            for event in writer.text(*item):
+                yield event
         if fut.cancelled() or fut.exception() is not None:
             error = "the episode ended while this request was answered" if fut.cancelled() else str(fut.exception())
-            yield sse({"error": {"message": error, "type": "server_error", "param": None, "code": None}})
-            return
-        answer_id = fut.result().id
-        answer: Answer = dataclasses.replace(fut.result(), id=stream_id, model=model, created=created)
-        for i, c in enumerate(answer.choices):
-            rest = streamers[i].finish(c.content)
-            if rest:
-                yield chunk(stream_id, model, created, i, {"content": rest})
-            for event in final_chunks(answer, i):
+            for event in writer.fail(RequestError(error, status=500)):
                 yield event
-        if req.include_usage:
-            yield usage_chunk(answer)
-        yield SSE_DONE
+            return
+        answer: Answer = fut.result()
+        answer_id = answer.id
+        rests = [streamers[i].finish(c.content) for i, c in enumerate(answer.choices)]
+        for event in writer.finish(answer, rests):
+            yield event
         finished = True
     finally:  # the stream was closed before its end: the agent never got this reply
         if answer_id is None and fut.done() and not fut.cancelled() and fut.exception() is None:

@@ -245,6 +245,7 @@ class _Sampled:
     gen: Generation
     text: str
     parsed_text: str = ""
+    stop_string: str | None = None
 
 
 @dataclass
@@ -303,7 +304,7 @@ class AgentSession:
 
     # -- requests -------------------------------------------------------------------------
     async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: OnText | None = None,
-                     notes: dict[str, str] | None = None) -> asyncio.Future:
+                     notes: dict[str, str] | None = None, info: dict[str, int] | None = None) -> asyncio.Future:
         """Start answering ``req`` (on the running loop); the future gives its :class:`Answer`. The
         request's messages are matched and tokenized in a worker thread, never on the event loop
         other episodes are served from (a large history cannot stall them).
@@ -314,6 +315,7 @@ class AgentSession:
                 from the record when an identical body was answered or is being answered.
             on_text: streaming listener, called as the text of each choice grows.
             notes: filled with response headers to send (``x-relax-max-tokens`` when capped).
+            info: filled with ``prompt_tokens`` (the prompt's length) once planned (not for a replay).
 
         Raises:
             RequestError: the session has ended (401), or the request cannot be honoured (400).
@@ -326,6 +328,8 @@ class AgentSession:
             self.stats.replayed += 1
             return asyncio.ensure_future(asyncio.shield(self._answers[body_key]))
         plan = await asyncio.to_thread(self._plan, req)
+        if info is not None:
+            info["prompt_tokens"] = len(plan.prompt_ids)
         if self.closed:
             raise RequestError("this episode's session has ended (the agent's API key is no longer valid)",
                                status=401, code="invalid_api_key")
@@ -557,7 +561,8 @@ class AgentSession:
         cut = _marker_cut(text, markers)
         parsed = forced_text + self._parse_decode(gen.token_ids)
         parsed_cut = _marker_cut(parsed, markers)
-        return _Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut])
+        return _Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut],
+                        _stop_hit(text, markers))
 
     def _cut(self, gen: Generation, markers: list[tuple[str, bool]], forced_text: str) -> Generation:
         """``gen`` up to the token that completes the first marker (finish reason "stop"), or as is."""
@@ -591,7 +596,7 @@ class AgentSession:
         tokens = tuple(tok.decode([t]) for t in s.gen.token_ids) if req.logprobs else ()
         choice = Choice(content, calls, "tool_calls" if calls else ("length" if s.gen.finish_reason == "length" else "stop"),
                         tokens, s.gen.logprobs if req.logprobs else (),
-                        token_bytes(tok, s.gen.token_ids) if req.logprobs else ())
+                        token_bytes(tok, s.gen.token_ids) if req.logprobs else (), s.stop_string)
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
         parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else None
@@ -842,6 +847,15 @@ def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
         if i >= 0 and (best is None or i < best[0]):
             best = (i, i + len(marker) if keep else i)
     return None if best is None else best[1]
+
+
+def _stop_hit(text: str, markers: list[tuple[str, bool]]) -> str | None:
+    """The stop string (a marker not kept) that ends ``text`` at the earliest marker, or None."""
+    found = [(i, marker) for marker, keep in markers if (i := text.find(marker)) >= 0]
+    if not found:
+        return None
+    i, marker = min(found)
+    return None if dict(markers)[marker] else marker
 
 
 def _call_opening(parser: ToolCallParser) -> str | None:
