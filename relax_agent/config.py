@@ -217,6 +217,10 @@ class RolloutConfig(Section):
     (text policies) and a prompt that alone fills ``max_total_tokens`` is refused, naming the task
     (such an episode samples nothing). 0: no check; a step whose episodes sample no token at all
     still ends the run."""
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    """Media policies: an image or video frame with more pixels (width x height, read from its header
+    before decoding) is refused, failing its episode with a record naming the message and part; the
+    default passes a 6000 x 6000 photo and refuses an 8000 x 8000 one."""
     episode_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Most seconds one whole episode may take (env and engine calls together); past it the
     episode becomes a failed record (reward status "timeout") naming this key."""

@@ -305,9 +305,10 @@ def is_media_policy(cfg: ModelConfig, location: str | None = None) -> bool:
         return False
 
 
-def load_media_processor(cfg: ModelConfig, model_config: Any) -> Any:
+def load_media_processor(cfg: ModelConfig, model_config: Any, **limits: Any) -> Any:
     """The :class:`~relax_agent.multimodal.processor.MediaProcessor` of a multimodal policy: the
     folder's ``preprocessor_config.json`` when it has one, else class defaults with the config's patching.
+    ``limits``: the processor's ``max_image_pixels`` / ``max_aspect_ratio`` (its defaults when not given).
 
     (``AutoProcessor`` would build the family's video processor, which imports torchvision; the
     image processor's PIL backend and the Whisper feature extractor need neither.)
@@ -319,7 +320,7 @@ def load_media_processor(cfg: ModelConfig, model_config: Any) -> Any:
         from huggingface_hub import snapshot_download
 
         folder = Path(snapshot_download(cfg.path, allow_patterns=["preprocessor_config.json", "config.json"]))
-    return MediaProcessor.from_pretrained(folder, model_config)
+    return MediaProcessor.from_pretrained(folder, model_config, **limits)
 
 
 def _load_failure(what: str, location: str, gguf_file: str | None, exc: BaseException) -> str:

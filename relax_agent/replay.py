@@ -409,7 +409,9 @@ def replay_step(cfg: Any, run_dir: str | Path, step: int, logprobs: bool = True,
         from relax_agent.models import load_media_processor
         from relax_agent.multimodal.render import MediaRenderer
 
-        renderer = MediaRenderer(renderer, load_media_processor(cfg.model, AutoConfig.from_pretrained(cfg.model.path)))
+        processor = load_media_processor(cfg.model, AutoConfig.from_pretrained(cfg.model.path),
+                                         max_image_pixels=r.max_image_pixels)
+        renderer = MediaRenderer(renderer, processor)
     have = checkpoint_versions(run_dir)
 
     def load_model(version: int) -> Any:

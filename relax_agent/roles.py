@@ -217,7 +217,7 @@ def _media_driver(cfg: RelaxConfig, model_cfg: Any, engine: Any, renderer: Any, 
     from relax_agent.multimodal.driver import MediaEnvDriver
     from relax_agent.multimodal.render import MediaRenderer
 
-    processor = load_media_processor(model_cfg, engine.model_config)
+    processor = load_media_processor(model_cfg, engine.model_config, max_image_pixels=cfg.rollout.max_image_pixels)
     return MediaEnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
 
 

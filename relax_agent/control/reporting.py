@@ -30,6 +30,9 @@ def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, 
         M.CROSSED_UPDATE_TURNS: sum(turn.crossed_update for turn in turns) / max(len(turns), 1),
         "timing/rollout_s": rollout_s,
     }
+    cut = sum(float(t.metrics.get("media/audio_clips_cut", 0.0)) for t in trajs)
+    if cut:
+        out["rollout/audio_clips_cut"] = cut
     for reason, count in Counter(str(t.stop_reason) for t in trajs).items():
         out[f"stop/{reason}"] = float(count)
     return out

@@ -10,10 +10,15 @@ them beside the tokens, and every engine call gets the episode's media so far
 naming the message. A reply holding a media placeholder token (the engine masks them; another
 engine may not) ends it as a failed, masked record with stop reason "policy_error" naming the
 token: it never reaches the trainer, whose media batch would refuse it.
+
+An audio clip cut to the
+model's window is logged once per episode (``relax_agent.media`` logger) and counted in the
+trajectory's metrics (:data:`AUDIO_CLIPS_CUT`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -24,6 +29,11 @@ from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
+
+log = logging.getLogger("relax_agent.media")
+
+AUDIO_CLIPS_CUT = "media/audio_clips_cut"
+"""Trajectory metric: audio clips of the episode cut to the model's window (absent when none)."""
 
 
 class _PolicyError(Exception):
@@ -36,6 +46,7 @@ class MediaRecorder(TrajectoryRecorder):
     def __init__(self, spec: EpisodeSpec) -> None:
         super().__init__(spec)
         self.segments: list[MediaInputs] = []
+        self.notes: list[str] = []
 
     @property
     def media(self) -> MediaInputs | None:
@@ -50,6 +61,9 @@ class MediaRecorder(TrajectoryRecorder):
             self.add_context(seg.token_ids)
         if seg.media is not None:
             self.segments.append(seg.media)
+        if seg.notes and not self.notes:  # once per episode: the first cut, and how many in all at the end
+            log.warning("episode %s: %s", self.spec.sample_id, seg.notes[0])
+        self.notes += seg.notes
 
     def _record(self, **fields: Any) -> Trajectory:
         return super()._record(media=self.media, **fields)
@@ -90,6 +104,8 @@ class MediaEnvDriver:
             return rec.fail_with(exc)
         finally:
             await close_env(env, spec.step_timeout_s)
+        if rec.notes:
+            metrics = {**metrics, AUDIO_CLIPS_CUT: float(len(rec.notes))}
         return rec.finish(reward, metrics, stop)
 
     def _placeholders_in(self, token_ids: tuple[int, ...]) -> list[str]:

@@ -27,6 +27,14 @@ from relax_agent.errors import DataError
 AUDIO_RATE_HZ = 16_000
 """Sample rate the audio processors take (Whisper features); other rates are resampled."""
 
+MAX_IMAGE_PIXELS = 40_000_000
+"""Default bound on an image's (or video frame's) width x height, read from its header before its
+pixels are decoded (``rollout.max_image_pixels``): a 6000 x 6000 photo passes, an 8000 x 8000 one is
+refused. Above it an image is refused, not downscaled: downscaling would still decode every pixel."""
+
+MAX_ASPECT_RATIO = 200.0
+"""The longest side over the shortest an image may have: Qwen's ``smart_resize`` raises above 200."""
+
 PART_KINDS = {"image_url": "image", "input_image": "image", "image": "image", "input_audio": "audio",
               "audio": "audio", "video": "video", "video_url": "video"}
 """Content-part ``type`` -> media kind (``input_image``: the Responses API's image part, whose
@@ -88,11 +96,36 @@ def video_part(frames: Any) -> dict[str, Any]:
 
 # -- decoding ------------------------------------------------------------------------------------
 
-def decode_image(value: Any, where: str = "image") -> Any:
-    """A PIL RGB image from a PIL image, an [H, W, 3] array, a data URL or a part dict.
+def check_image_size(width: int, height: int, where: str = "image", max_pixels: int = MAX_IMAGE_PIXELS,
+                     max_aspect_ratio: float = MAX_ASPECT_RATIO) -> None:
+    """Refuse an image of ``width`` x ``height`` pixels (from its header) before its pixels are decoded.
 
     Raises:
-        DataError: anything else (names ``where``); remote URLs are refused (no network at rollout).
+        DataError: an empty image, more than ``max_pixels`` pixels (``rollout.max_image_pixels``) or a
+            longest-over-shortest side ratio above ``max_aspect_ratio``; names ``where``, the size and the bound.
+    """
+    if width < 1 or height < 1:
+        raise DataError(f"{where}: the image is {width}x{height} pixels; expected at least 1x1")
+    if width * height > max_pixels:
+        raise DataError(f"{where}: the image is {width}x{height} = {width * height} pixels, more than "
+                        f"rollout.max_image_pixels={max_pixels}; send a smaller image or raise the bound")
+    ratio = max(width, height) / min(width, height)
+    if ratio > max_aspect_ratio:
+        raise DataError(f"{where}: the image is {width}x{height} pixels, an aspect ratio of {ratio:.0f}:1; the policy's "
+                        f"image processor takes at most {max_aspect_ratio:g}:1 (longest side over shortest)")
+
+
+def decode_image(value: Any, where: str = "image", max_pixels: int = MAX_IMAGE_PIXELS,
+                 max_aspect_ratio: float = MAX_ASPECT_RATIO) -> Any:
+    """A PIL RGB image from a PIL image, an [H, W, 3] array, a data URL or a part dict.
+
+    A data URL's size is read from its header (PIL's lazy open) and checked by
+    :func:`check_image_size` before its pixels are decoded.
+
+    Raises:
+        DataError: anything else (names ``where``); remote URLs are refused (no network at rollout);
+            an image over ``max_pixels`` or ``max_aspect_ratio`` (PIL's own decompression-bomb error
+            included).
     """
     from PIL import Image
 
@@ -100,12 +133,24 @@ def decode_image(value: Any, where: str = "image") -> Any:
         value = value.get("image_url", value.get("image"))
         value = value.get("url") if isinstance(value, dict) else value
     if isinstance(value, Image.Image):
+        check_image_size(*value.size, where, max_pixels, max_aspect_ratio)
         return value.convert("RGB")
     if isinstance(value, np.ndarray):
+        if value.ndim < 2:
+            raise DataError(f"{where}: expected an [H, W, 3] image array; got shape {list(value.shape)}")
+        check_image_size(value.shape[1], value.shape[0], where, max_pixels, max_aspect_ratio)
         return Image.fromarray(value.astype(np.uint8)).convert("RGB")
     if isinstance(value, str) and value.startswith("data:") and ";base64," in value:
         try:
-            return Image.open(io.BytesIO(base64.b64decode(value.split(",", 1)[1]))).convert("RGB")
+            image = Image.open(io.BytesIO(base64.b64decode(value.split(",", 1)[1])))  # the header only
+        except Image.DecompressionBombError as exc:
+            raise DataError(f"{where}: the image is larger than rollout.max_image_pixels={max_pixels} "
+                            f"(PIL refused it as a decompression bomb: {exc})") from exc
+        except Exception as exc:
+            raise DataError(f"{where}: the data URL is not a readable image ({type(exc).__name__}: {exc})") from exc
+        check_image_size(*image.size, where, max_pixels, max_aspect_ratio)
+        try:
+            return image.convert("RGB")
         except Exception as exc:
             raise DataError(f"{where}: the data URL is not a readable image ({type(exc).__name__}: {exc})") from exc
     shown = value[:60] if isinstance(value, str) else type(value).__name__
@@ -116,13 +161,17 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
     """[n] float32 mono samples at :data:`AUDIO_RATE_HZ` from a part dict, a base64 WAV, an array or a list of floats (16 kHz).
 
     Raises:
-        DataError: not a WAV (names ``where``) or not 8/16/32-bit PCM.
+        DataError: not a WAV (names ``where``), not 8/16/32-bit PCM, no samples (0 seconds) or
+            NaN / inf samples.
     """
     if isinstance(value, dict):
         value = value.get("input_audio", value.get("audio"))
         value = value.get("data") if isinstance(value, dict) else value
     if isinstance(value, (np.ndarray, list, tuple)):
-        return np.asarray(value, dtype=np.float32).reshape(-1)
+        try:
+            return _checked_audio(np.asarray(value, dtype=np.float32).reshape(-1), where)
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{where}: expected a float array of samples ({type(exc).__name__}: {exc})") from exc
     if not isinstance(value, str):
         raise DataError(f"{where}: expected base64 WAV data or a float array; got {type(value).__name__}")
     try:
@@ -137,10 +186,21 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
     pcm = np.frombuffer(raw, dtype=dtype).astype(np.float32)
     pcm = (pcm - 128.0) / 128.0 if width == 1 else pcm / float(2 ** (8 * width - 1))
     pcm = pcm.reshape(-1, channels).mean(axis=1)
-    if rate != AUDIO_RATE_HZ:
+    if rate != AUDIO_RATE_HZ and len(pcm):
         n = int(round(len(pcm) * AUDIO_RATE_HZ / rate))
         pcm = np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.float32)
-    return pcm
+    return _checked_audio(pcm, where)
+
+
+def _checked_audio(samples: np.ndarray, where: str) -> np.ndarray:
+    """``samples`` [n] unchanged; DataError naming ``where`` for 0 samples or NaN / inf ones."""
+    if samples.size == 0:
+        raise DataError(f"{where}: the audio has 0 samples (0 seconds); expected at least one sample")
+    bad = int(np.count_nonzero(~np.isfinite(samples)))
+    if bad:
+        raise DataError(f"{where}: {bad} of the audio's {samples.size} samples are NaN or inf; expected finite "
+                        "samples in [-1, 1]")
+    return samples
 
 
 def video_frame_count(value: Any) -> int:
@@ -149,15 +209,16 @@ def video_frame_count(value: Any) -> int:
     return len(frames)
 
 
-def decode_video(value: Any, where: str = "video") -> list[Any]:
+def decode_video(value: Any, where: str = "video", max_pixels: int = MAX_IMAGE_PIXELS,
+                 max_aspect_ratio: float = MAX_ASPECT_RATIO) -> list[Any]:
     """The frames (PIL RGB images) of a ``video`` part or a list of frames.
 
     Raises:
-        DataError: not a non-empty list of frames (names ``where``).
+        DataError: not a non-empty list of frames (names ``where``); a frame refused by :func:`decode_image`.
     """
     frames = value.get("video", value.get("video_url")) if isinstance(value, dict) else value
     if isinstance(frames, np.ndarray) and frames.ndim == 4:
         frames = list(frames)
     if not isinstance(frames, (list, tuple)) or not frames:
         raise DataError(f"{where}: expected a non-empty list of frames; got {type(frames).__name__}")
-    return [decode_image(f, f"{where} frame {i}") for i, f in enumerate(frames)]
+    return [decode_image(f, f"{where} frame {i}", max_pixels, max_aspect_ratio) for i, f in enumerate(frames)]

@@ -29,7 +29,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from relax_agent.errors import ConfigError, DataError
-from relax_agent.multimodal.parts import AUDIO_RATE_HZ, decode_audio, decode_image, decode_video, part_kind
+from relax_agent.multimodal.parts import (AUDIO_RATE_HZ, MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS, decode_audio, decode_image,
+                                         decode_video, part_kind)
 from relax_agent.records import MEDIA_KINDS, MediaInputs
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker")
@@ -142,10 +143,15 @@ class MediaProcessor:
     Args:
         family: the model family.
         min_pixels / max_pixels: resize budget of an image or video frame (Qwen ``smart_resize``).
-        audio_clip_s: audio features are padded or cut to this many seconds.
+        audio_clip_s: audio features are padded or cut to this many seconds (with a folder's
+            feature extractor: its ``n_samples`` window); a longer clip is cut, with a note.
         video_fps: frames per second of a video part's frames.
         image_processor: the folder's image processor when it has one (``preprocessor_config.json``);
             else the Qwen2-VL PIL image processor with the family's patching.
+        max_image_pixels: an image or video frame with more pixels (read from its header) is refused
+            before it is decoded (``rollout.max_image_pixels``).
+        max_aspect_ratio: an image's longest side over its shortest may be at most this (Qwen's
+            ``smart_resize`` raises above 200).
 
     Raises:
         ConfigError: the image processor's patching (``patch_size``, ``merge_size``,
@@ -161,6 +167,8 @@ class MediaProcessor:
     video_fps: float = VIDEO_FPS
     image_processor: Any = None
     feature_extractor: Any = field(default=None, repr=False)
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_aspect_ratio: float = MAX_ASPECT_RATIO
 
     def __post_init__(self) -> None:
         f = self.family
@@ -200,11 +208,13 @@ class MediaProcessor:
         return [(indices[i] + indices[i + tp - 1]) / 2 / self.video_fps for i in range(0, len(indices), tp)]
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, config: Any) -> "MediaProcessor":
+    def from_pretrained(cls, folder: str | Path, config: Any, **limits: Any) -> "MediaProcessor":
         """The processor of a model folder: its ``preprocessor_config.json`` when present (image
         processor and Whisper feature extractor both read it, as in Qwen2.5-Omni checkpoints), else
         class defaults with the config's patching. A Qwen3-VL folder's ``video_preprocessor_config.json``
         is not read: video frames use the image processor's pixel budget and normalisation.
+
+        ``limits``: ``max_image_pixels`` / ``max_aspect_ratio`` (the class defaults when not given).
 
         Raises:
             ConfigError: the folder's patching differs from the model's vision config (names the key).
@@ -212,8 +222,8 @@ class MediaProcessor:
         family = MediaFamily.from_config(config)
         path = Path(folder) / "preprocessor_config.json"
         if not path.is_file():
-            return cls(family)
-        kwargs: dict[str, Any] = {}
+            return cls(family, **limits)
+        kwargs: dict[str, Any] = dict(limits)
         if "image" in family.token_ids:
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -224,22 +234,43 @@ class MediaProcessor:
             kwargs["feature_extractor"] = WhisperFeatureExtractor.from_pretrained(str(folder))
         return cls(family, **kwargs)
 
-    def process(self, part: dict[str, Any], where: str = "part") -> MediaInputs:
+    def process(self, part: dict[str, Any], where: str = "part", notes: list[str] | None = None) -> MediaInputs:
         """One content part -> its item: arrays and ``num_tokens``.
+
+        CPU-bound (decoding, resizing, mel features): the episode driver calls it in a worker thread.
+        ``notes`` (when given) receives a line for each change made to the part (audio cut to the
+        model's window).
 
         Raises:
             ConfigError: the model takes no media of this kind (names ``where`` and the kind).
-            DataError: the part's payload cannot be decoded (names ``where``).
+            DataError: the part's payload cannot be decoded, or is refused by the limits (image
+                pixels, aspect ratio; 0-second or NaN / inf audio); names ``where``.
         """
         kind = part_kind(part)
         if kind is None or kind not in self.family.token_ids:
             raise ConfigError(f"{where}: a {part.get('type')!r} part, but the policy ({self.family.model_type}) takes "
                               f"only {sorted(self.family.token_ids)}")
         if kind == "image":
-            return self._image(decode_image(part, where))
+            return self._image(decode_image(part, where, self.max_image_pixels, self.max_aspect_ratio))
         if kind == "video":
-            return self._video(decode_video(part, where))
-        return self._audio(decode_audio(part, where))
+            return self._video(decode_video(part, where, self.max_image_pixels, self.max_aspect_ratio))
+        samples = decode_audio(part, where)
+        window = self.audio_window_samples
+        if len(samples) > window:
+            if notes is not None:
+                notes.append(f"{where}: audio of {len(samples) / AUDIO_RATE_HZ:.2f} s is longer than the model's "
+                             f"{window / AUDIO_RATE_HZ:.2f} s window; only its first {window / AUDIO_RATE_HZ:.2f} s "
+                             "reach the policy")
+            samples = samples[:window]
+        return self._audio(samples)
+
+    @property
+    def audio_window_samples(self) -> int:
+        """Samples at :data:`AUDIO_RATE_HZ` the feature extractor takes (Whisper's ``n_samples``:
+        ``chunk_length`` seconds); longer audio is cut to it."""
+        fe = self.feature_extractor
+        n = getattr(fe, "n_samples", None)
+        return int(n) if n else int(getattr(fe, "chunk_length", self.audio_clip_s)) * AUDIO_RATE_HZ
 
     def _image(self, image: Any) -> MediaInputs:
         out = self.image_processor(images=[image], return_tensors="np")

@@ -19,10 +19,15 @@ the renderer then
 
 So the trajectory's token ids are exactly what the model sees, media tokens included, and the
 trainer's forward gets the same features the engine saw.
+
+Step 2 (decoding, resizing, mel features) is CPU-bound: :meth:`MediaRenderer.render_prompt_async`
+and :meth:`MediaRenderer.observation_delta_async` run it in a worker thread, so an episode's large
+image does not stall the other episodes on the event loop; tokenizing stays on the caller's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -41,11 +46,18 @@ class MediaSegment:
         token_ids: [n] token ids, each media part's placeholder expanded to its ``num_tokens``.
         media: the segment's media items in placeholder order; None when it has none.
         messages: the messages as rendered (prompt: with the system prompt; delta: the new ones).
+        notes: one line per change the processor made to a part (an audio clip cut to the model's
+            window), naming the message and part.
     """
 
     token_ids: tuple[int, ...]
     media: MediaInputs | None
     messages: tuple[dict[str, Any], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+_PROMPT, _STEP = "env.reset observation", "env.step observation"
+"""How a media error names the messages of a prompt and of an observation delta."""
 
 
 class MediaRenderer:
@@ -86,11 +98,23 @@ class MediaRenderer:
         Raises:
             EnvError: a media part has no placeholder in the rendering (names the message).
             ConfigError: a part of a kind the policy does not take (names the message).
-            DataError: a part that cannot be decoded (names the message).
+            DataError: a part that cannot be decoded or is over the media limits (names the message and part).
         """
         prompt = self.chat.render_prompt(messages, tools)
-        ids, media = self._expand(list(prompt.token_ids), list(messages), "env.reset observation")
-        return MediaSegment(tuple(ids), media, prompt.messages)
+        ids, parts = list(prompt.token_ids), self._media_parts(list(prompt.token_ids), list(messages), _PROMPT)
+        return self._segment(ids, parts, self._process(parts), prompt.messages, _PROMPT)
+
+    async def render_prompt_async(self, messages: Sequence[dict[str, Any]],
+                                  tools: Sequence[dict[str, Any]] = ()) -> MediaSegment:
+        """:meth:`render_prompt` with the media processed in a worker thread (the event loop keeps running).
+
+        Raises:
+            EnvError, ConfigError, DataError: as :meth:`render_prompt`.
+        """
+        prompt = self.chat.render_prompt(messages, tools)
+        ids, parts = list(prompt.token_ids), self._media_parts(list(prompt.token_ids), list(messages), _PROMPT)
+        processed = await asyncio.to_thread(self._process, parts) if parts else ([], [])
+        return self._segment(ids, parts, processed, prompt.messages, _PROMPT)
 
     def observation_delta(self, new_messages: Sequence[dict[str, Any]], closed: bool = True,
                           calls: Sequence[dict[str, Any]] = ()) -> MediaSegment:
@@ -100,18 +124,47 @@ class MediaRenderer:
             EnvError, ConfigError, DataError: as :meth:`render_prompt`.
         """
         ids = self.chat.observation_delta(new_messages, closed, calls)
-        ids, media = self._expand(ids, list(new_messages), "env.step observation")
-        return MediaSegment(tuple(ids), media, tuple(new_messages))
+        parts = self._media_parts(ids, list(new_messages), _STEP)
+        return self._segment(ids, parts, self._process(parts), tuple(new_messages), _STEP)
 
-    def _expand(self, ids: list[int], messages: list[dict[str, Any]], where: str) -> tuple[list[int], MediaInputs | None]:
-        parts = [(i, p) for i, m in enumerate(messages) if isinstance(m.get("content"), list)
-                 for p in m["content"] if isinstance(p, dict) and part_kind(p) is not None]
-        self._check_rendered(ids, messages, parts, where)
+    async def observation_delta_async(self, new_messages: Sequence[dict[str, Any]], closed: bool = True,
+                                      calls: Sequence[dict[str, Any]] = ()) -> MediaSegment:
+        """:meth:`observation_delta` with the media processed in a worker thread.
+
+        Raises:
+            EnvError, ConfigError, DataError: as :meth:`render_prompt`.
+        """
+        ids = self.chat.observation_delta(new_messages, closed, calls)
+        parts = self._media_parts(ids, list(new_messages), _STEP)
+        processed = await asyncio.to_thread(self._process, parts) if parts else ([], [])
+        return self._segment(ids, parts, processed, tuple(new_messages), _STEP)
+
+    def _media_parts(self, ids: list[int], messages: list[dict[str, Any]], where: str) -> list[tuple[str, Any]]:
+        """``(where, part)`` for each media part of ``messages`` in order, ``where`` naming the message
+        and part (``env.step observation[0] content part 1``), after the rendering is checked."""
+        parts = [(f"{where}[{i}] content part {j}", p) for i, m in enumerate(messages)
+                 if isinstance(m.get("content"), list)
+                 for j, p in enumerate(m["content"]) if isinstance(p, dict) and part_kind(p) is not None]
+        self._check_rendered(ids, messages, [p for _, p in parts], where)
+        return parts
+
+    def _process(self, parts: list[tuple[str, Any]]) -> tuple[list[MediaInputs], list[str]]:
+        """Each part's processed item, and the processor's notes (thread-safe: no shared state)."""
+        notes: list[str] = []
+        return [self.processor.process(p, w, notes=notes) for w, p in parts], notes
+
+    def _segment(self, ids: list[int], parts: list[tuple[str, Any]],
+                 processed: tuple[list[MediaInputs], list[str]], messages: Any, where: str) -> MediaSegment:
+        items, notes = processed
+        out, media = self._splice(ids, [p for _, p in parts], items, where)
+        return MediaSegment(tuple(out), media, tuple(messages), tuple(notes))
+
+    def _splice(self, ids: list[int], parts: list[Any], items: list[MediaInputs],
+                where: str) -> tuple[list[int], MediaInputs | None]:
         if not parts:
             return ids, None
-        items = [self.processor.process(p, f"{where}[{i}]") for i, p in parts]
         queues: dict[str, list[tuple[MediaInputs, Any]]] = {}
-        for item, (_, part) in zip(items, parts):
+        for item, part in zip(items, parts):
             queues.setdefault(item.kinds[0], []).append((item, part))
         f = self.family
         out: list[int] = []
@@ -147,12 +200,12 @@ class MediaRenderer:
             out += [self.family.vision_start_id, *[pad] * per_step, self.family.vision_end_id]
         return out
 
-    def _check_rendered(self, ids: list[int], messages: list[dict[str, Any]], parts: list[tuple[int, Any]],
+    def _check_rendered(self, ids: list[int], messages: list[dict[str, Any]], parts: list[Any],
                         where: str) -> None:
         """One placeholder token per media part, per kind; else an error naming the first message at fault."""
         rendered = self.family.count_placeholders(ids)
         wanted = {k: 0 for k in self.family.token_ids}
-        for _, p in parts:
+        for p in parts:
             kind = part_kind(p)
             wanted[kind] = wanted.get(kind, 0) + 1
         if rendered == wanted:

@@ -77,9 +77,9 @@ def test_a_media_failure_is_a_failed_record_naming_the_message(renderer):
     tok = renderer.tokenizer
     broken = MediaRenderer(ChatRenderer(tok, accepts_media=True), renderer.processor)
     broken.processor = type(renderer.processor)(renderer.family)
-    broken.processor.process = lambda part, where="part": (_ for _ in ()).throw(ValueError(f"{where}: corrupt"))
+    broken.processor.process = lambda part, where="part", **kw: (_ for _ in ()).throw(ValueError(f"{where}: corrupt"))
     _, traj = _play(broken, ScriptedEngine(broken, [ZOOM]))
-    assert traj.reward_status == "error" and "env.reset observation[0]: corrupt" in traj.error
+    assert traj.reward_status == "error" and "env.reset observation[0] content part 1: corrupt" in traj.error
 
 
 def test_a_reply_holding_a_placeholder_token_is_a_masked_policy_error_not_a_crash(renderer):
@@ -128,3 +128,4 @@ def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
         engine.close()
     assert len(gen.token_ids) > 0 and not set(gen.token_ids) & set(ids), gen.token_ids
     assert all(torch.isfinite(torch.tensor(gen.logprobs)))  # log-probs of the full distribution, finite
+

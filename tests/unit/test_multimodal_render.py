@@ -135,11 +135,11 @@ def test_each_new_messages_media_is_processed_once(family_dir):
     r = _renderer(folder)
     calls = []
     process = r.processor.process
-    r.processor.process = lambda part, where="part": calls.append(where) or process(part, where)
+    r.processor.process = lambda part, where="part", **kw: calls.append(where) or process(part, where, **kw)
     r.render_prompt([{"role": "user", "content": [{"type": "text", "text": "a"}, image_part(_image(0))]}])
     r.observation_delta([{"role": "tool", "content": [image_part(_image(1))]}])
     r.observation_delta([{"role": "user", "content": "text only"}])
-    assert calls == ["env.reset observation[0]", "env.step observation[0]"]
+    assert calls == ["env.reset observation[0] content part 1", "env.step observation[0] content part 0"]
 
 
 def test_a_template_that_drops_tool_images_is_an_error_naming_the_message(family_dir):
@@ -182,7 +182,7 @@ def test_an_undecodable_part_names_the_message(family_dir):
     kind, folder = family_dir
     r = _renderer(folder)
     bad = {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}
-    with pytest.raises(DataError, match=r"env.reset observation\[0\]: expected a PIL image"):
+    with pytest.raises(DataError, match=r"env.reset observation\[0\] content part 0: expected a PIL image"):
         r.render_prompt([{"role": "user", "content": [bad]}])
 
 
