@@ -11,7 +11,8 @@ naming the message. A reply holding a media placeholder token (the engine masks 
 engine may not) ends it as a failed, masked record with stop reason "policy_error" naming the
 token: it never reaches the trainer, whose media batch would refuse it.
 
-An audio clip cut to the
+Media are decoded and processed in a worker thread (:meth:`MediaRenderer.render_prompt_async`), so
+one large image does not stall the other episodes on the event loop. An audio clip cut to the
 model's window is logged once per episode (``relax_agent.media`` logger) and counted in the
 trajectory's metrics (:data:`AUDIO_CLIPS_CUT`).
 """
@@ -96,7 +97,7 @@ class MediaEnvDriver:
         calls = EnvCalls(env, spec, deadline)
         try:
             obs, info = check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
-            rec.add_segment(self.renderer.render_prompt(obs, info.get("tools", ())), prompt=True)
+            rec.add_segment(await self.renderer.render_prompt_async(obs, info.get("tools", ())), prompt=True)
             reward, metrics, stop = await self._turns(rec, calls, spec, params, deadline)
         except _PolicyError as exc:  # the policy's fault, not the env's: masked all the same
             return rec.fail(str(exc), stop=StopReason.POLICY_ERROR)
@@ -143,8 +144,8 @@ class MediaEnvDriver:
             rec.add_messages(new_obs)
             if terminated or truncated:
                 return reward, metrics, rec.ended(StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
-            seg = self.renderer.observation_delta(new_obs, closed=gen.finish_reason != "length",
-                                                  calls=action["tool_calls"])
+            seg = await self.renderer.observation_delta_async(new_obs, closed=gen.finish_reason != "length",
+                                                              calls=action["tool_calls"])
             if rec.num_tokens + len(seg.token_ids) >= spec.max_total_tokens:
                 return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # media are never cut: the whole delta or none
             rec.add_segment(seg)

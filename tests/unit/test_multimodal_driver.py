@@ -129,3 +129,45 @@ def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
     assert len(gen.token_ids) > 0 and not set(gen.token_ids) & set(ids), gen.token_ids
     assert all(torch.isfinite(torch.tensor(gen.logprobs)))  # log-probs of the full distribution, finite
 
+
+def test_media_are_decoded_off_the_event_loop_so_other_episodes_keep_running(renderer, monkeypatch):
+    """A slow decode (held until another coroutine has ticked 3 times, at most 20 s) does not stall the
+    event loop: the other coroutine keeps ticking while each image is processed."""
+    import threading
+    import time
+
+    ticks, progress, threads = [0], [], []
+    real = renderer.processor.process
+
+    def slow_process(part, where="part", **kw):
+        start, give_up = ticks[0], time.monotonic() + 20.0
+        while ticks[0] < start + 3 and time.monotonic() < give_up:
+            time.sleep(0.005)
+        progress.append(ticks[0] - start)
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(part, where, **kw)
+
+    monkeypatch.setattr(renderer.processor, "process", slow_process)
+    task0 = gymnasium.make("relax/VisualCount-v0").unwrapped.tasks("train")[0]
+    engine = ScriptedEngine(renderer, [ZOOM, f"Answer: {task0['answer']}"])
+    make_env = lambda: gymnasium.make("relax/VisualCount-v0")  # noqa: E731
+    spec = EpisodeSpec("g/0", "g", task0["id"], task0, seed=0, max_turns=3, max_total_tokens=4096)
+
+    async def main():
+        done = asyncio.Event()
+
+        async def other_episode():
+            while not done.is_set():
+                ticks[0] += 1
+                await asyncio.sleep(0.001)
+
+        other = asyncio.create_task(other_episode())
+        traj = await MediaEnvDriver(make_env, engine, renderer, HermesParser()).play(spec, SamplingParams(16))
+        done.set()
+        await other
+        return traj
+
+    traj = asyncio.run(main())
+    assert traj.error is None and traj.media.kinds == ("image", "image")
+    assert len(progress) == 2 and min(progress) >= 3  # the other coroutine ran during both decodes
+    assert threads == [False, False]  # in a worker thread
