@@ -9,6 +9,7 @@ import asyncio
 import base64
 import logging
 import struct
+import types
 import zlib
 
 import gymnasium
@@ -17,13 +18,14 @@ import pytest
 from PIL import Image, ImageFile
 from transformers import AutoConfig, AutoTokenizer
 
-from relax_agent.config import ModelConfig, RolloutConfig
+from relax_agent.config import ModelConfig, RolloutConfig, load_config
 from relax_agent.control.reporting import rollout_metrics
 from relax_agent.errors import DataError
 from relax_agent.models import load_media_processor, make_tiny_media_model
 from relax_agent.multimodal.driver import AUDIO_CLIPS_CUT, MediaEnvDriver
 from relax_agent.multimodal.parts import AUDIO_RATE_HZ, MAX_IMAGE_PIXELS, audio_part, decode_image, image_part
 from relax_agent.multimodal.render import MediaRenderer
+from relax_agent.roles import _media_driver
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams
@@ -77,8 +79,13 @@ def test_an_8000_by_8000_image_is_refused_from_its_header_without_decoding_its_p
 def test_the_pixel_cap_is_configurable_and_normal_images_pass(vl_dir):
     assert RolloutConfig().max_image_pixels == MAX_IMAGE_PIXELS == 40_000_000
     assert decode_image(image_part(np.zeros((480, 640, 3), np.uint8))).size == (640, 480)
-    assert Image.open(__import__("io").BytesIO(base64.b64decode(_png_header_only(6000, 6000).split(",")[1]))).size \
-        == (6000, 6000)  # the header helper itself
+    with pytest.raises(DataError, match="not a readable image"):  # 6000 x 6000 passes the cap: decoding is tried
+        decode_image(_png_header_only(6000, 6000), "x")
+    cfg = load_config(None, [f"model.path={vl_dir}", "rollout.max_image_pixels=100"])
+    engine = types.SimpleNamespace(model_config=AutoConfig.from_pretrained(vl_dir))
+    driver = _media_driver(cfg, cfg.model, engine, ChatRenderer(AutoTokenizer.from_pretrained(vl_dir), accepts_media=True),
+                           HermesParser())
+    assert driver.renderer.processor.max_image_pixels == 100  # the key reaches the episode driver
     small = _renderer(vl_dir, max_image_pixels=100)
     with pytest.raises(DataError, match=r"observation\[0\] content part 2: the image is 20x10 = 200 pixels, more than "
                                         r"rollout.max_image_pixels=100"):
