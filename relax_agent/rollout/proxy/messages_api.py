@@ -36,7 +36,7 @@ import uuid
 from typing import Any
 
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, parse_chat_request
-from relax_agent.rollout.proxy.wire import bearer, sse_event
+from relax_agent.rollout.proxy.wire import bearer, check_fields, sse_event
 
 ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "max_tokens", "stop_sequences",
                       "temperature", "top_p", "stream", "metadata", "service_tier"})
@@ -85,15 +85,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     Raises:
         RequestError: an unknown, refused or malformed field (named as the Messages API names it).
     """
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    for key, value in body.items():
-        if key in NOOP and value not in NOOP[key]:
-            raise RequestError(f"{key}={value!r} is not supported by this endpoint (the policy is sampled as it "
-                               f"is); omit it", key)
-        if key not in ACCEPTED and key not in NOOP:
-            raise RequestError(f"{key} is not supported by /v1/messages; supported fields: "
-                               f"{', '.join(sorted(ACCEPTED))}", key)
+    check_fields(body, "/v1/messages", ACCEPTED, NOOP)
     if body.get("max_tokens") is None:
         raise RequestError("max_tokens is required (the most tokens to sample)", "max_tokens")
     out: dict[str, Any] = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "max_tokens")

@@ -36,7 +36,7 @@ import uuid
 from typing import Any
 
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, RequestError, now_s, parse_chat_request
-from relax_agent.rollout.proxy.wire import bearer, sse_event
+from relax_agent.rollout.proxy.wire import bearer, check_fields, sse_event
 
 PASSED = ("model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "stream")
 """Fields whose meaning is the chat request's (``tools`` and ``tool_choice`` translated)."""
@@ -97,17 +97,7 @@ def chat_body(body: Any) -> dict[str, Any]:
     Raises:
         RequestError: an unknown, refused or malformed field (named as the Responses API names it).
     """
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    for key, value in body.items():
-        if key in REFUSED and value is not None:
-            raise RequestError(f"{key} is not supported: {REFUSED[key]}", key)
-        if key in NOOP and value not in NOOP[key]:
-            raise RequestError(f"{key}={value!r} is not supported by this endpoint (the policy is sampled as it "
-                               f"is); omit it or send {NOOP[key][-1]!r}", key)
-        if key not in PASSED and key not in ACCEPTED and key not in NOOP and key not in REFUSED:
-            raise RequestError(f"{key} is not supported by /v1/responses; supported fields: "
-                               f"{', '.join(sorted((*PASSED, *ACCEPTED)))}", key)
+    check_fields(body, "/v1/responses", frozenset((*PASSED, *ACCEPTED)), NOOP, REFUSED)
     out: dict[str, Any] = {k: body[k] for k in PASSED if body.get(k) is not None}
     messages = []
     instructions = body.get("instructions")

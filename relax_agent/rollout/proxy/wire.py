@@ -66,3 +66,29 @@ def bearer(headers: Mapping[str, str]) -> str:
 def sse_event(event: str, body: dict[str, Any]) -> str:
     """One named server-sent event (``event:`` line, then its JSON ``data:``)."""
     return f"event: {event}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def check_fields(body: Any, route: str, supported: frozenset[str], noop: Mapping[str, tuple[Any, ...]],
+                 refused: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``body`` as a dict whose every field this endpoint can honour; returns it.
+
+    ``supported``: fields translated; ``noop``: fields accepted only at the listed values (they change
+    nothing; the last is the one to send); ``refused``: fields refused whatever their value (but None),
+    with the reason.
+
+    Raises:
+        RequestError: not a JSON object, or a field outside the above (named, with what to do).
+    """
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    refused = refused or {}
+    for key, value in body.items():
+        if key in refused and value is not None:
+            raise RequestError(f"{key} is not supported: {refused[key]}", key)
+        if key in noop and value not in noop[key]:
+            raise RequestError(f"{key}={value!r} is not supported by this endpoint (the policy is sampled as it "
+                               f"is); omit it or send {noop[key][-1]!r}", key)
+        if key not in supported and key not in noop and key not in refused:
+            raise RequestError(f"{key} is not supported by {route}; supported fields: "
+                               f"{', '.join(sorted(supported))}", key)
+    return body
