@@ -22,8 +22,9 @@ episode's :class:`~relax_agent.rollout.proxy.session.AgentSession`. When the age
 episode's trajectory is the *trained chain*: the replies the agent kept (sent back in a later
 request), linked by prefix, ending at its final answer (see the session's module doc); replies
 off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls after the answer,
-rewritten histories) are counted in the ``agent/*`` metrics (``agent/dropped_replies``) and
-returned after it by :meth:`AgentDriver.play_segments`, never trained or scored.
+rewritten histories) are counted in the ``agent/*`` metrics (``agent/dropped_replies``), returned
+after it by :meth:`AgentDriver.play_segments` (and as the trajectory's ``side_segments`` by
+:meth:`AgentDriver.play`), written to the rollout dump after the episode, never trained or scored.
 
 Reward (``rollout.agent.reward``): "env" steps the env once with the agent's final answer (the
 last reply of the trained chain, or ``answer`` from the output file when given, which also ends
@@ -43,11 +44,13 @@ key in its environment (:func:`kill_marked`: children that left the group with `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -58,6 +61,7 @@ from typing import Any, Callable
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.errors import EnvError
 from relax_agent.records import StopReason, Trajectory
+from relax_agent.rollout.agent_jail import JAIL_ARGV, episode_base, resolve_isolation
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
@@ -94,15 +98,21 @@ class AgentDriver:
         self.cfg = cfg
         self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes)
         self._group_chains: dict[str, set[str]] = {}
+        self.isolation = resolve_isolation(cfg.isolation)
+        """"namespace" or "none" (see :mod:`relax_agent.rollout.agent_jail`)."""
+        self._base = episode_base(self.isolation)
         weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
+        weakref.finalize(self, shutil.rmtree, self._base, True)
 
     def close(self) -> None:
         """Stop the endpoint (aborting what still runs). Idempotent."""
         self.server.close()
 
     async def play(self, spec: EpisodeSpec, params: SamplingParams) -> Trajectory:
-        """Play ``spec`` with the agent; its primary trajectory (see the module doc)."""
-        return (await self.play_segments(spec, params))[0]
+        """Play ``spec`` with the agent; its trained chain's trajectory, carrying the episode's other
+        segments as ``side_segments`` (see the module doc)."""
+        primary, *side = await self.play_segments(spec, params)
+        return dataclasses.replace(primary, side_segments=tuple(side)) if side else primary
 
     async def play_segments(self, spec: EpisodeSpec, params: SamplingParams) -> list[Trajectory]:
         """Play ``spec`` with the agent; the trained chain's trajectory first, then every other
@@ -130,7 +140,7 @@ class AgentDriver:
         self.server.start()
         self.server.open(session)
         try:
-            with tempfile.TemporaryDirectory(prefix="relax-agent-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="ep-", dir=self._base) as tmp:
                 output = await self._run_agent(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
         except Exception as exc:  # a crashed, failed or timed-out agent is a failed record
             await self.server.end(session)
@@ -159,13 +169,19 @@ class AgentDriver:
                "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": session.key,
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
         argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
+        program = argv[0] if os.sep in argv[0] or self.cfg.cwd is None else os.path.join(self.cfg.cwd, argv[0])
+        if shutil.which(program) is None and shutil.which(argv[0]) is None:  # a jail would only say "exit 127"
+            raise EnvError(f"rollout.agent.command {self.cfg.command!r} could not start: {argv[0]!r} is not an "
+                           "executable file or a command on PATH")
+        if self.isolation == "namespace":
+            argv = [*JAIL_ARGV, *argv]
         with log.open("wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(*argv, cwd=self.cfg.cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
                                                             stdout=asyncio.subprocess.DEVNULL, stderr=err,
                                                             start_new_session=True)
             except OSError as exc:
-                raise EnvError(f"rollout.agent.command {argv!r} could not start: {exc}") from exc
+                raise EnvError(f"rollout.agent.command {self.cfg.command!r} could not start: {exc}") from exc
             try:
                 code = await asyncio.wait_for(proc.wait(), max(deadline.remaining_s, 0.0))
             except asyncio.TimeoutError:

@@ -405,7 +405,7 @@ class RunReader:
             groups.setdefault(group_of(str(row.get("sample_id", "")))[0], []).append(row)
         out_groups, shown = [], 0
         for gid, rows in groups.items():
-            rewards = [float(r["reward"]) for r in rows if not is_failed(r)]
+            rewards = [float(r["reward"]) for r in rows if not is_failed(r) and not r.get("side_branch_of")]
             mean = sum(rewards) / len(rewards) if rewards else None
             kept = [self.episode_brief(r, mean) for r in rows
                     if flt.keep(r, is_failed(r), str(r.get("stop_reason")))]

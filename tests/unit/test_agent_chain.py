@@ -86,6 +86,25 @@ def test_a_side_call_after_the_answer_is_neither_trained_nor_scored(tok, tmp_pat
     assert traj.error is None, traj.error
     assert [list(t.token_ids) for t in traj.turns] == [answer] and traj.reward == 1.0
     assert traj.metrics["agent/dropped_replies"] == 1.0 and traj.metrics["agent/branches"] == 1.0
+    (side,) = traj.side_segments  # recorded beside the episode, not lost
+    assert side.sample_id == f"{traj.sample_id}/seg1" and [list(t.token_ids) for t in side.turns] == [title]
+
+
+def test_side_segments_follow_their_episode_in_the_rollout_dump_untrained(tok, tmp_path):
+    import json
+
+    from relax_agent import records as R
+    from relax_agent.control.reporting import write_rollout_dump
+
+    answer, title = _ids(tok, ANSWER), _ids(tok, "Adding numbers")
+    traj = _play(_driver(tok, CallEngine([(answer, 0.0), (title, 0.0)]), tmp_path, SIDE_CALL))
+    slim = R.trajectory_fields([traj])[R.TRAJECTORY][0]  # what the loop reads from the bus
+    path = tmp_path / "step_000001.jsonl"
+    write_rollout_dump(path, [(slim, 0)], 1, {traj.sample_id}, set(), tok.decode)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["sample_id"], r["trained"], r.get("side_branch_of")) for r in rows] == [
+        (traj.sample_id, True, None), (f"{traj.sample_id}/seg1", False, traj.sample_id)]
+    assert rows[1]["response"] == [tok.decode(title)] and rows[1]["reward"] == rows[0]["reward"]
 
 
 MULTI_TURN_ABANDON = """

@@ -136,21 +136,36 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+def _marked(marker: str) -> list[int]:
+    """Live host pids whose command line holds ``marker`` (a jailed agent sees other pids)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace") and _alive(int(entry.name)):
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
 def test_a_timed_out_agent_leaves_no_process_and_no_generation(tok, tmp_path):
-    pids = tmp_path / "pids.json"
+    marker = f"300.{os.getpid()}{time.monotonic_ns() % 10**6}"
+    started = tmp_path / "started"
     script = ("import json, os, subprocess\n"
-              "child = subprocess.Popen(['sleep', '300'])\n"
-              f"json.dump([os.getpid(), child.pid], open({str(pids)!r}, 'w'))\n") + ONE_CALL
+              f"child = subprocess.Popen(['sleep', {marker!r}])\n"
+              f"open({str(started)!r}, 'w').write('1')\n") + ONE_CALL
     engine = ScriptedEngine(_ids(tok, "never finished " * 20), delay_s=5.0)
     driver = _driver(tok, engine, tmp_path, script, timeout_s=10.0, kill_grace_s=0.5)
     traj = _play(driver)
     assert len(engine.prompts) == 1, "the agent did not reach its request within timeout_s"
     assert traj.reward_status == "timeout" and "rollout.agent.timeout_s=10.0" in traj.error, traj.error
     assert engine.cancelled == 1  # the generation in flight was aborted before play() returned
+    assert started.exists()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in json.loads(pids.read_text())) and time.monotonic() < deadline:
+    while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in json.loads(pids.read_text()))
+    assert _marked(marker) == [] and _marked(str(tmp_path / "agent.py")) == []
 
 
 def test_the_session_key_dies_with_the_episode(tok, tmp_path):
@@ -196,19 +211,78 @@ json.dump({{"task": open(os.environ["RELAX_TASK_FILE"]).read(), "env": dict(os.e
     assert got["tmp"] == got["env"]["TMPDIR"] != tempfile.gettempdir() and got["mode"] == 0o700
 
 
-def test_a_child_that_left_the_process_group_is_gone_with_the_episode(tok, tmp_path):
+@pytest.mark.parametrize("isolation", ["none", "auto"])
+def test_a_child_that_left_the_process_group_is_gone_with_the_episode(tok, tmp_path, isolation):
     pids = tmp_path / "pids.json"
+    marker = f"300.{os.getpid()}{time.monotonic_ns() % 10**6}"
     script = ONE_CALL + ("import subprocess\n"
-                         "child = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"  # escapes killpg
+                         f"child = subprocess.Popen(['sleep', {marker!r}], start_new_session=True)\n"  # escapes killpg
                          f"json.dump([child.pid, os.getpgid(child.pid) != os.getpgid(0)], open({str(pids)!r}, 'w'))\n")
-    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script))
+    traj = _play(_driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, script, isolation=isolation))
     assert traj.error is None, traj.error
-    pid, escaped = json.loads(pids.read_text())
+    _, escaped = json.loads(pids.read_text())
     assert escaped  # it really left the agent's process group
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = _alive(pid)
-    if alive:
+    alive = _marked(marker)
+    for pid in alive:
         os.kill(pid, 9)
-    assert not alive
+    assert alive == []
+
+
+STEAL = """
+import glob, json, os, time
+from pathlib import Path
+shared = Path({shared!r})
+me = json.load(open(os.environ["RELAX_TASK_FILE"]))["sample_id"].replace("/", "_")
+(shared / ("ready-" + me)).write_text("1")
+deadline = time.time() + 20
+while len(list(shared.glob("ready-*"))) < 2 and time.time() < deadline:  # both agents alive at once
+    time.sleep(0.05)
+mine = os.environ["OPENAI_API_KEY"]
+keys = set()
+for f in glob.glob("/proc/[0-9]*/environ"):
+    try:
+        for var in open(f, "rb").read().split(b"\\0"):
+            if var.startswith(b"OPENAI_API_KEY=") and var[15:].decode() != mine:
+                keys.add(var[15:].decode())
+    except OSError:
+        pass
+try:
+    others = [d for d in os.listdir(os.path.dirname(os.environ["TMPDIR"])) if d != os.path.basename(os.environ["TMPDIR"])]
+except OSError:
+    others = None
+(shared / ("seen-" + me)).write_text(json.dumps({{"keys": sorted(keys), "others": others}}))
+time.sleep(0.5)
+""" + ONE_CALL
+
+
+@pytest.mark.parametrize("isolation", ["namespace", "none"])
+def test_an_agent_cannot_read_another_agents_key_or_find_its_private_directory(tok, tmp_path, isolation):
+    """Two agents run at once; each scans /proc for another episode's key and lists the directory
+    above its TMPDIR. Jailed (``namespace``), neither finds anything; without a jail both steal the
+    other's key (what the jail is for)."""
+    from relax_agent.rollout.agent_jail import namespace_refusal
+
+    if isolation == "namespace" and namespace_refusal() is not None:
+        pytest.skip(f"namespace isolation cannot run here: {namespace_refusal()}")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    driver = _driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, STEAL.format(shared=str(shared)),
+                     isolation=isolation)
+    specs = [EpisodeSpec(f"s/{i}", "s", TASK["id"], TASK, seed=i) for i in range(2)]
+
+    async def both():
+        return await asyncio.gather(*(driver.play(s, SamplingParams(max_new_tokens=8)) for s in specs))
+
+    try:
+        trajs = asyncio.run(both())
+    finally:
+        driver.close()
+    assert [t.error for t in trajs] == [None, None]
+    seen = [json.loads((shared / f"seen-s_{i}").read_text()) for i in range(2)]
+    if isolation == "namespace":
+        assert seen == [{"keys": [], "others": None}] * 2
+    else:
+        assert all(len(s["keys"]) >= 1 and len(s["others"]) >= 1 for s in seen), seen
