@@ -86,3 +86,9 @@ class VersionGoneError(WeightSyncError):
 class RuntimeServiceError(RelaxError, RuntimeError):
     """A role's service failed past its restart policy (``runtime.max_trainer_restarts`` spent, a
     supervising actor died)."""
+
+
+class RoleDiedError(RuntimeServiceError):
+    """An actor the run cannot go on without died (``runtime: ray``: the data bus, the weight
+    coordinator or the heartbeat table; none is restarted, they hold the run's state). The message
+    names the role, its actor and the root cause; the run resumes from its last checkpoint."""

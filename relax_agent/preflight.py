@@ -212,8 +212,9 @@ def check_ray_combination(cfg: RelaxConfig) -> None:
     """Refuse config combinations ``runtime.kind: ray`` cannot run, before any model loads.
 
     Raises:
-        ConfigError: ``mode`` is not async (colocate shares one process), or ``weights.transport`` is
-            not tcp (replicas are other processes, maybe other hosts).
+        ConfigError: ``mode`` is not async (colocate shares one process), ``weights.transport`` is
+            not tcp (replicas are other processes, maybe other hosts), or
+            ``runtime.trainer_hang_timeout_s`` is not above ``weights.publish_timeout_s``.
     """
     if cfg.mode != "async":
         raise ConfigError(f"runtime.kind='ray' with mode={cfg.mode!r}: rollout replicas are other processes, "
@@ -221,6 +222,12 @@ def check_ray_combination(cfg: RelaxConfig) -> None:
     if cfg.weights.transport != "tcp":
         raise ConfigError(f"runtime.kind='ray' with weights.transport={cfg.weights.transport!r}: replicas pull "
                           "weights from the trainer actor over the network; set weights.transport=tcp")
+    hang = cfg.runtime.trainer_hang_timeout_s
+    if hang is not None and hang <= cfg.weights.publish_timeout_s:
+        raise ConfigError(f"runtime.trainer_hang_timeout_s={hang:g} is not above weights.publish_timeout_s="
+                          f"{cfg.weights.publish_timeout_s:g}: an update's publish may wait that long for slow "
+                          "replicas, which is not a hang; raise runtime.trainer_hang_timeout_s (or lower "
+                          "weights.publish_timeout_s)")
 
 
 def _changed_keys(section: str, value: Any, keep: tuple[str, ...] = ()) -> list[str]:

@@ -11,19 +11,25 @@ rollout replica    dies (a call raises ``RayActorError``);     killed, replaced 
                    ``runtime.heartbeat_timeout_s``, or one     weights before it serves); its groups in
                    group past ``runtime.request_timeout_s``);  flight are played again on another replica
                    fails to start                              (same ids and seeds; the bus stores a group
-                                                               once); unlimited, but 3 failed starts in a
-                                                               row with no replica ready end the run
+                                                               once); with no replica ready, 3 failed
+                                                               starts in a row or one that hangs end the
+                                                               run; with replicas ready, 3 in a row scale
+                                                               the target back to them
 trainer            its actor dies (a call raises               restarted from the last checkpoint, the
-                   ``RayActorError``)                          updates since replayed from the trainer
-                                                               service's redo log, the weights published
-                                                               again, the failed call retried; at most
-                                                               ``runtime.max_trainer_restarts`` times
+                   ``RayActorError``); hangs (a call in        updates since replayed from the trainer
+                   flight past                                 service's redo log, the weights published
+                   ``runtime.trainer_hang_timeout_s``:         again, the failed call retried; at most
+                   said on the console and in ``/status``,     ``runtime.max_trainer_restarts`` times
+                   then killed)                                (deaths and hangs together)
 reward replica     dies or hangs (Ray Serve's health check)    Serve replaces it; the reward client retries
                                                                the items (``RetryPolicy``), which stay
                                                                ``status: error`` (masked, never 0) only if
                                                                every retry fails
-data bus, weight   their actor dies                            not restarted: the run fails (they hold the
-coordinator                                                    run's state; resume from the checkpoint)
+data bus, weight   their actor dies (pinged every tick, and    not restarted: the run fails with one
+coordinator,       whenever another role fails in a way its    ``RoleDiedError`` naming the role and the
+heartbeat table    death explains: :mod:`.ray_roles`)          cause (they hold the run's state; resume
+                                                               from the checkpoint); a trainer or replica
+                                                               that failed because of it is not restarted
 =================  ==========================================  ============================================
 
 The supervisor is a daemon thread of the driver. Ray itself restarts nothing (every actor has
@@ -44,8 +50,9 @@ from typing import Any
 
 import ray
 
-from relax_agent.errors import ConfigError, DataError, EngineError, RuntimeServiceError
+from relax_agent.errors import ConfigError, EngineError, RuntimeServiceError
 from relax_agent.runtime.base import PARTITION
+from relax_agent.runtime.ray import placement, record_placement
 from relax_agent.runtime.ray_rollout import (
     DRAINING,
     FAILED,
@@ -56,6 +63,7 @@ from relax_agent.runtime.ray_rollout import (
     ReplicaPool,
     RolloutReplica,
 )
+from relax_agent.runtime.ray_roles import HEALTH, RoleWatch, describe_failure
 
 log = logging.getLogger("relax_agent.runtime")
 
@@ -67,6 +75,8 @@ ROLLOUT_HEARTBEAT_AGE = "runtime/rollout_heartbeat_age_s"
 """Oldest heartbeat among ready replicas, seconds."""
 TRAINER_RESTARTS = "runtime/trainer_restarts"
 TRAINER_HEARTBEAT_AGE = "runtime/trainer_heartbeat_age_s"
+TRAINER_HANGS = "runtime/trainer_hangs"
+"""Trainer calls found hung (past ``runtime.trainer_hang_timeout_s``) so far."""
 QUEUE_ROWS = "runtime/queue_rows"
 """Rows on the data bus's rollout partition (queue depth)."""
 
@@ -82,11 +92,20 @@ class Supervisor:
         bus, coordinator, health: handed to each replica (the coordinator is an
             :class:`~relax_agent.runtime.ray_weights.ActorCoordinator`).
         prefix: actor names start with it; namespace: the Ray namespace of every actor.
+        roles: the :class:`~relax_agent.runtime.ray_roles.RoleWatch` of the actors the run cannot go
+            on without (pinged every tick); None: not watched.
     """
 
     def __init__(self, cfg: Any, pool: ReplicaPool, bus: Any, coordinator: Any, health: Any, prefix: str,
-                 namespace: str) -> None:
+                 namespace: str, roles: RoleWatch | None = None) -> None:
         self.cfg, self.pool, self.bus, self.coordinator, self.health = cfg, pool, bus, coordinator, health
+        self.roles = roles
+        self.trainer_call: dict[str, Any] | None = None
+        """The trainer call in flight, as the trainer service reports it: ``call``, ``since`` (epoch s),
+        and ``hung`` with its ``detail`` once it is past ``runtime.trainer_hang_timeout_s``."""
+        self.trainer_hangs = 0
+        self.last_trainer_hang: dict[str, Any] | None = None
+        """``time`` (epoch s) and ``detail`` of the last hang."""
         self.prefix, self.namespace = prefix, namespace
         self.rt = cfg.runtime
         self.target = self.rt.rollout_replicas
@@ -154,13 +173,22 @@ class Supervisor:
     def max_replicas(self) -> tuple[int, str]:
         """The most rollout replicas :meth:`scale` accepts, and what sets it: ``runtime.max_rollout_replicas``,
         or fewer when the Ray cluster's CPUs (less the trainer's) hold fewer at ``runtime.rollout_num_cpus``
-        each (replicas beyond them would wait for resources forever)."""
+        each, or its custom resources fewer at ``runtime.rollout_resources`` (replicas beyond them would
+        wait for resources forever)."""
         bound, why = self.rt.max_rollout_replicas, f"runtime.max_rollout_replicas={self.rt.max_rollout_replicas}"
         if ray.is_initialized():
             try:
-                cpus = float(ray.cluster_resources().get("CPU", 0.0))
+                total = ray.cluster_resources()
+                cpus = float(total.get("CPU", 0.0))
             except Exception:  # no answer from the cluster: the configured bound alone
                 return bound, why
+            for key, need in sorted(self.rt.rollout_resources.items()):  # placement by node: the hosts' share
+                held = float(total.get(key, 0.0))
+                fit = max(1, math.floor(held / need + 1e-9))
+                if fit < bound:
+                    bound, why = fit, (f"the cluster's {held:g} {key!r} hold {fit} at runtime.rollout_resources"
+                                       f"[{key!r}]={need:g}; runtime.max_rollout_replicas="
+                                       f"{self.rt.max_rollout_replicas}")
             fit = max(1, math.floor((cpus - self.rt.trainer_num_cpus) / self.rt.rollout_num_cpus + 1e-9))
             if fit < bound:
                 bound, why = fit, (f"the cluster's {cpus:g} CPUs hold {fit} at runtime.rollout_num_cpus="
@@ -177,6 +205,42 @@ class Supervisor:
             self.pool.events.append((time.time(), "trainer_failed", self.trainer_name, reason))
             return self.restarts["trainer"] <= self.rt.max_trainer_restarts
 
+    def dead_role(self) -> BaseException | None:
+        """The :class:`~relax_agent.errors.RoleDiedError` of a role the run cannot go on without that
+        died (pinged now), or None."""
+        if self.roles is None:
+            return None
+        found = self.roles.check()
+        if found is not None:
+            self._fatal(found)
+        return found
+
+    def trainer_beat(self) -> tuple[float, dict[str, Any]] | None:
+        """The trainer's last heartbeat as of the last tick: (age s, payload), or None."""
+        return self._table.get(self.trainer_name)
+
+    def note_trainer_call(self, call: str | None) -> None:
+        """The trainer service starts ``call`` (None: its call returned)."""
+        with self.pool.lock:
+            self.trainer_call = None if call is None else {"call": call, "since": time.time(), "hung": False,
+                                                            "detail": None}
+
+    def note_trainer_hung(self, detail: str) -> None:
+        """The trainer's call in flight is past ``runtime.trainer_hang_timeout_s`` (``/status``, events)."""
+        with self.pool.lock:
+            self.trainer_hangs += 1
+            self.last_trainer_hang = {"time": time.time(), "detail": detail}
+            if self.trainer_call is not None:
+                self.trainer_call.update(hung=True, detail=detail)
+            self.pool.events.append((time.time(), "trainer_hung", self.trainer_name, detail))
+
+    def _fatal(self, exc: BaseException) -> None:
+        with self.pool.lock:
+            if self.pool.fatal is None:
+                self.pool.fatal = exc
+                self.pool.events.append((time.time(), "role_died", self.prefix, str(exc)))
+                log.warning("runtime: %s; ending the run", exc)
+
     # -- the loop -------------------------------------------------------------------------------
     def _run(self) -> None:
         interval = min(1.0, self.rt.heartbeat_interval_s)
@@ -188,13 +252,17 @@ class Supervisor:
 
     def tick(self) -> None:
         """One round: readiness, heartbeats, drains, replacements, the replica target."""
+        if self.pool.fatal is not None or self.dead_role() is not None:
+            return  # the run is ending: start and replace nothing more
         try:
             self._table = ray.get(self.health.table.remote(), timeout=10.0)
         except ray.exceptions.GetTimeoutError:
             pass  # keep the last table: ages then only grow
         except ray.exceptions.RayActorError as exc:  # not restarted (see the table): the run cannot go on
-            self.pool.fatal = RuntimeServiceError(f"the heartbeat actor {self.prefix}.health died ({type(exc).__name__}); "
-                                         "replicas cannot be supervised: resume the run from its checkpoint")
+            found = self.roles.mark_dead(HEALTH, exc) if self.roles is not None else None
+            self._fatal(found or RuntimeServiceError(
+                f"the {HEALTH} (Ray actor {self.prefix}.health) died ({describe_failure(exc)}); replicas cannot "
+                "be supervised, so the run cannot go on"))
             return
         now = time.monotonic()
         for rep in self.pool.in_state(STARTING):
@@ -215,9 +283,7 @@ class Supervisor:
             with self.pool.lock:
                 self.restarts["rollout"] += 1
             log.warning("runtime: replica %s failed (%s); replacing it", rep.name, rep.reason)
-        if self._failed_starts >= _MAX_FAILED_STARTS and not self.pool.in_state(READY):
-            self.pool.fatal = EngineError(f"{self._failed_starts} rollout replicas in a row failed to start: "
-                                          f"{self._last_failure()}")
+        if self.pool.fatal is not None:
             return
         self._reconcile(now)
 
@@ -225,23 +291,45 @@ class Supervisor:
         done, _ = ray.wait([rep.ready_ref], timeout=0)
         if not done:
             if now - rep.started_at > self.rt.replica_start_timeout_s:
-                self._failed_starts += 1
-                self.pool.fail(rep, f"not ready within runtime.replica_start_timeout_s="
-                                    f"{self.rt.replica_start_timeout_s:g}")
+                self._failed_start(rep, f"not ready within runtime.replica_start_timeout_s="
+                                        f"{self.rt.replica_start_timeout_s:g}", stuck=True)
             return
         try:
             info = ray.get(rep.ready_ref)
         except Exception as exc:  # the replica's start raised (bad model path, weights that do not fit...)
-            self._failed_starts += 1
-            self.pool.fail(rep, f"start failed: {type(exc).__name__}: {exc}")
+            self._failed_start(rep, f"start failed: {describe_failure(exc)}", stuck=False)
             return
         with self.pool.lock:
             rep.pid, rep.node_id, rep.subscriber = info["pid"], info["node_id"], info["subscriber"]
+            rep.node_ip = info.get("node_ip")
             rep.ready_at = now
             if rep.state == STARTING:
                 rep.state = READY
         self._failed_starts = 0
-        self.pool.log("ready", rep, f"pid {rep.pid}, policy version {info['policy_version']}")
+        self.pool.log("ready", rep, f"pid {rep.pid} on node {rep.node_ip}, policy version {info['policy_version']}")
+        record_placement(self.cfg, "rollout", rep.name, info)
+
+    def _failed_start(self, rep: Replica, reason: str, stuck: bool) -> None:
+        """``rep`` did not start (``stuck``: not ready within ``runtime.replica_start_timeout_s``). With no
+        replica serving, a stuck start, or :data:`_MAX_FAILED_STARTS` failed starts in a row, end the
+        run (a stuck start is not tried again: with the defaults that alone took 30 minutes). With
+        replicas serving, :data:`_MAX_FAILED_STARTS` failures in a row scale the target back to the
+        replicas that are up (logged, ``scaled_back`` event; ``relax-agent scale`` tries again),
+        instead of retrying the slot forever."""
+        self._failed_starts += 1
+        self.pool.fail(rep, reason)
+        serving = self.pool.in_state(READY)
+        if not serving and (stuck or self._failed_starts >= _MAX_FAILED_STARTS):
+            what = "a replica start that hung" if stuck else f"{self._failed_starts} rollout replicas in a row that failed to start"
+            self.pool.fatal = EngineError(f"no rollout replica is serving after {what}: {reason}")
+        elif serving and self._failed_starts >= _MAX_FAILED_STARTS:
+            with self.pool.lock:
+                before, self.target = self.target, len(self.pool.live())
+            detail = (f"{self._failed_starts} starts in a row failed (last: {reason}); replica target {before} -> "
+                      f"{self.target} (relax-agent scale tries again)")
+            log.warning("runtime: rollout replicas: %s", detail)
+            self.pool.log("scaled_back", rep, detail)
+            self._failed_starts = 0
 
     def _reconcile(self, now: float) -> None:
         with self.pool.lock:
@@ -269,7 +357,8 @@ class Supervisor:
             slot = next(i for i in itertools.count() if i not in used)
             name = f"{self.prefix}.rollout-{slot}.{next(self._generation)}"
             handle = self._cls.options(name=name, namespace=self.namespace, num_cpus=self.rt.rollout_num_cpus,
-                                       max_restarts=0, max_concurrency=1000).remote(
+                                       max_restarts=0, max_concurrency=1000,
+                                       **placement(self.rt.rollout_resources, self.rt.rollout_spread)).remote(
                 self.cfg, name, self.bus, self.coordinator, self.health)
             rep = Replica(slot, name, handle, time.monotonic(), handle.start.remote())
             self.pool.replicas.append(rep)
@@ -278,7 +367,9 @@ class Supervisor:
 
     def _kill(self, rep: Replica, graceful: bool) -> None:
         """Stop ``rep``: ``stop()`` first when graceful, then ``ray.kill``; a process on this node that
-        does not exit (stopped, hung) is SIGKILLed; its weight subscription and heartbeats are dropped."""
+        does not exit (stopped, hung) is SIGKILLed; its weight subscription and heartbeats are dropped
+        (not when a role died: the run is ending, and a dead coordinator or heartbeat table cannot answer)."""
+        role_died = self.roles is not None and self.roles.fatal is not None
         if graceful:
             try:
                 ray.get(rep.handle.stop.remote(), timeout=10.0)
@@ -292,6 +383,8 @@ class Supervisor:
             self._node_id = ray.get_runtime_context().get_node_id()
         if rep.pid is not None and rep.node_id == self._node_id:
             _kill_ray_worker(rep.pid)
+        if role_died:
+            return
         if rep.subscriber is not None:
             try:
                 self.coordinator.unregister_subscriber(rep.subscriber)
@@ -317,6 +410,7 @@ class Supervisor:
         ready = self.pool.in_state(READY)
         out = {REPLICAS: float(len(ready)), TARGET: float(self.target),
                ROLLOUT_RESTARTS: float(self.restarts["rollout"]), TRAINER_RESTARTS: float(self.restarts["trainer"]),
+               TRAINER_HANGS: float(self.trainer_hangs),
                IN_FLIGHT: float(sum(r.in_flight for r in self.pool.in_state(READY, DRAINING))),
                ROLLOUT_HEARTBEAT_AGE: max((self.heartbeat_age(r) for r in ready), default=0.0)}
         trainer = self._table.get(self.trainer_name)
@@ -324,7 +418,7 @@ class Supervisor:
             out[TRAINER_HEARTBEAT_AGE] = trainer[0]
         try:
             out[QUEUE_ROWS] = float(self.bus.stats(PARTITION)["rows"])
-        except DataError:  # the partition does not exist yet
+        except Exception:  # the partition does not exist yet, or the bus died (said by the role watch)
             pass
         return out
 
@@ -332,12 +426,27 @@ class Supervisor:
         """The control endpoint's view: target, replicas, restarts, recent events."""
         with self.pool.lock:
             reps = [{"name": r.name, "slot": r.slot, "state": r.state, "in_flight": r.in_flight,
-                     "groups_done": r.groups_done, "pid": r.pid,
+                     "groups_done": r.groups_done, "pid": r.pid, "node_ip": r.node_ip,
                      "heartbeat_age_s": round(self.heartbeat_age(r), 3) if r.state in (READY, DRAINING) else None,
                      "policy_version": self._table.get(r.name, (0, {}))[1].get("policy_version")}
                     for r in self.pool.replicas if r.state != REMOVED]
             events = [{"time": t, "event": e, "replica": n, "detail": d} for t, e, n, d in self.pool.events[-20:]]
-            return {"target": self.target, "replicas": reps, "restarts": dict(self.restarts), "events": events}
+            return {"target": self.target, "replicas": reps, "restarts": dict(self.restarts), "events": events,
+                    "trainer": self._trainer_status(), "fatal": None if self.pool.fatal is None else str(self.pool.fatal)}
+
+    def _trainer_status(self) -> dict[str, Any]:
+        """``/status``'s trainer: its heartbeat (age, pid, policy version, the call it is in and for how
+        long, as it reports it), the call the driver has in flight and whether that one is hung, the
+        hangs so far and the last one's detail."""
+        beat = self._table.get(self.trainer_name)
+        age, info = beat if beat is not None else (None, {})
+        call = dict(self.trainer_call) if self.trainer_call is not None else None
+        if call is not None:
+            call["running_s"] = round(time.time() - call["since"], 3)
+        return {"name": self.trainer_name, "heartbeat_age_s": None if age is None else round(age, 3),
+                "pid": info.get("pid"), "policy_version": info.get("policy_version"), "busy": info.get("busy"),
+                "doing": info.get("doing"), "call": call, "hung": bool(call and call["hung"]),
+                "hangs": self.trainer_hangs, "last_hang": self.last_trainer_hang, "restarts": self.restarts["trainer"]}
 
 
 def _kill_ray_worker(pid: int) -> None:

@@ -146,6 +146,17 @@ def test_a_dead_trainer_past_the_restart_budget_ends_the_run(tmp_path):
     assert svc.supervisor.reasons == ["RuntimeError: actor died"]
 
 
+def test_a_trainer_failure_caused_by_a_dead_role_restarts_nothing_and_names_the_role(tmp_path):
+    from relax_agent.errors import RoleDiedError
+
+    svc = _trainer_service(tmp_path)
+    died = RoleDiedError("the weight coordinator (Ray actor 'p.weights' in namespace 'ns') died (...)")
+    svc.supervisor.dead_role = lambda: died
+    with pytest.raises(RoleDiedError) as raised:
+        svc._recover(RuntimeError("ActorDiedError inside the trainer's publish"))
+    assert raised.value is died and svc.supervisor.reasons == []  # no restart counted or tried
+
+
 def test_a_restart_refuses_a_redo_log_with_a_gap(tmp_path):
     from relax_agent.errors import CheckpointError
 
@@ -295,3 +306,113 @@ def test_the_control_endpoint_closes_idle_connections_and_caps_open_ones(tmp_pat
         for conn in idle:
             conn.close()
         server.close()
+
+
+_DEAD_COORDINATOR = """The actor died unexpectedly before finishing this task.
+\tclass_name: CoordinatorActor
+\tactor_id: 5f0f25d226b7601854adf84c01000000
+\tpid: 29994
+\tname: t.weights
+\tnamespace: relax_agent
+\tip: 127.0.0.1
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker
+unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) the process was killed"""
+
+
+def test_a_failure_across_ray_is_told_by_its_root_cause_not_ray_s_wrapper():
+    ray = pytest.importorskip("ray")
+    from relax_agent.cli import _unwrapped
+    from relax_agent.errors import WeightSyncError
+    from relax_agent.runtime.ray_roles import describe_failure
+
+    inner = WeightSyncError("version 3 refused")
+    wrapped = ray.exceptions.RayTaskError(
+        "TrainerActor.train", "ray::TrainerActor.train() (pid=12, ip=127.0.0.1, actor_id=ab, repr=<x>)\n  File ...",
+        inner, pid=12, ip="127.0.0.1").as_instanceof_cause()
+    assert isinstance(wrapped, WeightSyncError) and str(wrapped).startswith("ray::TrainerActor.train()")
+    assert describe_failure(wrapped) == "WeightSyncError: version 3 refused"
+    assert _unwrapped(wrapped) is inner and _unwrapped(inner) is inner
+    dead = ray.exceptions.ActorDiedError()
+    dead.error_msg = _DEAD_COORDINATOR
+    assert str(dead) == _DEAD_COORDINATOR
+    assert describe_failure(dead) == (
+        "ActorDiedError: actor t.weights (CoordinatorActor, pid 29994) is dead: its worker process has died. Worker "
+        "exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End "
+        "of file")
+    assert describe_failure(ray.exceptions.ActorDiedError()) == (
+        "ActorDiedError: The actor died unexpectedly before finishing this task")
+
+
+def test_a_trainer_hang_bound_not_above_the_publish_timeout_is_refused_naming_both_keys():
+    from relax_agent.preflight import check_ray_combination
+
+    base = ["runtime=ray", "mode=async", "weights.transport=tcp"]
+    with pytest.raises(ConfigError, match=r"runtime.trainer_hang_timeout_s=600 is not above "
+                                          r"weights.publish_timeout_s=600"):
+        check_ray_combination(load_config(None, [*base, "runtime.trainer_hang_timeout_s=600"]))
+    assert load_config(None, base).runtime.trainer_hang_timeout_s == 1800.0
+    check_ray_combination(load_config(None, [*base, "runtime.trainer_hang_timeout_s=5", "weights.publish_timeout_s=2"]))
+    check_ray_combination(load_config(None, [*base, "runtime.trainer_hang_timeout_s=null"]))
+    with pytest.raises(ConfigError, match="runtime.trainer_hang_timeout_s"):
+        load_config(None, [*base, "runtime.trainer_hang_timeout_s=0"])
+
+
+def _supervisor_with(states):
+    """A supervisor without Ray: its pool holds replicas in ``states``; returns (supervisor, replicas)."""
+    from relax_agent.runtime.ray_rollout import Replica, ReplicaPool
+    from relax_agent.runtime.ray_supervisor import Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup.pool, sup._failed_starts = ReplicaPool(), 0
+    sup.rt = load_config(None, ["runtime.kind=ray"]).runtime
+    reps = [Replica(i, f"r-{i}", None, 0.0, None, state=state) for i, state in enumerate(states)]
+    sup.pool.replicas.extend(reps)
+    sup.target = len(reps)
+    return sup, reps
+
+
+def test_a_slot_whose_starts_keep_failing_beside_a_ready_replica_is_given_up_not_retried_forever():
+    from relax_agent.runtime.ray_rollout import Replica
+
+    sup, _ = _supervisor_with(["ready", "starting"])
+    for k in range(3):
+        rep = sup.pool.replicas[-1]
+        sup._failed_start(rep, "start failed: ModelLoadError: no such file", stuck=False)
+        if k < 2:  # the supervisor would start a replacement in the slot
+            sup.pool.replicas.append(Replica(1, f"r-1.{k}", None, 0.0, None))
+    assert sup.target == 1 and sup.pool.fatal is None
+    events = [e for _, e, _, _ in sup.pool.events]
+    assert events.count("failed") == 3 and events[-1] == "scaled_back"
+    assert "3 starts in a row failed (last: start failed: ModelLoadError" in sup.pool.events[-1][3]
+
+
+def test_a_start_that_hangs_with_no_replica_serving_ends_the_run_at_once():
+    sup, (rep,) = _supervisor_with(["starting"])
+    sup._failed_start(rep, "not ready within runtime.replica_start_timeout_s=600", stuck=True)
+    assert "no rollout replica is serving after a replica start that hung" in str(sup.pool.fatal)
+    sup2, (rep2,) = _supervisor_with(["starting"])
+    sup2._failed_start(rep2, "start failed: boom", stuck=False)  # a fast failure is tried again (up to 3)
+    assert sup2.pool.fatal is None and sup2.target == 1
+
+
+def test_a_trainer_killed_by_rays_memory_monitor_is_restarted_and_named_with_the_memory_settings(tmp_path):
+    """Ray's memory monitor kills the trainer: the call raises ``OutOfMemoryError`` (not an actor
+    error), which is handled as a death: restarted within the budget, and past it one error naming the
+    cause and the settings that lower the node's memory use."""
+    import ray
+
+    from relax_agent.errors import RelaxError
+
+    svc = _trainer_service(tmp_path, allow=False)
+    calls = []
+
+    def ref():
+        calls.append(1)
+        raise ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
+
+    svc._get = lambda r, per_op=1: r()
+    with pytest.raises(RelaxError) as err:
+        svc._call(lambda: ref)
+    text = str(err.value)
+    assert "restarts are used up" in text and "RAY_memory_usage_threshold" in text and "micro_batch_tokens" in text
+    assert "OutOfMemoryError: Task was killed" in svc.supervisor.reasons[0]
