@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -10,7 +11,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from relax_agent.errors import ConfigError, RelaxError
+from relax_agent.errors import ConfigError, RelaxError, RuntimeServiceError
 
 app = typer.Typer(
     name="relax-agent",
@@ -42,9 +43,31 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Asynchronous RL post-training for agentic, tool-using language models."""
 
 
-def _fail(exc: RelaxError) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+def _fail(exc: RelaxError, resume: str | None = None) -> None:
+    """One ``error:`` line: the root cause (an error raised inside a Ray actor without Ray's wrapper
+    header), then ``resume`` (the command that continues the run) when given; exit 2 for a config
+    error, else 1."""
+    text = str(_unwrapped(exc))
+    if resume is not None:
+        text = f"{text}; resume from the last checkpoint with: {resume}"
+    console.print("[bold red]error:[/] ", end="")
+    console.print(text, markup=False, highlight=False)
     raise typer.Exit(2 if isinstance(exc, ConfigError) else 1)
+
+
+def _unwrapped(exc: BaseException) -> BaseException:
+    """The exception raised inside a Ray actor, when ``exc`` is Ray's ``RayTaskError`` around it."""
+    for _ in range(16):
+        cause = getattr(exc, "cause", None)
+        if not type(exc).__name__.startswith("RayTaskError") or not isinstance(cause, BaseException):
+            break
+        exc = cause
+    return exc
+
+
+def _resume_command(config: Path, overrides: Optional[list[str]]) -> str:
+    """``relax-agent train CONFIG OVERRIDES... --resume``, quoted for a shell."""
+    return shlex.join(["relax-agent", "train", str(config), *(overrides or []), "--resume"])
 
 
 def _load(config: Path, overrides: Optional[list[str]]) -> Any:
@@ -98,6 +121,9 @@ def train(
                 summary = controller.train()
         finally:
             controller.close()
+    except RuntimeServiceError as exc:  # a role of a runtime: ray run died or hung past its restarts
+        _fail(exc, resume=_resume_command(config, overrides))
+        return
     except RelaxError as exc:
         _fail(exc)
         return
@@ -281,7 +307,7 @@ def view(
     from pydantic import ValidationError
 
     from relax_agent.viewer import ViewerConfig, build
-    from relax_agent.viewer.app import is_loopback
+    from relax_agent.netaddr import is_loopback
 
     try:
         try:

@@ -15,7 +15,7 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Hashable, Literal
+from typing import Annotated, Any, Hashable, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -114,6 +114,12 @@ class AgentConfig(Section):
     still running for its episode are aborted, and the episode is a failed record (status "timeout")."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's process group is stopped."""
+    isolation: Literal["auto", "namespace", "none"] = "auto"
+    """How agents are kept apart (:mod:`relax_agent.rollout.agent_jail`). "namespace": each agent in
+    its own pid namespace with its own /proc and no capabilities (it cannot see another agent's
+    processes, key or private directory; everything it spawned dies with it); needs root and
+    util-linux. "auto": "namespace" where it runs, else "none" with a warning. "none": its own
+    process group only."""
     reward: Literal["env", "agent"] = "env"
     """"env": the env scores the agent's final answer (``env.step`` on the last assistant message, or
     on ``answer`` from the output file), then ``reward`` (a reward service) may re-score as for
@@ -333,13 +339,34 @@ class RuntimeConfig(Section):
     replica_start_timeout_s: float = Field(default=600.0, gt=0.0)
     """ray: seconds a new replica (or trainer) may take to load its model and pull the weights."""
     max_trainer_restarts: int = Field(default=3, ge=0)
-    """ray: times a dead trainer actor is restarted from the last checkpoint before the run fails."""
+    """ray: times a dead or hung trainer actor is restarted from the last checkpoint before the run
+    fails (0: the first death or hang ends the run)."""
+    trainer_hang_timeout_s: float | None = Field(default=1800.0, gt=0.0)
+    """ray: a trainer call (an update with its publish, a save, a restart's replay: this bound per
+    replayed update) still running after this many seconds is hung: said on the console and in the
+    control endpoint's ``/status``, then the trainer actor is killed and restarted from the last
+    checkpoint (counted against ``max_trainer_restarts``). Must exceed ``weights.publish_timeout_s``
+    (a publish waits that long for slow replicas) plus the longest update. None: never."""
     drain_timeout_s: float = Field(default=600.0, gt=0.0)
     """ray: scale-in waits this long for a replica's groups to finish before it hands them back
     (kills the replica; the groups are played again elsewhere)."""
     control_port: int | None = Field(default=0, ge=0, le=65535)
-    """ray: port of the controller's HTTP control endpoint on 127.0.0.1 (0: a free one; its URL and
-    token go to ``run.output_dir/runtime.json`` for ``relax-agent scale``); None: no endpoint."""
+    """ray: port of the controller's HTTP control endpoint on ``control_host`` (0: a free one; its URL
+    and token go to ``run.output_dir/runtime.json`` for ``relax-agent scale``); None: no endpoint."""
+    control_host: str = "127.0.0.1"
+    """ray: address the control endpoint binds. Loopback: only this host can scale the run; another
+    address (``0.0.0.0``: every interface, advertised as the driver's node address) lets hosts that
+    can read ``runtime.json`` reach it. Every request needs the run's bearer token either way."""
+    rollout_resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
+    """ray: Ray custom resources each rollout replica asks for (placement by node): hosts started with
+    ``ray start --resources='{"rollout_host": 4}'`` take replicas when this is ``{"rollout_host": 0.01}``;
+    empty: any node with CPUs."""
+    rollout_spread: bool = False
+    """ray: spread rollout replicas over the nodes that can take them (Ray's SPREAD scheduling) rather
+    than packing them, so losing one host takes as few replicas as possible."""
+    trainer_resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
+    """ray: Ray custom resources the trainer actor asks for, e.g. ``{"head_host": 0.01}`` to keep it on
+    the head; empty: any node with CPUs."""
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,7 @@ A multimodal sample's processor outputs (:class:`MediaInputs`) travel in the ``m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -131,17 +132,33 @@ class MediaInputs:
             ``image_grid_thw`` [images, 3] int64; ``pixel_values_videos`` / ``video_grid_thw``
             likewise; ``input_features`` [clips, mels, frames] float32 with
             ``feature_attention_mask`` [clips, frames] int64.
+        digests: [n] :func:`~relax_agent.multimodal.record.item_digest` of each item, kept by
+            :meth:`summary` (whose ``arrays`` are empty); None where the arrays are present (or
+            their per-item layout is unknown).
     """
 
     kinds: tuple[str, ...]
     num_tokens: tuple[int, ...]
     arrays: Mapping[str, np.ndarray]
+    digests: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.kinds) == len(self.num_tokens), "one token count per media item"
 
     def __len__(self) -> int:
         return len(self.kinds)
+
+    def summary(self) -> "MediaInputs":
+        """The items without their arrays: kinds, token counts and each item's digest (what the run's
+        records keep; the arrays travel to the trainer in the bus's ``media`` field)."""
+        from relax_agent.errors import DataError
+        from relax_agent.multimodal.record import item_digest, split_items
+
+        try:
+            digests: tuple[str, ...] | None = tuple(item_digest(i) for i in split_items(self))
+        except DataError:  # a layout not known here: the records keep no digests, as before
+            digests = None
+        return MediaInputs(self.kinds, self.num_tokens, {}, digests)
 
     @staticmethod
     def concat(parts: Sequence["MediaInputs | None"]) -> "MediaInputs | None":
@@ -182,6 +199,10 @@ class Trajectory:
             (prompt and observations, in order); None for text-only episodes.
         env_reason: the env's last ``info["reason"]`` (why the episode scored as it did, e.g. BFCL's
             checker message), when the env gives one; None otherwise.
+        side_segments: agent-driven episodes: the segments off the trained chain (replies the agent
+            did not keep: abandoned requests, unchosen ``n > 1`` siblings, side calls after the answer,
+            rewritten histories), sample ids ``{sample_id}/seg{k}``, the episode's reward; never trained,
+            written to the rollout dump after the episode (``side_branch_of``). Empty otherwise.
 
     MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
     assemble the turns' routes at the turns' token positions, and their context routes
@@ -204,6 +225,7 @@ class Trajectory:
     error: str | None = None
     media: MediaInputs | None = None
     env_reason: str | None = None
+    side_segments: tuple["Trajectory", ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reward_status", RewardStatus(self.reward_status))
@@ -211,6 +233,16 @@ class Trajectory:
         n = len(self.token_ids)
         assert len(self.loss_mask) == n and len(self.rollout_logprobs) == n, "ragged trajectory"
         assert self.prompt_len <= n
+
+    def for_records(self) -> "Trajectory":
+        """This episode without its heavy arrays: media as :meth:`MediaInputs.summary` and the turns
+        without routed experts (both travel to the trainer in their own bus fields). What the bus's
+        ``trajectory`` field holds, for the loop's metrics, dumps and token records."""
+        turns = tuple(t if t.routed_experts is None and t.context_routed_experts is None
+                      else dataclasses.replace(t, routed_experts=None, context_routed_experts=None) for t in self.turns)
+        media = None if self.media is None else self.media.summary()
+        side = tuple(seg.for_records() for seg in self.side_segments)
+        return dataclasses.replace(self, turns=turns, media=media, side_segments=side)
 
     @property
     def trainable(self) -> bool:
@@ -263,6 +295,7 @@ ROUTED_EXPERTS = "routed_experts"
 ROUTES_MASK = "routes_mask"
 MEDIA = "media"
 TRAJECTORY = "trajectory"
+POLICY_TOKENS = "policy_tokens"
 
 TRAIN_FIELDS = (TOKEN_IDS, LOSS_MASK, ROLLOUT_LOGPROBS, ADVANTAGE, MEDIA)
 """What the trainer reads to build a batch (``media`` is None on text-only rows; plus
@@ -277,7 +310,8 @@ def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str 
     - ``token_ids`` [T] int64, ``loss_mask`` [T] int8 (1 on policy tokens), ``rollout_logprobs``
       [T] float32 (0 off policy tokens), all ragged;
     - ``reward`` float32 scalar and ``trainable`` bool (the reward is real: status ok, finite,
-      no episode error), written by the rollout;
+      no episode error), written by the rollout; ``policy_tokens`` int32 scalar (sampled tokens,
+      what the advantage consumer needs of the loss mask);
     - ``advantage`` float32 scalar, written by the advantage consumer once a group is complete;
     - ``routed_experts`` [T, layers, top_k] and ``routes_mask`` [T] bool (MoE routing replay,
       only with ``route_shape=(layers, top_k)``);
@@ -291,6 +325,7 @@ def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str 
         ROLLOUT_LOGPROBS: FieldSpec("float32", ragged=True),
         REWARD: FieldSpec("float32"),
         TRAINABLE: FieldSpec("bool"),
+        POLICY_TOKENS: FieldSpec("int32"),
         ADVANTAGE: FieldSpec("float32"),
         MEDIA: FieldSpec("object"),
         TRAJECTORY: FieldSpec("object"),
@@ -325,8 +360,9 @@ def trajectory_fields(trajs: Sequence[Trajectory], routes: tuple[tuple[int, ...]
         ROLLOUT_LOGPROBS: [np.asarray(t.rollout_logprobs, dtype=np.float32) for t in trajs],
         REWARD: np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32),
         TRAINABLE: np.asarray([t.trainable for t in trajs], dtype=bool),
+        POLICY_TOKENS: np.asarray([t.num_policy_tokens for t in trajs], dtype=np.int32),
         MEDIA: [t.media for t in trajs],
-        TRAJECTORY: list(trajs),
+        TRAJECTORY: [t.for_records() for t in trajs],
     }
     if routes is not None:
         shape, dtype = routes

@@ -118,8 +118,10 @@ def start_data_bus(cfg: RelaxConfig) -> bool:
 
 def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: bool = True,
                 on_load: Callable[[str], None] | None = None,
-                on_tasks: Callable[[list[Task], list[Task]], None] | None = None) -> Roles:
+                on_tasks: Callable[[list[Task], list[Task]], None] | None = None, quiet: bool = False) -> Roles:
     """Preflight, then load the policy (from ``model_path`` when resuming) and build the roles.
+
+    ``quiet``: print nothing (a Ray rollout replica: the driver already said it).
 
     ``on_tasks(train_tasks, heldout_tasks)`` (e.g. a check against a checkpoint) and then
     ``on_load(path)`` are called right before the policy starts loading.
@@ -157,7 +159,7 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         check_prompt_budget(make_env_factory(cfg), {"train": train_tasks[:k], "heldout": heldout_tasks[:k]},
                             renderer, cfg.rollout.max_total_tokens, cfg.run.seed)
     parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
-    if "auto" in (cfg.rollout.tool_parser, cfg.rollout.tools_in):
+    if "auto" in (cfg.rollout.tool_parser, cfg.rollout.tools_in) and not quiet:
         import sys
 
         print(f"tools in: {renderer.describe_tools_in()}", file=sys.stderr, flush=True)

@@ -40,8 +40,12 @@ def serve_reward(
     num_cpus: Annotated[Optional[float], typer.Option(help="CPUs Ray starts with (--runtime ray; default: replicas).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
-    """Serve a Python reward function over HTTP (POST /v1/reward, GET /healthz)."""
+    """Serve a Python reward function over HTTP (POST /v1/reward, GET /healthz). A non-loopback
+    ``--host`` needs ``--token-env`` (refused otherwise)."""
     try:
+        from relax_agent.netaddr import check_listener
+
+        check_listener("--host", host, authenticated=token_env is not None)  # never an open scorer off loopback
         factory_kwargs = _parse_kwargs(kwargs)
         options: dict[str, Any] = {"timeout_s": timeout_s, "max_concurrency": max_concurrency,
                                    "max_items": max_items, "max_body_bytes": max_body_bytes, "kwargs": factory_kwargs}

@@ -17,7 +17,7 @@ from relax_agent.errors import QueueTimeoutError
 from relax_agent.records import StopReason, Trajectory
 
 CONSUMER = "advantage"
-FIELDS = (R.REWARD, R.TRAINABLE, R.LOSS_MASK)
+FIELDS = (R.REWARD, R.TRAINABLE, R.POLICY_TOKENS)
 TRUNCATED_STOPS = (StopReason.LENGTH, StopReason.MAX_TOTAL_TOKENS)
 """Stop reasons of a sample cut by a length limit (the reply's ``max_new_tokens`` or the episode's
 ``max_total_tokens``)."""

@@ -8,8 +8,12 @@ complete group's rewards and writes its ``advantage`` field. The trainer side ta
 groups as they complete (one long-tail episode holds only its own group), drops those that
 would exceed ``max_staleness``, with dynamic sampling (``rollout.dynamic_sampling``) retires
 those whose rewards do not vary and lets the producers draw others in their place, and once it
-has ``rollout.tasks_per_step`` groups hands their fields to the trainer service, which trains one step and publishes the new weights through
-the weight sync (the engine applies them between decode batches); then the groups are acked.
+has ``rollout.tasks_per_step`` groups names their trainable rows to the trainer service (a
+:class:`~relax_agent.runtime.base.TrainRef`; the loop itself reads only the advantage, the trainable
+flag and the trajectory), which reads them from the bus, trains one step and publishes the new
+weights through the weight sync (the engine applies them between decode batches); then the groups
+are acked. When the trainer service may replay updates after a restart (``runtime: ray``), the rows
+of the updates since the newest checkpoint stay on the bus until a checkpoint covers them.
 
 The schedule (:mod:`relax_agent.control.schedule`) is the only difference between modes:
 ``colocate`` is staleness 0 with weights copied in-process; ``async`` allows ``max_staleness``
@@ -58,11 +62,14 @@ from relax_agent.errors import LeaseError, QueueTimeoutError, RolloutError
 from relax_agent.evaluation import evaluate
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
-from relax_agent.runtime.base import PARTITION, GroupJob, Runtime
+from relax_agent.runtime.base import PARTITION, GroupJob, Runtime, TrainRef
 from relax_agent.sampler import TaskSampler
 from relax_agent.train.algorithms import BATCH_NORMALIZED
 
 TRAINER = "trainer"
+KEEPER = "checkpoint"
+"""The bus consumer whose ack retires trained rows once a checkpoint covers their update (only
+when the trainer service may read them again, see :meth:`TrainerService.rows_needed_after`)."""
 _POLL_S = 0.5
 """Blocking bus reads return at least this often, so a stop is never held up."""
 SEED_STRIDE = 10_007
@@ -80,6 +87,7 @@ class _Group:
     fields: dict[str, Any]
     trajs: list[Trajectory]
     lease_id: str
+    sample_ids: list[str]
     played_s: tuple[float, float] = (math.nan, math.nan)
     """(start, end) of the group's play in perf_counter seconds, set when it is retired; nan: unknown
     (a group started before a resume)."""
@@ -185,10 +193,14 @@ class Controller:
         ``trainer.steps``; returns ``{"last": last step's metrics}``."""
         from relax_agent.data import queue_capacity
 
-        routes = getattr(self.runtime.rollout, "routes", None)
-        self.bus.create_partition(PARTITION, queue_capacity(self.B, self.s, self.G),
-                                  R.rollout_schema(*(routes or ())), group_size=self.G,
-                                  retire_after=[ADVANTAGE_CONSUMER, TRAINER])
+        routes = self.runtime.rollout.routes
+        capacity, consumers = queue_capacity(self.B, self.s, self.G), [ADVANTAGE_CONSUMER, TRAINER]
+        if self.runtime.trainer.rows_needed_after() is not None:
+            # the rows of up to checkpoint.every_steps updates wait on the bus for a checkpoint
+            capacity += self.cfg.checkpoint.every_steps * self.B * self.G
+            consumers.append(KEEPER)
+        self.bus.create_partition(PARTITION, capacity, R.rollout_schema(*(routes or ())), group_size=self.G,
+                                  retire_after=consumers)
         run = _Run(self)
         try:
             self.stop.run(run.main)
@@ -307,9 +319,15 @@ class _Run:
         """group id -> [start, end] (perf_counter s) of its play, end once it is on the bus."""
         self.failure: BaseException | None = None
         """The first error of a producer (a group the bus refused); ends the run."""
-        self.fields = [*R.TRAIN_FIELDS, R.TRAINABLE, R.TRAJECTORY]
-        if getattr(ctrl.runtime.rollout, "routes", None) is not None:
-            self.fields += list(R.ROUTE_FIELDS)
+        self.fields = [R.ADVANTAGE, R.TRAINABLE, R.TRAJECTORY]
+        """What the loop reads of each row (the trainer service reads :attr:`train_fields` itself)."""
+        self.train_fields = tuple(R.TRAIN_FIELDS)
+        if ctrl.runtime.rollout.routes is not None:
+            self.train_fields += tuple(R.ROUTE_FIELDS)
+        self.keep = ctrl.runtime.trainer.rows_needed_after() is not None
+        """Trained rows wait on the bus (consumer :data:`KEEPER`) until a checkpoint covers them."""
+        self.kept: list[tuple[int, list[str]]] = []
+        """(policy version of the update, sample ids) of the groups kept for a trainer restart."""
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -386,6 +404,7 @@ class _Run:
             t_last = await self._in_trainer(lambda: self._step(groups, wait_s, t_last))
             if ctrl._due(cfg.checkpoint.every_steps):
                 await self._in_trainer(ctrl.save)
+                await self._in_trainer(self._release_kept)
             if ctrl._due(cfg.eval.every_steps) and ctrl.step < cfg.trainer.steps:
                 await self._in_trainer(lambda: ctrl.run_eval(run=lambda fn: asyncio.run(fn())))
             if ctrl.step < cfg.trainer.steps:
@@ -448,7 +467,7 @@ class _Run:
         versions = {int(v) for v in batch.versions}
         assert len(versions) == 1, f"a group carries one sample version, got {versions}"
         group = _Group(self.seq_of[gid], versions.pop(), dict(batch.fields), list(batch.fields[R.TRAJECTORY]),
-                       batch.lease_id)
+                       batch.lease_id, list(batch.sample_ids))
         for i, other in enumerate(held):
             if other.seq == group.seq:
                 held[i] = group
@@ -461,12 +480,41 @@ class _Run:
         self.gate.drop()
         self.dropped_this_step += 1
 
-    def _retire(self, group: _Group) -> None:
+    def _retire(self, group: _Group, trained_into: int | None = None) -> None:
+        """Ack ``group`` for the trainer side. ``trained_into``: the policy version its rows were
+        trained into, when some were; such rows stay on the bus until a checkpoint covers that version
+        if the trainer service may read them again, the others are released now."""
         gid = group.trajs[0].group_id
         self.trained.add(gid)
         self.seq_of.pop(gid, None)
         group.played_s = tuple(self.played_s.pop(gid, (math.nan, math.nan)))
         self._ack(group.lease_id)
+        if self.keep:
+            if trained_into is None:
+                self._release(group.sample_ids)
+            else:
+                self.kept.append((trained_into, group.sample_ids))
+
+    def _release(self, sample_ids: list[str]) -> None:
+        """Ack rows as the :data:`KEEPER` (they retire once the other consumers acked them too)."""
+        from relax_agent.data import IdsSampler
+
+        batch = self.ctrl.bus.get(PARTITION, [R.TRAINABLE], KEEPER, len(sample_ids), timeout_s=60.0,
+                                  sampler=IdsSampler(tuple(sample_ids)))
+        self._ack(batch.lease_id)
+
+    def _release_kept(self) -> None:
+        """After a checkpoint: release the kept rows it covers (trainer thread)."""
+        covered = self.ctrl.runtime.trainer.rows_needed_after()
+        if covered is None:
+            return
+        keep = []
+        for version, ids in self.kept:
+            if version <= covered:
+                self._release(ids)
+            else:
+                keep.append((version, ids))
+        self.kept = keep
 
     def _ack(self, lease_id: str) -> None:
         try:
@@ -488,7 +536,7 @@ class _Run:
         trained_at = ctrl.version
         train_metrics, kept = self._update(groups)
         for grp in groups:
-            self._retire(grp)
+            self._retire(grp, ctrl.version if any(sid in kept for sid in grp.sample_ids) else None)
         ctrl.step += 1
         ctrl.weights_dirty = False
         ctrl.groups_drawn = self.next_seq
@@ -523,17 +571,15 @@ class _Run:
         adv_of = (lambda g, i: float(g.fields[R.ADVANTAGE][i])) if final is None else (lambda g, i: final[(g.seq, i)])
         keep = [(grp, i) for grp in groups for i in range(len(grp.trajs))
                 if bool(grp.fields[R.TRAINABLE][i]) and adv_of(grp, i) != 0.0]
-        kept = {grp.trajs[i].sample_id for grp, i in keep}
+        kept = {grp.sample_ids[i] for grp, i in keep}
         n_valid = sum(int(np.count_nonzero(grp.fields[R.TRAINABLE])) for grp in groups)
         out.update({"train/samples": float(len(keep)), "train/zero_advantage": float(n_valid - len(keep))})
         if not keep:
             return out, kept  # every group was uniform: no gradient, no new version
-        names = [f for f in self.fields if f not in (R.TRAJECTORY,)]
-        rows = {name: [grp.fields[name][i] for grp, i in keep] for name in names}
-        if final is not None:
-            rows[R.ADVANTAGE] = [np.float32(final[(grp.seq, i)]) for grp, i in keep]
+        ref = TrainRef(PARTITION, tuple(grp.sample_ids[i] for grp, i in keep), self.train_fields, ctrl.version + 1,
+                       None if final is None else tuple(final[(grp.seq, i)] for grp, i in keep))
         ctrl.weights_dirty = True
-        out.update(ctrl.runtime.trainer.train(rows, ctrl.version + 1))
+        out.update(ctrl.runtime.trainer.train(ref))
         ctrl.version += 1
         return out, kept
 
@@ -639,8 +685,8 @@ def _batch_normalized(groups: list[_Group]) -> tuple[dict[tuple[int, int], float
     keys = [(grp.seq, i) for grp in groups for i in range(len(grp.trajs))]
     pre = torch.tensor([float(grp.fields[R.ADVANTAGE][i]) for grp in groups for i in range(len(grp.trajs))],
                        dtype=torch.float64)
-    counts = torch.tensor([int(np.count_nonzero(grp.fields[R.LOSS_MASK][i])) for grp in groups
-                           for i in range(len(grp.trajs))], dtype=torch.float64)
+    counts = torch.tensor([grp.trajs[i].num_policy_tokens for grp in groups for i in range(len(grp.trajs))],
+                          dtype=torch.float64)
     valid = torch.tensor([bool(grp.fields[R.TRAINABLE][i]) for grp in groups for i in range(len(grp.trajs))])
     final = batch_normalized_advantages(pre, counts, valid)
     n = counts * valid.double()

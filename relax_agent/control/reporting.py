@@ -49,20 +49,26 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
     advantage), ``dropped_stale`` (its group finished too late for ``max_staleness`` and was
     not trained), ``filtered`` (dynamic sampling retired its group untrained: its rewards did not
     vary) and, per turn, ``token_versions`` (each token's policy version where a weight
-    update landed inside the turn, else empty).
+    update landed inside the turn, else empty). An agent-driven episode's side segments follow it,
+    each with ``side_branch_of`` (the episode's sample id) and ``trained`` false.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for t, version in rows:
-            f.write(json.dumps({
-                "sample_id": t.sample_id, "task_id": t.task_id, "reward": t.reward,
-                "reward_status": str(t.reward_status), "metrics": t.metrics, "stop_reason": str(t.stop_reason),
-                "error": t.error, "policy_versions": t.policy_versions,
-                "response": [decode(turn.token_ids) for turn in t.turns],
-                "token_versions": [list(turn.token_versions) for turn in t.turns],
-                "sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
-                "dropped_stale": t.sample_id in dropped, "filtered": t.sample_id in filtered,
-            }) + "\n")
+            row = {"sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
+                   "dropped_stale": t.sample_id in dropped, "filtered": t.sample_id in filtered}
+            f.write(json.dumps({**_dump_row(t, decode), **row}) + "\n")
+            for seg in t.side_segments:
+                f.write(json.dumps({**_dump_row(seg, decode), **row, "trained": False,
+                                    "side_branch_of": t.sample_id}) + "\n")
+
+
+def _dump_row(t: Trajectory, decode: Callable[[Sequence[int]], str]) -> dict:
+    return {"sample_id": t.sample_id, "task_id": t.task_id, "reward": t.reward,
+            "reward_status": str(t.reward_status), "metrics": t.metrics, "stop_reason": str(t.stop_reason),
+            "error": t.error, "policy_versions": t.policy_versions,
+            "response": [decode(turn.token_ids) for turn in t.turns],
+            "token_versions": [list(turn.token_versions) for turn in t.turns]}
 
 
 def write_token_record(path: Path, rows: Iterable[tuple[Trajectory, int]],

@@ -12,7 +12,7 @@ Example::
 
 from relax_agent.data.config import DataConfig, build_transfer_queue, queue_capacity
 from relax_agent.data.protocol import Batch, TransferQueue
-from relax_agent.data.samplers import FifoSampler, GroupSampler, RowMeta, Sampler, TokenBudgetSampler
+from relax_agent.data.samplers import FifoSampler, GroupSampler, IdsSampler, RowMeta, Sampler, TokenBudgetSampler
 from relax_agent.data.schema import FieldSpec
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "FieldSpec",
     "FifoSampler",
     "GroupSampler",
+    "IdsSampler",
     "RowMeta",
     "Sampler",
     "TokenBudgetSampler",

@@ -69,6 +69,11 @@ class LocalTransferQueue:
                                             f"{self._store.not_ready(partition, fields, consumer, batch_size)}")
         return _batch(taken, partition, consumer)
 
+    def read(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> dict[str, np.ndarray | list]:
+        with self._cond:
+            taken = self._store.read(partition, sample_ids, fields)
+        return _batch(taken, partition, "").fields
+
     def ack(self, lease_id: str) -> bool:
         with self._cond:
             done = self._store.ack(lease_id)

@@ -121,6 +121,17 @@ class TransferQueue(Protocol):
         """
         ...
 
+    def read(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> dict[str, np.ndarray | list]:
+        """The ``fields`` of live rows ``sample_ids``, in that order, as ``Batch.fields`` holds them;
+        no lease, no cursor: for a reader the lease holder named the rows to (the trainer service
+        reads the rows of a step the loop leased). Rows stay readable until retired.
+
+        Raises:
+            DataError: unknown partition or field, an id repeated or not a live row (retired or never
+                put), a row without one of ``fields``.
+        """
+        ...
+
     def ack(self, lease_id: str) -> bool:
         """Mark a lease's rows consumed; True the first time, False on a repeat (idempotent).
 
@@ -142,7 +153,8 @@ class TransferQueue(Protocol):
         ...
 
     def stats(self, partition: str) -> dict[str, Any]:
-        """Counters: rows, capacity_rows, put_rows, retired_rows, redelivered_rows, fields,
+        """Counters: rows, capacity_rows, put_rows, retired_rows, redelivered_rows, dead_rows (rows
+        dropped because a value was lost, Ray backend without adopted values), fields,
         consumers (acked / leased per consumer), active_leases."""
         ...
 

@@ -19,7 +19,9 @@ pickles every reply, and a read that cannot unpickle its rows releases their lea
 - Ray's ownership model applies to the large values: they live as long as the producer
   process that put them. Once a producer has died, Ray may free them at any time (when is up
   to Ray: a copy cached on the reading node can stay readable for a while); a ``get`` that
-  meets a freed value raises :class:`DataError` naming the rows (``clear`` the partition).
+  meets a freed value drops those rows for good (with the rest of their group in a grouped
+  partition), logs a warning, counts them (``dead_rows``) and goes on with the rows behind them; a
+  ``read`` of one raises :class:`DataError` naming the rows.
   With ``ray_adopt_values`` the actor re-puts (and so owns) them: they outlive the producer.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import pickle
 import threading
 import time
@@ -43,6 +46,8 @@ from relax_agent.data.samplers import Sampler
 from relax_agent.data.schema import OBJECT, FieldSpec, assemble
 from relax_agent.data.store import RefField, Store, check_ids, check_versions
 from relax_agent.errors import ConfigError, DataError, QueueTimeoutError
+
+log = logging.getLogger("relax_agent.data")
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,10 @@ class _Parked:
     token: int
 
 
-_METHODS = frozenset({"create_partition", "put", "get", "ack", "nack", "clear", "stats"})
+_LOST = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+"""What ``ray.get`` raises for a value freed with its owner."""
+
+_METHODS = frozenset({"create_partition", "put", "get", "read", "ack", "nack", "drop_dead", "clear", "stats"})
 
 
 class MetadataActor:
@@ -120,8 +128,8 @@ class MetadataActor:
             reply = await self.call(method, *args)
         except Exception as exc:  # unexpected: hand it to the caller instead of dropping the connection
             return False, exc
-        if method == "get" and reply[0] and any(
-                isinstance(box, _InStore) for segs in reply[1][4].values() for box, _, _ in segs):
+        pieces = None if not reply[0] else reply[1][4] if method == "get" else reply[1][0] if method == "read" else None
+        if pieces is not None and any(isinstance(box, _InStore) for segs in pieces.values() for box, _, _ in segs):
             token = next(self._tokens)
             self._parked[token] = reply
             return True, _Parked(token)
@@ -161,24 +169,18 @@ class MetadataActor:
                 raise QueueTimeoutError(f"get of {batch_size} rows with fields {fields} for consumer {consumer!r} "
                                         f"from partition {partition!r}: not ready after timeout_s={timeout_s}; "
                                         f"{self._store.not_ready(partition, fields, consumer, batch_size)}")
-        inline: list[Any] = []
-        pieces: dict[str, list[tuple[Any, int, int]]] = {}
-        for name, segments in taken.segments.items():
-            pieces[name] = []
-            for stored, start, stop in segments:
-                if stored.is_ref:
-                    pieces[name].append((_InStore(stored.values), start, stop))
-                else:
-                    pieces[name].append((_Inline(len(inline)), 0, stop - start))
-                    inline.append(stored.values[start:stop])
         try:
-            blob = pickle.dumps(inline, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # checked at put, so only a value that changed since: release the rows
+            pieces, blob = _pack(taken)
+        except DataError:  # checked at put, so only a value that changed since: release the rows
             self._store.nack(taken.lease_id)
             self._cond.notify_all()
-            raise DataError(f"partition {partition!r}: rows {taken.sample_ids} hold values that cannot be pickled "
-                            f"for the reader ({type(exc).__name__}: {exc}); their lease is released") from exc
+            raise
         return taken.lease_id, taken.sample_ids, taken.group_ids, taken.versions, pieces, taken.specs, blob
+
+    async def _read(self, partition: str, sample_ids: list[str], fields: list[str]) -> tuple:
+        taken = self._store.read(partition, sample_ids, fields)
+        pieces, blob = _pack(taken)
+        return pieces, taken.specs, blob
 
     async def _ack(self, lease_id: str) -> bool:
         done = self._store.ack(lease_id)
@@ -189,6 +191,11 @@ class MetadataActor:
         done = self._store.nack(lease_id)
         self._cond.notify_all()
         return done
+
+    async def _drop_dead(self, lease_id: str, sample_ids: list[str]) -> list[str]:
+        dropped = self._store.drop_dead(lease_id, sample_ids)
+        self._cond.notify_all()
+        return dropped
 
     async def _clear(self, partition: str) -> None:
         self._store.clear(partition)
@@ -214,6 +221,29 @@ class MetadataActor:
         return True
 
 
+def _pack(taken: Any) -> tuple[dict[str, list[tuple[Any, int, int]]], bytes]:
+    """A reply's field pieces (object-store references stay references) and its pickled inline values.
+
+    Raises:
+        DataError: a value cannot be pickled for the reader.
+    """
+    inline: list[Any] = []
+    pieces: dict[str, list[tuple[Any, int, int]]] = {}
+    for name, segments in taken.segments.items():
+        pieces[name] = []
+        for stored, start, stop in segments:
+            if stored.is_ref:
+                pieces[name].append((_InStore(stored.values), start, stop))
+            else:
+                pieces[name].append((_Inline(len(inline)), 0, stop - start))
+                inline.append(stored.values[start:stop])
+    try:
+        return pieces, pickle.dumps(inline, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise DataError(f"rows {taken.sample_ids} hold values that cannot be pickled for the reader "
+                        f"({type(exc).__name__}: {exc}); a lease on them is released") from exc
+
+
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 """Ray system config of a local Ray this project starts. Ray runs its worker processes at nice 15 by
 default; every role of a run (trainer, rollout replicas, data bus, weight coordinator, heartbeats)
@@ -221,6 +251,14 @@ is a Ray worker, so at nice 15 any other busy process on the machine starves the
 loop on each core leaves each worker about 3% of a core, heartbeats lag past
 ``runtime.heartbeat_timeout_s`` and healthy replicas are replaced as hung. At nice 0 they get a fair
 share. (A cluster joined through ``data.ray_address`` keeps its own setting.)"""
+
+
+def _on_this_node() -> Any:
+    """Put the metadata actor on the creating process's node (on a cluster of several hosts the bus
+    stays with the driver, not on a worker host that may die)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def start_ray(cfg: DataConfig) -> bool:
@@ -311,7 +349,8 @@ class RayTransferQueue:
         deadline = time.monotonic() + timeout_s
         while True:
             actor = actor_cls.options(name=self.cfg.ray_actor_name, namespace=self.cfg.ray_namespace,
-                                      get_if_exists=True).remote(self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
+                                      get_if_exists=True, scheduling_strategy=_on_this_node()).remote(
+                self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
             try:
                 ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.1))
                 return actor
@@ -393,28 +432,32 @@ class RayTransferQueue:
 
     def get(self, partition: str, fields: Sequence[str], consumer: str, batch_size: int,
             timeout_s: float | None = None, sampler: str | Sampler = "fifo") -> Batch:
-        lease_id, ids, group_ids, versions, pieces, specs, blob = self._call(
-            "get", partition, list(fields), consumer, batch_size, timeout_s, sampler)
-        refs = list({box.ref: None for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)})
-        try:
-            inline = unpickle_rows(blob)
-        except Exception as exc:
-            self._release(lease_id)
-            raise DataError(f"partition {partition!r}: rows {ids} hold values this process cannot unpickle "
-                            f"({type(exc).__name__}: {exc}); their lease is released (put values whose classes "
-                            "every process of the cluster can import)") from exc
-        try:
-            resolved = dict(zip(refs, ray.get(refs)))
-        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError) as exc:
-            self._release(lease_id)
-            raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
-                            f"({type(exc).__name__}); their lease is released; clear the partition") from exc
-        out = {}
-        for name, segs in pieces.items():
-            parts = [(resolved[box.ref] if isinstance(box, _InStore) else inline[box.index])[start:stop]
-                     for box, start, stop in segs]
-            out[name] = assemble(specs[name], parts)
-        return Batch(lease_id, partition, consumer, ids, group_ids, versions, out)
+        """See :meth:`relax_agent.data.TransferQueue.get`. Rows whose object-store values were lost
+        (their producer died, values not adopted) are dropped from the bus with a warning and
+        counted (``dead_rows``); the get goes on with the rows behind them."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            lease_id, ids, group_ids, versions, pieces, specs, blob = self._call(
+                "get", partition, list(fields), consumer, batch_size, left, sampler)
+            try:
+                out = _unpack(partition, ids, pieces, specs, blob, "their lease is released")
+            except DataError as exc:
+                dead = _dead_rows(pieces) if isinstance(exc.__cause__, _LOST) else []
+                if not dead:
+                    self._release(lease_id)
+                    raise
+                dropped = self._call("drop_dead", lease_id, [ids[i] for i in dead])
+                log.warning("data bus: partition %r: dropped %d rows whose values were lost with their producer "
+                            "(%s); set data.ray_adopt_values to keep values past their producer", partition,
+                            len(dropped), dropped[:5])
+                continue
+            return Batch(lease_id, partition, consumer, ids, group_ids, versions, out)
+
+    def read(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> dict[str, np.ndarray | list]:
+        ids = check_ids(partition, "sample_ids", sample_ids)
+        pieces, specs, blob = self._call("read", partition, ids, list(fields))
+        return _unpack(partition, ids, pieces, specs, blob, "nothing was read")
 
     def _release(self, lease_id: str) -> None:
         """Hand the rows of a lease this process could not read out again now (not after the lease timeout)."""
@@ -441,3 +484,55 @@ class RayTransferQueue:
         if not self._closed:
             self._closed = True
             ray.kill(self._actor)
+
+
+def _unpack(partition: str, ids: list[str], pieces: dict[str, list[tuple[Any, int, int]]], specs: dict[str, Any],
+            blob: bytes, then: str) -> dict[str, np.ndarray | list]:
+    """The fields of a ``get`` or ``read`` reply: inline values unpickled, object-store pieces fetched.
+
+    Raises:
+        DataError: a value this process cannot unpickle, or one whose producer died (``then`` says
+            what became of the rows).
+    """
+    refs = list({box.ref: None for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)})
+    try:
+        inline = unpickle_rows(blob)
+    except Exception as exc:
+        raise DataError(f"partition {partition!r}: rows {ids} hold values this process cannot unpickle "
+                        f"({type(exc).__name__}: {exc}); {then} (put values whose classes "
+                        "every process of the cluster can import)") from exc
+    try:
+        resolved = dict(zip(refs, ray.get(refs)))
+    except _LOST as exc:
+        raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
+                        f"({type(exc).__name__}); {then}; clear the partition") from exc
+    out = {}
+    for name, segs in pieces.items():
+        parts = [(resolved[box.ref] if isinstance(box, _InStore) else inline[box.index])[start:stop]
+                 for box, start, stop in segs]
+        out[name] = assemble(specs[name], parts)
+    return out
+
+
+def _dead_rows(pieces: dict[str, list[tuple[Any, int, int]]]) -> list[int]:
+    """Batch positions of rows whose object-store values are lost (owner died, object freed); empty
+    when every value is reachable (the common case costs one wait on the references, no copy)."""
+    refs = [box.ref for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)]
+    if not refs:
+        return []
+    dead: set[int] = set()
+    for segs in pieces.values():
+        row = 0
+        for box, start, stop in segs:
+            if isinstance(box, _InStore) and _lost(box.ref):
+                dead.update(range(row, row + stop - start))
+            row += stop - start
+    return sorted(dead)
+
+
+def _lost(ref: Any) -> bool:
+    try:
+        ray.get(ref, timeout=30.0)
+    except _LOST:
+        return True
+    return False

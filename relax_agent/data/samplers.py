@@ -8,6 +8,7 @@ or says "not yet" (``None``), in which case ``get`` keeps waiting for more rows.
 - :class:`GroupSampler` (``"group"``): whole GRPO groups only, ``batch_size`` rows in all; a
   group is whole when ``group_size`` of its rows (one group id, one policy version) are ready.
   Groups are never split or mixed.
+- :class:`IdsSampler`: exactly the rows named (a consumer that knows which rows it retires).
 - :class:`TokenBudgetSampler`: oldest rows up to ``batch_size`` rows or ``max_tokens`` tokens
   (micro-batches of similar cost for the trainer, as in slime's dynamic batch size).
 """
@@ -109,6 +110,24 @@ class TokenBudgetSampler:
             if len(out) == batch_size or tokens >= self.max_tokens:
                 return out
         return None
+
+
+@dataclass(frozen=True)
+class IdsSampler:
+    """Exactly the rows ``sample_ids`` once all are ready (``batch_size`` must be their number).
+
+    Raises:
+        DataError: ``batch_size`` differs from the number of ids.
+    """
+
+    sample_ids: tuple[str, ...]
+
+    def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None:
+        if batch_size != len(self.sample_ids):
+            raise DataError(f"IdsSampler names {len(self.sample_ids)} rows but batch_size={batch_size}")
+        wanted = set(self.sample_ids)
+        ready = {row.sample_id for row in rows if row.sample_id in wanted}
+        return list(self.sample_ids) if ready == wanted else None
 
 
 def resolve_sampler(sampler: str | Sampler, group_size: int | None, partition: str) -> Sampler:

@@ -117,6 +117,10 @@ class _Partition:
     """group id -> (policy version, live rows) of the groups with live rows."""
     put_rows: int = 0
     redelivered_rows: int = 0
+    cleared: set[str] = field(default_factory=set)
+    """Ids of rows dropped by ``clear``: never stored again (a reader that held one keeps it unique)."""
+    dead: set[str] = field(default_factory=set)
+    """Ids of rows dropped because a value of theirs was lost (see :meth:`Store.drop_dead`)."""
 
     def consumer(self, name: str) -> _Consumer:
         return self.consumers.setdefault(name, _Consumer())
@@ -211,6 +215,7 @@ class Store:
             self._finish(lease, "cleared")
         fresh = _Partition(part.name, part.capacity_rows, part.schema, part.fixed_schema, part.group_size,
                            part.retire_after)
+        fresh.cleared = part.cleared | part.retired | part.dead | set(part.rows)
         self._partitions[partition] = fresh
 
     def free_rows(self, partition: str) -> int:
@@ -266,9 +271,12 @@ class Store:
                                 f"and {len(versions)} versions")
             versions = check_versions(part.name, versions)
             for sid in ids:
-                if sid in part.rows or sid in part.retired:
+                if sid in part.rows or sid in part.retired or sid in part.dead:
                     raise DataError(f"partition {part.name!r}: duplicate sample id {sid!r} (a row with that id "
                                     "exists; to add fields to it, put without group_ids/versions)")
+                if sid in part.cleared:
+                    raise DataError(f"partition {part.name!r}: duplicate sample id {sid!r}: a row with that id was "
+                                    "stored before a clear(), and a reader may still hold it; use a new id")
             if part.group_size is not None:
                 self._check_groups(part, list(group_ids), versions)
             return [True] * len(ids)
@@ -386,6 +394,36 @@ class Store:
             if all(f in row.values for f in fields):
                 yield RowMeta(sid, row.group_id, row.version, row.lengths)
 
+    def read(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> Taken:
+        """The ``fields`` of live rows ``sample_ids`` in that order, without a lease (``lease_id`` is
+        empty): a reader that was handed the ids by their lease holder (the trainer, by the loop).
+
+        Raises:
+            DataError: unknown partition or field, an empty or repeated id list, an id that is not a
+                live row (never put, or retired: named with which), a row without one of ``fields``.
+        """
+        ids = check_ids(partition, "sample_ids", sample_ids)
+        if not ids:
+            raise DataError(f"read from partition {partition!r}: no sample_ids given")
+        if len(set(ids)) != len(ids):
+            raise DataError(f"read from partition {partition!r}: sample_ids repeat "
+                            f"{sorted({sid for sid in ids if ids.count(sid) > 1})[:3]}")
+        self.check_fields(partition, fields)
+        part = self._partitions[partition]
+        gone = [sid for sid in ids if sid not in part.rows]
+        if gone:
+            retired = [sid for sid in gone if sid in part.retired]
+            raise DataError(f"read from partition {partition!r}: {len(gone)} of {len(ids)} rows are not live "
+                            f"({len(retired)} retired, {len(gone) - len(retired)} never put), e.g. {gone[:3]}")
+        rows = [part.rows[sid] for sid in ids]
+        lacking = {name: [sid for sid, row in zip(ids, rows) if name not in row.values] for name in fields}
+        lacking = {name: bad for name, bad in lacking.items() if bad}
+        if lacking:
+            name, bad = next(iter(lacking.items()))
+            raise DataError(f"read from partition {partition!r}: rows {bad[:3]} have no field {name!r} yet")
+        return Taken("", ids, [r.group_id for r in rows], [r.version for r in rows],
+                     {name: _segments(rows, name) for name in fields}, {name: part.schema[name] for name in fields})
+
     # -- leases -------------------------------------------------------------------------------
 
     def ack(self, lease_id: str) -> bool:
@@ -476,17 +514,46 @@ class Store:
             return
         done = [part.consumer(c).acked for c in part.retire_after]
         for sid in sample_ids:
-            row = part.rows.get(sid)
-            if row is not None and all(sid in acked for acked in done):
-                del part.rows[sid]
-                part.order[row.seq] = None
-                version, count = part.groups.pop(row.group_id)
-                if count > 1:
-                    part.groups[row.group_id] = (version, count - 1)
+            if sid in part.rows and all(sid in acked for acked in done):
+                self._remove(part, sid)
                 part.retired.add(sid)
-                for cons in part.consumers.values():
-                    cons.acked.discard(sid)
         self._compact(part)
+
+    def _remove(self, part: _Partition, sid: str) -> None:
+        row = part.rows.pop(sid)
+        part.order[row.seq] = None
+        version, count = part.groups.pop(row.group_id)
+        if count > 1:
+            part.groups[row.group_id] = (version, count - 1)
+        for cons in part.consumers.values():
+            cons.acked.discard(sid)
+            cons.leased.pop(sid, None)
+
+    def drop_dead(self, lease_id: str, sample_ids: Sequence[str]) -> list[str]:
+        """A reader of lease ``lease_id`` found values of rows ``sample_ids`` lost (their producer
+        died and the object store freed them): drop those rows for good (and, in a partition with
+        ``group_size``, the live rows of their groups, which can never be whole again), give the
+        lease's other rows back at once, and count the dropped ones (``dead_rows`` in ``stats``).
+        Returns the dropped ids.
+
+        Raises:
+            LeaseError: unknown lease, or one that already ended.
+        """
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            state, _ = self._finished_state(lease_id)
+            raise LeaseError(f"lease {lease_id!r} was {state}; its rows cannot be dropped through it")
+        part = self._partitions[lease.partition]
+        self._release(lease)
+        self._finish(lease, "nacked")
+        dead_groups = {part.rows[sid].group_id for sid in sample_ids if sid in part.rows}
+        drop = [sid for sid, row in part.rows.items()
+                if sid in sample_ids or (part.group_size is not None and row.group_id in dead_groups)]
+        for sid in drop:
+            self._remove(part, sid)
+            part.dead.add(sid)
+        self._compact(part)
+        return drop
 
     def _compact(self, part: _Partition) -> None:
         """Drop retired rows' slots from the order once they are most of it."""
@@ -511,6 +578,7 @@ class Store:
             "put_rows": part.put_rows,
             "retired_rows": len(part.retired),
             "redelivered_rows": part.redelivered_rows,
+            "dead_rows": len(part.dead),
             "fields": {name: str(spec) for name, spec in part.schema.items()},
             "consumers": {name: {"acked": len(c.acked), "leased": len(c.leased)} for name, c in part.consumers.items()},
             "active_leases": sum(1 for lease in self._leases.values() if lease.partition == partition),

@@ -96,10 +96,13 @@ def media_record(media: MediaInputs, token_ids: Sequence[int],
     """The token record's ``media`` entry of one sample: ``kinds`` [n], ``num_tokens`` [n],
     ``digests`` [n] (:func:`item_digest`; None for arrays :func:`split_items` cannot split) and, with the family's placeholder ids
     (:meth:`MediaFamily.kind_of_token`), ``starts`` [n] (:func:`item_starts`; None when not known)."""
-    try:
-        digests = [item_digest(i) for i in split_items(media)]
-    except DataError:  # an array layout not known here: the record keeps no digests (replay says so), never fails
-        digests = None
+    if media.digests is not None or not media.arrays:  # a summary (MediaInputs.summary) carries its digests
+        digests = None if media.digests is None else list(media.digests)
+    else:
+        try:
+            digests = [item_digest(i) for i in split_items(media)]
+        except DataError:  # an array layout not known here: the record keeps no digests (replay says so)
+            digests = None
     starts = item_starts(token_ids, media.kinds, media.num_tokens, kind_of_token) if kind_of_token else None
     return {"kinds": list(media.kinds), "num_tokens": list(media.num_tokens), "digests": digests, "starts": starts}
 

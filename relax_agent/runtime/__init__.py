@@ -5,6 +5,6 @@ the :class:`Runtime` that holds a run's services); :mod:`relax_agent.runtime.loc
 in this process (``runtime: local``, the embedded default).
 """
 
-from relax_agent.runtime.base import GroupDone, GroupJob, RolloutService, Runtime, TrainerService
+from relax_agent.runtime.base import GroupDone, GroupJob, RolloutService, Runtime, TrainerService, TrainRef
 
-__all__ = ["GroupDone", "GroupJob", "RolloutService", "Runtime", "TrainerService"]
+__all__ = ["GroupDone", "GroupJob", "RolloutService", "Runtime", "TrainRef", "TrainerService"]

@@ -1,9 +1,9 @@
 """The services the control loop talks to, wherever they run.
 
 The loop never touches an engine or a model: it asks a :class:`RolloutService` to play a
-group (the service writes the group's rows into the data bus itself), reads fields back from
-the bus, and hands a step's rows to a :class:`TrainerService`, which trains and publishes the
-new policy version through the weight sync. A runtime (``local`` in this process; Ray actors
+group (the service writes the group's rows into the data bus itself), reads scalar fields back
+from the bus, and names a step's rows to a :class:`TrainerService` (a :class:`TrainRef`), which
+reads them from the bus, trains and publishes the new policy version through the weight sync. A runtime (``local`` in this process; Ray actors
 or Serve deployments elsewhere) implements both.
 """
 
@@ -60,6 +60,10 @@ class GroupDone:
 class RolloutService(Protocol):
     """Plays episodes against the policy; writes each finished group's rows to the data bus."""
 
+    routes: tuple[tuple[int, ...], str] | None
+    """``((layers, top_k), dtype)`` of the MoE routes the engine records for routing replay (the
+    rows then carry the route fields), or None."""
+
     @property
     def policy_version(self) -> int:
         """The version the next generation will use."""
@@ -101,17 +105,54 @@ class RolloutService(Protocol):
     def close(self) -> None: ...
 
 
-class TrainerService(Protocol):
-    """Trains on rows read from the bus and publishes each new version through the weight sync."""
+@dataclass(frozen=True)
+class TrainRef:
+    """One RL update, by reference: the rows the trainer service reads from the bus itself.
 
-    def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
-        """Collate ``fields`` (B rows of :data:`relax_agent.records.TRAIN_FIELDS`, plus the routing
-        fields for replay), take one update, publish the weights as ``version``; returns the
-        step's metrics (``train/*``, ``timing/train_s``, ``timing/weight_sync_s``, ``weights/*``).
+    The loop decides which rows train (trainable, non-zero advantage, not too stale) from a few
+    scalar fields; the token ids, masks, log-probs, media and routes go from the bus to the trainer
+    without passing through the loop's process.
+
+    Attributes:
+        partition: the bus partition holding the rows.
+        sample_ids: [B] rows entering the gradient, in training order.
+        fields: the fields to read (:data:`relax_agent.records.TRAIN_FIELDS`, plus the routing
+            fields for replay).
+        version: the policy version the update publishes.
+        advantages: [B] advantages that replace the rows' ``advantage`` field (REINFORCE++'s
+            step-level normalisation); None: the field as written.
+    """
+
+    partition: str
+    sample_ids: tuple[str, ...]
+    fields: tuple[str, ...]
+    version: int
+    advantages: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        assert self.advantages is None or len(self.advantages) == len(self.sample_ids), "one advantage per row"
+
+
+class TrainerService(Protocol):
+    """Trains on rows it reads from the bus and publishes each new version through the weight sync."""
+
+    def train(self, ref: TrainRef) -> dict[str, float]:
+        """Read ``ref``'s rows from the bus, collate them, take one update and publish the weights as
+        ``ref.version``; returns the step's metrics (``train/*``, ``timing/train_s``,
+        ``timing/bus_read_s``, ``timing/weight_sync_s``, ``weights/*``).
 
         Raises:
+            DataError: a row of ``ref`` is not on the bus (retired, never put).
             WeightSyncError: the update produced weights the sync refused (non-finite, bad layout).
         """
+        ...
+
+    def rows_needed_after(self) -> int | None:
+        """The policy version after which the service may read again the rows it trained on (a
+        restarted trainer replays the updates since its newest checkpoint from the bus); the loop
+        keeps the rows of later versions on the bus. None: it never reads a row twice.
+
+        Call it after a checkpoint was saved (the service then forgets what the checkpoint covers)."""
         ...
 
     def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:

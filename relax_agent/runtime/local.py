@@ -2,8 +2,8 @@
 
 :class:`LocalRolloutService` plays groups with a :class:`~relax_agent.rollout.runner.RolloutRunner`
 against the in-process engine and puts their fields into the data bus;
-:class:`LocalTrainerService` collates fields, trains a :class:`~relax_agent.train.backends.base.Trainer`
-and publishes through a :class:`~relax_agent.weights.WeightSync` attached to that engine.
+:class:`LocalTrainerService` reads a step's rows from the bus, collates them, trains a
+:class:`~relax_agent.train.backends.base.Trainer` and publishes through a :class:`~relax_agent.weights.WeightSync` attached to that engine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from relax_agent.records import Trajectory, trajectory_fields
 from relax_agent.rollout.engines.base import SamplingParams
-from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Runtime, Task
+from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Runtime, Task, TrainRef
 
 
 class LocalRolloutService:
@@ -80,24 +80,55 @@ class LocalTrainerService:
         sync: publishes versions to the engines (``weights.transport``).
         pad_token_id: fills padding in collated batches.
         save_tokenizer: writes the tokenizer beside a saved model (``path -> None``).
+        bus: the data bus the step's rows are read from (a :class:`~relax_agent.data.TransferQueue`).
     """
 
     def __init__(self, trainer: Any, sync: Any, pad_token_id: int,
-                 save_tokenizer: Callable[[Path], None] | None = None) -> None:
+                 save_tokenizer: Callable[[Path], None] | None = None, bus: Any = None) -> None:
         self.trainer = trainer
         self.sync = sync
         self.pad_token_id = pad_token_id
         self._save_tokenizer = save_tokenizer
+        self.bus = bus
 
-    def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
+    def train(self, ref: TrainRef) -> dict[str, float]:
+        fields, read_s = self.read(ref)
+        out = self.update(fields)
+        out["timing/bus_read_s"] = read_s
+        out.update(self._publish(ref.version))
+        return out
+
+    def read(self, ref: TrainRef) -> tuple[dict[str, Any], float]:
+        """``ref``'s fields from the bus (advantages replaced when ``ref`` carries them) and the
+        seconds the read took.
+
+        Raises:
+            DataError: a row is not on the bus.
+        """
+        import numpy as np
+
+        from relax_agent import records as R
+
+        assert self.bus is not None, "a trainer service that trains reads from a bus"
+        t0 = time.perf_counter()
+        fields = self.bus.read(ref.partition, list(ref.sample_ids), list(ref.fields))
+        if ref.advantages is not None:
+            fields[R.ADVANTAGE] = [np.float32(a) for a in ref.advantages]
+        return fields, time.perf_counter() - t0
+
+    def update(self, fields: Mapping[str, Any]) -> dict[str, float]:
+        """Collate ``fields`` (B rows of :data:`~relax_agent.records.TRAIN_FIELDS`) and take one
+        update without publishing; returns ``train/*`` metrics and ``timing/train_s``."""
         from relax_agent.train.collate import collate_fields
 
         batch = collate_fields(fields, self.pad_token_id)
         t0 = time.perf_counter()
         out = dict(self.trainer.train_step(batch))
         out["timing/train_s"] = time.perf_counter() - t0
-        out.update(self._publish(version))
         return out
+
+    def rows_needed_after(self) -> int | None:
+        return None  # an in-process trainer is never rebuilt: it reads each row once
 
     def _publish(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -152,7 +183,7 @@ def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
         weights = cfg.weights if cfg.mode == "async" else cfg.weights.model_copy(update={"transport": "inproc"})
         sync = build_weight_sync(weights, engines=[roles.engine])
         tok = roles.tokenizer
-        trainer = LocalTrainerService(roles.trainer, sync, _pad_id(tok), getattr(tok, "save_pretrained", None))
+        trainer = LocalTrainerService(roles.trainer, sync, _pad_id(tok), getattr(tok, "save_pretrained", None), bus)
         closers.append(trainer.close)
     closers.append(roles.close)
     return Runtime(rollout, trainer, roles.train_tasks, roles.heldout_tasks, roles.tokenizer.decode, closers)

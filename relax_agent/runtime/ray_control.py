@@ -3,6 +3,8 @@
 Endpoints (JSON; every one needs ``Authorization: Bearer <token>``, else 401)::
 
     GET  /status                       -> the supervisor's status: target, replicas, restarts, events
+                                          (details carry root causes), trainer (heartbeat, the call in
+                                          flight, hangs), fatal (the role death ending the run, or null)
     POST /scale   {"rollout": N}       -> set the rollout replicas (422 naming the value when invalid)
 
 While the run lives, ``run.output_dir/runtime.json`` (mode 0600) holds the endpoint's URL and token;
@@ -70,14 +72,24 @@ class ControlServer:
     Args:
         idle_timeout_s: a connection that sends nothing for this long is closed.
         max_connections: connections served at once; one more is answered 503 and closed.
+        advertise: the host written into the URL in ``runtime.json`` (None: ``host``; the driver's node
+            address when ``host`` binds every interface).
+
+    Raises:
+        ConfigError: ``host:port`` cannot be bound (names ``runtime.control_host`` / ``runtime.control_port``).
     """
 
     def __init__(self, supervisor: Any, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *,
-                 idle_timeout_s: float = 10.0, max_connections: int = 16) -> None:
+                 idle_timeout_s: float = 10.0, max_connections: int = 16, advertise: str | None = None) -> None:
         self.token = secrets.token_urlsafe(24)
         self.path = Path(run_dir) / RUNTIME_FILE
-        self._server = _CappedServer((host, port), _handler(supervisor, self.token, idle_timeout_s), max_connections)
-        self.url = f"http://{host}:{self._server.server_address[1]}"
+        try:
+            self._server = _CappedServer((host, port), _handler(supervisor, self.token, idle_timeout_s),
+                                         max_connections)
+        except OSError as exc:
+            raise ConfigError(f"the control endpoint cannot listen on {host}:{port} (runtime.control_host / "
+                              f"runtime.control_port): {exc}") from exc
+        self.url = f"http://{advertise or host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="relax-control", daemon=True)
         self._thread.start()
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,11 +31,25 @@ from relax_agent.errors import DataError
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Task
+from relax_agent.runtime.ray_roles import ACTOR_DIED, describe_failure, oom_hint
 
 STARTING, READY, DRAINING, FAILED, REMOVED = "starting", "ready", "draining", "failed", "removed"
 
 _DUPLICATE = "duplicate sample id"
 """The bus's message for a put of an existing (or retired) sample id (:mod:`relax_agent.data.store`)."""
+
+
+def quiet_actor_logs() -> None:
+    """Silence what every actor of a run would otherwise print to the driver's console on each start:
+    transformers' progress bars (loading, saving), and Ray's warning on any blocking ``ray.get`` in an
+    asyncio actor, which it gives whatever the calling thread: a replica calls Ray only from worker
+    threads (the bus through ``asyncio.to_thread``, the weight follower's thread), never on its event
+    loop, so the warning is noise on every replica start (a loop that did block would stop the
+    replica's heartbeats, which the supervisor acts on)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
 
 
 class RolloutReplica:
@@ -51,6 +65,7 @@ class RolloutReplica:
 
     def __init__(self, cfg: Any, name: str, bus: Any, coordinator: Any, health: Any) -> None:
         self.cfg, self.name, self.bus, self.coordinator, self.health = cfg, name, bus, coordinator, health
+        quiet_actor_logs()
         self.in_flight = 0
         self.groups_done = 0
         self.episodes_done = 0
@@ -61,7 +76,7 @@ class RolloutReplica:
 
     async def start(self) -> dict[str, Any]:
         """Load the engine and envs, pull the latest weights, start beating; returns ``pid``,
-        ``node_id``, ``subscriber`` and ``policy_version``.
+        ``node_id``, ``node_ip`` (the node's address), ``subscriber`` and ``policy_version``.
 
         Raises:
             WeightSyncError: the latest version does not fit the engine.
@@ -69,13 +84,14 @@ class RolloutReplica:
         from relax_agent.roles import build_roles
         from relax_agent.runtime.local import LocalRolloutService
 
-        self._roles = await asyncio.to_thread(build_roles, self.cfg, None, False)
+        self._roles = await asyncio.to_thread(lambda: build_roles(self.cfg, None, False, quiet=True))
         engine = self._roles.engine
         self._service = LocalRolloutService(self._roles.runner, self.bus, PARTITION,
                                             getattr(engine, "route_layout", None))
         self._sub = await asyncio.to_thread(self._subscribe, engine)
         self._beats = asyncio.get_running_loop().create_task(self._beat_forever())
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(),
                 "subscriber": self._sub.id, "policy_version": engine.policy_version}
 
     def _subscribe(self, engine: Any) -> Any:
@@ -139,10 +155,12 @@ class RolloutReplica:
         """Stop following weights and beating, close the engine and the reward client."""
         if self._beats is not None:
             self._beats.cancel()
-        if self._sub is not None:
-            await asyncio.to_thread(self._sub.close)
-        if self._roles is not None:
-            await asyncio.to_thread(self._roles.close)
+        try:
+            if self._sub is not None:
+                await asyncio.to_thread(self._sub.close)
+        finally:  # the engine, envs and sandboxes close even when the coordinator is gone
+            if self._roles is not None:
+                await asyncio.to_thread(self._roles.close)
 
 
 @dataclass
@@ -166,6 +184,7 @@ class Replica:
     state: str = STARTING
     pid: int | None = None
     node_id: str | None = None
+    node_ip: str | None = None
     subscriber: str | None = None
     ready_at: float | None = None
     in_flight: int = 0
@@ -285,16 +304,31 @@ class RayRolloutService:
             except asyncio.TimeoutError:
                 _cancel(ref)
                 self.pool.fail(rep, f"{what} took more than runtime.request_timeout_s={self.watchdog_s:g} s")
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                self.pool.fail(rep, f"died during {what}: {type(exc).__name__}")
+            except ACTOR_DIED as exc:
+                found = await self._dead_role()
+                if found is not None:  # the replica failed because the bus or the coordinator died
+                    raise found from exc
+                self.pool.fail(rep, f"died during {what}: {describe_failure(exc)}{oom_hint(exc)}")
             except asyncio.CancelledError:
                 if ref is not None:
                     _cancel(ref)
+                raise
+            except Exception as exc:
+                found = await self._dead_role()
+                if found is not None:
+                    raise found from exc
                 raise
             finally:
                 self.pool.release(rep, ok)
             attempt += 1
             self.retried_groups += 1
+
+    async def _dead_role(self) -> BaseException | None:
+        """The :class:`~relax_agent.errors.RoleDiedError` of a dead bus, coordinator or heartbeat
+        table (the supervisor pings them off this event loop), or None."""
+        if self.supervisor is None or not hasattr(self.supervisor, "dead_role"):
+            return None
+        return await asyncio.to_thread(self.supervisor.dead_role)
 
     async def play_group(self, job: GroupJob, params: SamplingParams) -> GroupDone:
         first: dict[str, Any] = {}

@@ -7,12 +7,23 @@ actor (bytes over tcp, straight to the replicas). Inside it is the local
 :class:`~relax_agent.runtime.local.LocalTrainerService`.
 
 :class:`RayTrainerService` implements :class:`~relax_agent.runtime.base.TrainerService` for the
-loop. It keeps a redo log: every operation that returned since the newest checkpoint (RL updates
-with their rows and version, warm-up updates, the end of the warm-up). When a call finds the actor
+loop. The actor reads each update's rows from the data bus itself (a
+:class:`~relax_agent.runtime.base.TrainRef` names them), so no token, media or routing array passes
+through the driver. The service keeps a redo log: every operation that returned since the newest
+checkpoint (RL updates by reference, warm-up updates with their rows, the end of the warm-up); the
+loop keeps the rows of those updates on the bus until a checkpoint covers them
+(:meth:`RayTrainerService.rows_needed_after`). When a call finds the actor
 dead, and the supervisor allows a restart (``runtime.max_trainer_restarts``), a new actor loads the
 newest checkpoint (or the initial policy), replays the log in order without publishing, publishes
 the result as the version the loop last saw, and the failed call runs again. The loop's step, policy version, data position and in-flight groups never went
 back, so no step is trained twice and the run ends with the configured number of steps.
+
+A call still running after ``runtime.trainer_hang_timeout_s`` is a hung trainer: said on the
+console and in ``/status`` (the actor beats from a helper thread during a call, with the call it
+is in, so ``/status`` tells a running process from a stopped one), then the actor is killed and
+restarted the same way. A call that failed because the weight coordinator, the data bus or the
+heartbeat table died restarts nothing: the run ends with that role's
+:class:`~relax_agent.errors.RoleDiedError`.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +40,13 @@ from typing import Any, Callable, Mapping
 import ray
 
 from relax_agent.errors import CheckpointError, RuntimeServiceError
+from relax_agent.runtime.base import TrainRef
+from relax_agent.runtime.ray import placement, record_placement, weight_server_host
+from relax_agent.runtime.ray_roles import ACTOR_DIED, describe_failure, oom_hint
 from relax_agent.weights.auth import same_secret
 
 log = logging.getLogger("relax_agent.runtime")
-_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+_DIED = ACTOR_DIED
 
 
 def _run_only(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,6 +61,7 @@ def _run_only(method: Callable[..., Any]) -> Callable[..., Any]:
                         method.__name__)
             raise RuntimeServiceError(f"trainer actor: {method.__name__} refused: it needs the run's publisher "
                                       "credential, which this caller does not hold")
+        self.doing = method.__name__  # what its heartbeats say it is doing while the call runs
         return method(self, *args, **kwargs)
 
     guarded.__name__, guarded.__qualname__, guarded.__doc__ = method.__name__, method.__qualname__, method.__doc__
@@ -60,26 +76,44 @@ class TrainerActor:
         name: heartbeat name.
         coordinator: an :class:`~relax_agent.runtime.ray_weights.ActorCoordinator`.
         health: the heartbeat actor.
-        publish_host: address the weight server binds to and advertises (this node's).
+        publish_host: address the weight server binds to and advertises; None: from ``weights.host`` and
+            this actor's node address (:func:`~relax_agent.runtime.ray.weight_server_host`).
+        bus: the run's data bus (a :class:`~relax_agent.data.ray.RayTransferQueue`), read by reference.
     """
 
-    def __init__(self, cfg: Any, name: str, coordinator: Any, health: Any, publish_host: str) -> None:
+    def __init__(self, cfg: Any, name: str, coordinator: Any, health: Any, publish_host: str | None,
+                 bus: Any) -> None:
+        from relax_agent.runtime.ray_rollout import quiet_actor_logs
+
+        quiet_actor_logs()
         self.cfg, self.name, self.coordinator, self.health = cfg, name, coordinator, health
-        self.publish_host = publish_host
+        self.publish_host, self.bus = publish_host, bus
+        self.weights_address: str | None = None
+        """``host:port`` the weight server advertises (set by :meth:`start`)."""
         self.service: Any = None
         self.version = 0
         self.busy = False
+        self.doing: str | None = None
+        self._call_started = 0.0
 
     @_run_only
-    def start(self, model_path: str | None = None, trainer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    def start(self, model_path: str | None = None, trainer_state: dict[str, Any] | None = None,
+              keep_publisher: bool = False) -> dict[str, Any]:
         """Build the trainer from ``model_path`` (None: ``model.path``) and ``trainer_state``; register as
-        the weight publisher (a new coordinator epoch when one registered before)."""
+        the weight publisher (a new coordinator epoch when one registered before), or with
+        ``keep_publisher`` keep this actor's registration (a resume: the replicas that already follow
+        this publisher keep following it)."""
         from relax_agent.runtime.local import LocalTrainerService
         from relax_agent.weights.sync import WeightSync
         from relax_agent.weights.tcp import TcpReceiver, TcpSender
 
-        if self.service is not None:
+        kept = self.service.sync if keep_publisher and self.service is not None else None
+        if self.service is not None and kept is None:
             self.service.close()
+        elif self.service is not None:
+            close = getattr(self.service.trainer, "close", None)
+            if callable(close):
+                close()
         if self.cfg.run.num_threads:
             import torch
 
@@ -87,32 +121,55 @@ class TrainerActor:
         trainer, tokenizer = _build_trainer(self.cfg, model_path)
         if trainer_state is not None:
             trainer.load_state_dict(trainer_state)
-        w = self.cfg.weights.model_copy(update={"host": self.publish_host})
+        bind, advertise = (self.publish_host, self.publish_host) if self.publish_host is not None else \
+            weight_server_host(self.cfg, ray.util.get_node_ip_address())
+        w = self.cfg.weights.model_copy(update={"host": bind})
         secret = self.coordinator.credential.subscriber  # the tcp server challenges for the run's credential
-        sync = WeightSync(w, self.coordinator, TcpSender(w, secret), lambda: TcpReceiver(w, secret=secret))
+        if kept is None:
+            sender = TcpSender(w, secret, advertise)
+            self.weights_address = sender.address
+            sync = WeightSync(w, self.coordinator, sender, lambda: TcpReceiver(w, secret=secret))
+        else:
+            sync = kept
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.service = LocalTrainerService(trainer, sync, int(pad), getattr(tokenizer, "save_pretrained", None))
+        self.service = LocalTrainerService(trainer, sync, int(pad), getattr(tokenizer, "save_pretrained", None),
+                                           self.bus)
         self._beat()
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "weights_address": self.weights_address}
 
     def _beat(self) -> None:
-        self.health.beat.remote(self.name, {"pid": os.getpid(), "policy_version": self.version, "busy": self.busy})
+        busy = self.busy
+        self.health.beat.remote(self.name, {"pid": os.getpid(), "policy_version": self.version, "busy": busy,
+                                            "doing": self.doing if busy else None,
+                                            "call_s": time.monotonic() - self._call_started if busy else None})
 
     def _work(self, fn: Callable[[], Any]) -> Any:
-        """Run one call, beating before and after (the trainer's work loop is its calls)."""
-        self.busy = True
+        """Run one call, beating before and after (the trainer's work loop is its calls) and, from a
+        helper thread, every ``runtime.heartbeat_interval_s`` during it with the call it is in and
+        for how long (``doing``, ``call_s``): a hung call keeps beating, a stopped process does not."""
+        self.busy, self._call_started = True, time.monotonic()
         self._beat()
+        stop = threading.Event()
+        beats = threading.Thread(target=self._beat_during_call, args=(stop,), name="trainer-beat", daemon=True)
+        beats.start()
         try:
             return fn()
         finally:
+            stop.set()
+            beats.join()
             self.busy = False
             self._beat()
 
+    def _beat_during_call(self, stop: threading.Event) -> None:
+        while not stop.wait(self.cfg.runtime.heartbeat_interval_s):
+            self._beat()
+
     @_run_only
-    def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
-        """One update on ``fields``, published as ``version``."""
-        out = self._work(lambda: self.service.train(fields, version))
-        self.version = version
+    def train(self, ref: TrainRef) -> dict[str, float]:
+        """One update on ``ref``'s rows (read from the bus here), published as ``ref.version``."""
+        out = self._work(lambda: self.service.train(ref))
+        self.version = ref.version
         return out
 
     @_run_only
@@ -130,13 +187,13 @@ class TrainerActor:
     @_run_only
     def replay(self, ops: list[tuple[str, Any, Any]]) -> None:
         """Re-take logged operations after a restart, in order, without publishing:
-        ``("train", fields, version)``, ``("sft", fields, lr)``, ``("end_sft", None, version)``."""
-        from relax_agent.train.collate import collate_fields
+        ``("train", ref, version)`` (rows read from the bus again), ``("sft", fields, lr)``,
+        ``("end_sft", None, version)``."""
 
         def run() -> None:
             for kind, fields, arg in ops:
                 if kind == "train":
-                    self.service.trainer.train_step(collate_fields(fields, self.service.pad_token_id))
+                    self.service.update(self.service.read(fields)[0])
                 elif kind == "sft":
                     self.service.sft(fields, arg)
                 else:
@@ -186,6 +243,10 @@ def _build_trainer(cfg: Any, model_path: str | None) -> tuple[Any, Any]:
     return trainer, tokenizer
 
 
+class _TrainerHung(RuntimeServiceError):
+    """A trainer call ran past ``runtime.trainer_hang_timeout_s`` (the actor is killed already)."""
+
+
 @dataclass
 class _Base:
     """Where a restarted trainer starts: a checkpoint (None: the initial policy) at ``version``."""
@@ -204,43 +265,64 @@ class RayTrainerService:
         supervisor: decides and counts restarts (:meth:`Supervisor.allow_trainer_restart`) and gives
             the per-role metrics added to each update's metrics.
         name, namespace: the actor's name and Ray namespace.
-        publish_host: the weight server's address (the trainer's node).
+        publish_host: the weight server's address; None: resolved on the trainer's node.
+        bus: the run's data bus; the actor reads each update's rows from it.
     """
 
     def __init__(self, cfg: Any, coordinator: Any, health: Any, supervisor: Any, name: str, namespace: str,
-                 publish_host: str) -> None:
+                 publish_host: str | None, bus: Any) -> None:
         self.cfg, self.coordinator, self.health, self.supervisor = cfg, coordinator, health, supervisor
         self._credential = coordinator.credential
         """Every call to the actor carries it: the actor refuses callers without the publisher secret."""
-        self.name, self.namespace, self.publish_host = name, namespace, publish_host
+        self.name, self.namespace, self.publish_host, self.bus = name, namespace, publish_host, bus
         self._cls = ray.remote(TrainerActor)
         self._base = _Base(None, 0)
         self._log: list[tuple[str, Any, Any]] = []
-        """Operations that returned since ``_base``, in order: ``("train", fields, version)``,
+        """Operations that returned since ``_base``, in order: ``("train", ref, version)``,
         ``("sft", fields, lr)``, ``("end_sft", None, version)`` (the redo log)."""
         self._version = 0
         """The last version the loop saw published (what a restarted trainer publishes again)."""
         self._saved = False
         self.actor: Any = None
         self.pid: int | None = None
+        self.node_id: str | None = None
+        self.node_ip: str | None = None
         self._launch(None, None)
 
     def _launch(self, model_path: str | None, trainer_state: dict[str, Any] | None) -> None:
         self.actor = self._cls.options(name=f"{self.name}.{time.monotonic_ns()}", namespace=self.namespace,
                                        num_cpus=self.cfg.runtime.trainer_num_cpus, max_restarts=0,
-                                       max_concurrency=2).remote(self.cfg, self.name, self.coordinator,
-                                                                 self.health, self.publish_host)
+                                       max_concurrency=2, **placement(self.cfg.runtime.trainer_resources)).remote(
+            self.cfg, self.name, self.coordinator, self.health, self.publish_host, self.bus)
         info = ray.get(self.actor.start.remote(model_path, trainer_state, credential=self._credential),
                        timeout=self.cfg.runtime.replica_start_timeout_s)
-        self.pid = info["pid"]
+        self.pid, self.node_id, self.node_ip = info["pid"], info["node_id"], info["node_ip"]
+        log.info("runtime: trainer on node %s (pid %s), weights served at %s", info["node_ip"], info["pid"],
+                 info["weights_address"])
+        record_placement(self.cfg, "trainer", self.name, info)
 
     # -- the protocol -----------------------------------------------------------------------------
-    def train(self, fields: Mapping[str, Any], version: int) -> dict[str, float]:
+    def train(self, ref: TrainRef) -> dict[str, float]:
         self._trim_to_checkpoint()
-        out = self._call(lambda: self.actor.train.remote(fields, version, credential=self._credential))
-        self._log.append(("train", fields, version))
-        self._version = version
+        out = self._call(lambda: self.actor.train.remote(ref, credential=self._credential))
+        self._log.append(("train", ref, ref.version))
+        self._version = ref.version
         return {**out, **self.supervisor.metrics()}
+
+    def rows_needed_after(self) -> int | None:
+        """The newest checkpoint's policy version (the redo log is trimmed to it first), or None when
+        a restart never replays: ``runtime.max_trainer_restarts`` is 0, or ``checkpoint.every_steps``
+        is 0 (the loop cannot keep every row of the run; a trainer that dies after its first update
+        then ends the run, see :meth:`_restart`)."""
+        if not self.keeps_rows:
+            return None
+        self._trim_to_checkpoint()
+        return self._base.version
+
+    @property
+    def keeps_rows(self) -> bool:
+        """A restart replays updates from rows the loop keeps on the bus."""
+        return self.cfg.runtime.max_trainer_restarts > 0 and self.cfg.checkpoint.every_steps > 0
 
     def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
         out = self._call(lambda: self.actor.sft.remote(fields, lr, credential=self._credential))
@@ -264,7 +346,8 @@ class RayTrainerService:
             raise CheckpointError(f"runtime ray: resuming policy version {version}, but the newest checkpoint under "
                                   f"{self.cfg.run.output_dir}/checkpoints is {ckpt} (version {ckpt_version})")
         self._base, self._log, self._version = _Base(ckpt, version), [], version
-        self._call(lambda: self.actor.start.remote(str(ckpt / "model"), trainer_state, credential=self._credential))
+        self._call(lambda: self.actor.start.remote(str(ckpt / "model"), trainer_state, keep_publisher=True,
+                                                   credential=self._credential))
         self._call(lambda: self.actor.publish.remote(version, credential=self._credential))
 
     def state_dict(self) -> dict[str, Any]:
@@ -283,39 +366,111 @@ class RayTrainerService:
 
     # -- restarts ---------------------------------------------------------------------------------
     def _call(self, make_ref: Callable[[], Any]) -> Any:
-        """``ray.get(make_ref())``; when the actor died: restart it and call again."""
-        while True:
-            try:
-                return ray.get(make_ref())
-            except _DIED as exc:
-                self._recover(exc)
-
-    def _recover(self, exc: BaseException) -> None:
-        """Restart the actor (again while restarts die), within the restart budget.
+        """``ray.get(make_ref())``; when the actor died or hung: restart it and call again.
 
         Raises:
+            RoleDiedError: the call failed because the coordinator, the bus or the heartbeat table died.
             RuntimeServiceError: ``runtime.max_trainer_restarts`` restarts are used up.
+            Exception: what the actor's call raised (Ray's ``RayTaskError`` around it, an instance of
+                its class too), when no role died.
         """
         while True:
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if not self.supervisor.allow_trainer_restart(reason):
-                raise RuntimeServiceError(f"the trainer actor died ({reason}) and runtime.max_trainer_restarts="
-                                 f"{self.cfg.runtime.max_trainer_restarts} restarts are used up") from exc
-            log.warning("runtime: the trainer actor died (%s); restarting it from %s and %d logged operations",
-                        reason, self._base.checkpoint or "the initial policy", len(self._log))
             try:
-                self._restart()
-                return
-            except (*_DIED, ray.exceptions.GetTimeoutError) as again:
-                exc = again
+                return self._get(make_ref())
+            except (*_DIED, _TrainerHung) as exc:
+                self._recover(exc)
+            except ray.exceptions.RayTaskError as exc:  # raised inside the actor (e.g. reading its rows)
+                dead = getattr(self.supervisor, "dead_role", lambda: None)()
+                if dead is not None:  # the bus or the coordinator it used died: that is the cause
+                    raise dead from exc
+                raise
 
-    def _restart(self) -> None:
-        """A new actor: the base checkpoint, the logged operations replayed, the loop's version published."""
+    def _get(self, ref: Any, per_op: int = 1) -> Any:
+        """``ray.get(ref)``, watched for a hang: past ``runtime.trainer_hang_timeout_s`` (times
+        ``per_op``, the updates a replay re-takes) the hang is reported (console, ``/status``) and the
+        actor killed; raises :class:`_TrainerHung`."""
+        bound = self.cfg.runtime.trainer_hang_timeout_s
+        note = getattr(self.supervisor, "note_trainer_call", None)
+        if note is not None:
+            note("call")
+        try:
+            if bound is None:
+                return ray.get(ref)
+            limit, started = bound * max(per_op, 1), time.monotonic()
+            poll = min(1.0, self.cfg.runtime.heartbeat_interval_s)
+            while True:
+                done, _ = ray.wait([ref], timeout=poll)
+                if done:
+                    return ray.get(ref)
+                running_s = time.monotonic() - started
+                if running_s > limit:
+                    raise self._hung(running_s, limit)
+        finally:
+            if note is not None:
+                note(None)
+
+    def _hung(self, running_s: float, limit: float) -> "_TrainerHung":
+        """Say that the call in flight hangs (console, ``/status``), kill the actor; the error to recover from."""
+        beat = getattr(self.supervisor, "trainer_beat", lambda: None)()
+        age, info = beat if beat is not None and beat[1].get("pid") == self.pid else (None, {})
+        doing = f"`{info['doing']}`" if info.get("doing") else "a call"
+        beating = age is not None and info.get("busy") and age <= max(3 * self.cfg.runtime.heartbeat_interval_s, 5.0)
+        if not beating:  # no beat during this call: the process does not run (stopped, or wedged holding the GIL)
+            how = "no heartbeat " + ("at all" if age is None else f"for {age:.0f} s") + " (stopped or wedged)"
+        else:
+            how = f"its last heartbeat {age:.1f} s ago (the process runs, the call does not return)"
+        detail = (f"the trainer actor (pid {self.pid}) has been in {doing} for {running_s:.0f} s, more than "
+                  f"runtime.trainer_hang_timeout_s={limit:g}; {how}")
+        log.warning("runtime: %s: killing it", detail)
+        note = getattr(self.supervisor, "note_trainer_hung", None)
+        if note is not None:
+            note(detail)
+        self._kill_actor(sigkill=True)
+        return _TrainerHung(detail)
+
+    def _kill_actor(self, sigkill: bool = False) -> None:
+        """``ray.kill`` the actor; with ``sigkill`` (a hung actor, so its process is still there) its
+        process is SIGKILLed too when on this node (a stopped process may not answer Ray)."""
+        from relax_agent.runtime.ray_supervisor import _kill_ray_worker
+
         if self.actor is not None:
             try:
                 ray.kill(self.actor, no_restart=True)
             except Exception:  # gone already
                 pass
+        if sigkill and self.pid is not None and self.node_id == ray.get_runtime_context().get_node_id():
+            _kill_ray_worker(self.pid)
+
+    def _recover(self, exc: BaseException) -> None:
+        """Restart the actor (again while restarts die or hang), within the restart budget, unless
+        a role it depends on died.
+
+        Raises:
+            RoleDiedError: the coordinator, the bus or the heartbeat table died (a restart cannot help).
+            RuntimeServiceError: ``runtime.max_trainer_restarts`` restarts are used up.
+        """
+        while True:
+            dead = getattr(self.supervisor, "dead_role", lambda: None)()
+            if dead is not None:
+                raise dead from exc
+            hung = isinstance(exc, _TrainerHung)
+            reason = str(exc) if hung else describe_failure(exc) + oom_hint(exc)
+            if not self.supervisor.allow_trainer_restart(reason):
+                raise RuntimeServiceError(f"the trainer actor {'hung' if hung else 'died'} ({reason}) and "
+                                          f"runtime.max_trainer_restarts={self.cfg.runtime.max_trainer_restarts} "
+                                          "restarts are used up") from exc
+            log.warning("runtime: the trainer actor %s (%s); restarting it from %s and %d logged operations",
+                        "hung" if hung else "died", reason, self._base.checkpoint or "the initial policy",
+                        len(self._log))
+            try:
+                self._restart()
+                return
+            except (*_DIED, ray.exceptions.GetTimeoutError, _TrainerHung) as again:
+                exc = again
+
+    def _restart(self) -> None:
+        """A new actor: the base checkpoint, the logged operations replayed, the loop's version published."""
+        self._kill_actor()
         base = self._base
         versions = [arg for kind, _, arg in self._log if kind != "sft"]
         expected = list(range(base.version + 1, base.version + 1 + len(versions)))
@@ -323,6 +478,12 @@ class RayTrainerService:
             raise CheckpointError(f"runtime ray: cannot rebuild policy version {self._version} from "
                                   f"{base.checkpoint or 'the initial policy'} (version {base.version}): the redo "
                                   f"log holds versions {versions}, expected {expected}")
+        if not self.keeps_rows and any(kind == "train" for kind, _, _ in self._log):
+            raise RuntimeServiceError(
+                f"the trainer actor died after {sum(kind == 'train' for kind, _, _ in self._log)} updates since "
+                f"{base.checkpoint or 'the initial policy'}, and with checkpoint.every_steps=0 their rows are no "
+                "longer on the bus to replay: resume from the newest checkpoint, and set checkpoint.every_steps "
+                "so that a restart can replay the updates since it")
         trainer_state = None
         if base.checkpoint is not None:
             from relax_agent.checkpoint import load_state
@@ -330,8 +491,8 @@ class RayTrainerService:
             _, trainer_state = load_state(base.checkpoint)
         self._launch(None if base.checkpoint is None else str(base.checkpoint / "model"), trainer_state)
         if self._log:
-            ray.get(self.actor.replay.remote(self._log, credential=self._credential))
-        ray.get(self.actor.publish.remote(self._version, credential=self._credential))
+            self._get(self.actor.replay.remote(self._log, credential=self._credential), per_op=len(self._log))
+        self._get(self.actor.publish.remote(self._version, credential=self._credential))
 
     def _trim_to_checkpoint(self) -> None:
         """After a save: the newest checkpoint becomes the base; the log keeps what came after it."""

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from relax_agent.errors import WeightSyncError
+from relax_agent.runtime.ray import on_this_node
 from relax_agent.weights.auth import RunCredential, same_secret
 from relax_agent.weights.coordinator import ApplyReport, Coordinator
 from relax_agent.weights.meta import VersionMeta
@@ -113,13 +114,15 @@ class CoordinatorActor:
 
 
 def start_coordinator(name: str, namespace: str, credential: RunCredential) -> Any:
-    """The run's coordinator actor (created with ``credential``, or found when it exists).
+    """The run's coordinator actor (created with ``credential`` on this process's node, or found when it
+    exists).
 
     Raises:
         WeightSyncError: an actor of that name exists and belongs to another run (another credential).
     """
     cls = ray.remote(num_cpus=0, max_concurrency=256, max_restarts=0)(CoordinatorActor)
-    handle = cls.options(name=name, namespace=namespace, get_if_exists=True).remote(credential)
+    handle = cls.options(name=name, namespace=namespace, get_if_exists=True,
+                         scheduling_strategy=on_this_node()).remote(credential)
     if not ray.get(handle.check.remote(credential.subscriber_only())):
         raise WeightSyncError(f"a weight coordinator actor named {name!r} in Ray namespace {namespace!r} belongs "
                               "to another run; set another data.ray_actor_name (or data.ray_namespace)")

@@ -20,7 +20,7 @@ from relax_agent.train.batch import TrainBatch
 def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_normalize: bool = True,
                      estimator: str | None = None) -> torch.Tensor:
     """Group-level advantages [B] of rows given as fields ``reward`` [B], ``trainable`` [B] and
-    ``loss_mask`` (B rows [T_i]), grouped by ``group_ids``.
+    ``policy_tokens`` [B] (or ``loss_mask``, B rows [T_i]), grouped by ``group_ids``.
 
     A row that is not trainable (reward error / timeout, episode error, overlong-masked) or has
     no policy token (the prompt alone filled ``max_total_tokens``) is left out of its group's
@@ -37,7 +37,10 @@ def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_no
     """
     ids: dict[str, int] = {}
     group_index = torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
-    has_tokens = [int(np.count_nonzero(m)) > 0 for m in fields[R.LOSS_MASK]]
+    if R.POLICY_TOKENS in fields:
+        has_tokens = [int(n) > 0 for n in fields[R.POLICY_TOKENS]]
+    else:
+        has_tokens = [int(np.count_nonzero(m)) > 0 for m in fields[R.LOSS_MASK]]
     valid = torch.tensor([bool(ok) and tok for ok, tok in zip(fields[R.TRAINABLE], has_tokens)], dtype=torch.bool)
     rewards = torch.tensor([float(r) if ok else 0.0 for r, ok in zip(fields[R.REWARD], valid.tolist())],
                            dtype=torch.float32)

@@ -96,6 +96,18 @@ class MismatchConfig(Section):
     """Upper bound of the band, and the truncation of tis / seq_tis."""
 
 
+class FakeTrainerConfig(Section):
+    """``trainer.fake``: faults of ``backend: fake`` (a trainer without a model, for tests of the
+    control plane; ignored by the other backends)."""
+
+    hang_at_update: int | None = Field(default=None, ge=1)
+    """The update (1-based, as the trainer counts them, restored ones included) whose ``train_step``
+    sleeps forever: a hung trainer. None: never."""
+    hang_marker: str | None = None
+    """With ``hang_at_update``: a file created when the hang starts; a trainer that finds it does not
+    hang (so the trainer restarted after the hang goes on)."""
+
+
 class TrainerConfig(Section):
     """Policy-gradient optimisation: GRPO / PPO-clip by default (``loss``, ``advantage``, ``mismatch``)."""
 
@@ -106,6 +118,8 @@ class TrainerConfig(Section):
     "fake": a trainer without a model that records what it was given
     (:class:`~relax_agent.train.backends.fake.FakeTrainer`), for tests."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    fake: FakeTrainerConfig = Field(default_factory=FakeTrainerConfig)
+    """Faults of ``backend: fake`` (tests)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (``rank`` > 0; torch backend only)."""
     """Parallel layout of ``backend: megatron`` (ignored by the other backends)."""
@@ -224,7 +238,7 @@ class TrainerConfig(Section):
         if self.backend == "fake":
             from relax_agent.train.backends.fake import FakeTrainer
 
-            return FakeTrainer()
+            return FakeTrainer(hang_at_update=self.fake.hang_at_update, hang_marker=self.fake.hang_marker)
         if self.backend == "megatron":
             from relax_agent.train.backends.megatron_backend import MegatronTrainer
 

@@ -10,7 +10,6 @@ or evaluations answer 404 with the reason; a bad filter value 422.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import threading
 from pathlib import Path
@@ -94,16 +93,6 @@ def build_app(reader: RunReader) -> Any:
         return reader.eval_samples(name, _filter(failed, min_reward, max_reward, stop_reason, None), reason)
 
     return app
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address or ``localhost``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ViewerServer:

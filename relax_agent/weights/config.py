@@ -33,7 +33,11 @@ class WeightSyncConfig(Section):
     bucket_mb: float = Field(default=64.0, gt=0.0)
     """Bytes per bucket, in MiB: the unit of streaming, checksumming and resuming."""
     host: str = "127.0.0.1"
-    """tcp: address the weight server binds to and advertises."""
+    """tcp: address the weight server (and the coordinator service) binds to and advertises. Under
+    ``runtime: ray`` on a joined cluster (``data.ray_address``) a loopback value binds the trainer's
+    node address instead, and ``0.0.0.0`` binds every interface and advertises the trainer's node
+    address; replicas on other hosts connect there. Every connection must prove the run's weight
+    credential (:mod:`relax_agent.weights.auth`)."""
     port: int = Field(default=0, ge=0, le=65535)
     """tcp: port of the weight server; 0 picks a free one."""
     service_port: int | None = Field(default=None, ge=0, le=65535)

@@ -77,12 +77,15 @@ class TcpSender:
             ``snapshot``, ``connect_timeout_s`` (idle limit of a socket write, and of the challenge).
         secret: the run's subscriber secret; a connection that does not answer the challenge with
             it gets no byte of a weight (None: a fresh random one, :attr:`secret`).
+        advertise: the host put in each version's metadata, where subscribers connect (None:
+            ``cfg.host``; the node's own address when ``cfg.host`` binds every interface, e.g.
+            ``0.0.0.0``, and subscribers run on other hosts).
 
     Raises:
         WeightSyncError: the address cannot be bound.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, secret: str | None = None) -> None:
+    def __init__(self, cfg: WeightSyncConfig, secret: str | None = None, advertise: str | None = None) -> None:
         self._cfg = cfg
         self.secret = secret or auth.new_secret()
         self.refused = 0
@@ -92,7 +95,7 @@ class TcpSender:
         except OSError as exc:
             raise WeightSyncError(f"weight server cannot listen on {cfg.host}:{cfg.port} "
                                   f"(weights.host / weights.port): {exc}") from exc
-        self._address = f"{cfg.host}:{self._listener.getsockname()[1]}"
+        self._address = f"{advertise or cfg.host}:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._current: _Offer | None = None
         self._retired: _Offer | None = None

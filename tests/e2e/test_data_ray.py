@@ -89,6 +89,26 @@ def test_large_and_small_fields_round_trip_zero_copy(tq):
     assert tq.ack(batch.lease_id) is True and tq.ack(batch.lease_id) is False
 
 
+def test_read_by_id_over_both_paths_resolves_object_store_rows(tq):
+    """The trainer actor's read: named rows, object-store values fetched, through the socket channel
+    (the reply is parked) and through Ray; a retired row is refused by name."""
+    plain = RayTransferQueue(DataConfig(backend="ray", lease_timeout_s=LEASE_S, ray_inline_max_bytes=1024,
+                                        ray_direct_channel=False))
+    tq.create_partition("rd", 8, {"x": FieldSpec("int64", (600,)), "r": FieldSpec("float32")},
+                        retire_after=["t"])
+    big = np.arange(4 * 600, dtype=np.int64).reshape(4, 600)  # through the object store
+    tq.put("rd", ["a", "b", "c", "d"], {"x": big, "r": np.arange(4, dtype=np.float32)}, group_ids=["g"] * 4,
+           versions=[1] * 4)
+    for bus in (tq, plain):
+        fields = bus.read("rd", ["d", "b"], ["x", "r"])
+        np.testing.assert_array_equal(fields["x"], big[[3, 1]])
+        assert fields["r"].tolist() == [3.0, 1.0]
+    batch = tq.get("rd", ["r"], "t", 4)
+    tq.ack(batch.lease_id)
+    with pytest.raises(DataError, match=r"rows are not live \(1 retired"):
+        plain.read("rd", ["a"], ["r"])
+
+
 def test_bad_input_is_refused_over_ray_and_rows_stay_readable(tq):
     tq.create_partition("bad", 8, {"x": FieldSpec("int64", (4,))})
     tq.put("bad", ["a"], {"x": np.ones((1, 4), np.int64)}, group_ids=["g"], versions=[0])
@@ -180,6 +200,31 @@ def test_rows_of_a_killed_producer_stay_readable_when_the_actor_adopts_them(tq):
     batch = bus.get("prod", ["x"], "trainer", 3, timeout_s=10)
     assert [int(row[0]) for row in batch.fields["x"]] == [0, 1, 2]
     bus.close()
+
+
+def test_rows_a_dead_producer_took_with_it_are_dropped_and_rows_behind_them_delivered(tq):
+    """Without adopted values a killed producer's object-store rows are lost: a get drops them (and the
+    rest of their group), counts them, and delivers the good rows queued behind them; the ids of
+    dropped rows are never stored again."""
+    bus = RayTransferQueue(DataConfig(backend="ray", lease_timeout_s=LEASE_S, ray_inline_max_bytes=1024,
+                                      ray_actor_name="not-adopting"))
+    bus.create_partition("lost", 8)
+    producer = Producer.remote(bus)
+    assert ray.get(producer.produce.remote("lost", 2, 512)) == 2  # 4 KiB rows s0, s1: owned by the producer
+    os.kill(ray.get(producer.pid.remote()), signal.SIGKILL)
+    time.sleep(1.0)
+    bus.put("lost", ["ok0", "ok1"], {"x": np.ones((2, 512), np.int64)}, group_ids=["h", "h"], versions=[0, 0])
+    try:
+        batch = bus.get("lost", ["x"], "trainer", 2, timeout_s=30)
+        if batch.sample_ids != ["ok0", "ok1"]:  # Ray kept the dead owner's objects: nothing was lost
+            pytest.skip(f"Ray still served the dead producer's objects ({batch.sample_ids})")
+        assert np.asarray(batch.fields["x"]).tolist() == np.ones((2, 512), np.int64).tolist()
+        stats = bus.stats("lost")
+        assert stats["dead_rows"] == 2 and stats["rows"] == 2
+        with pytest.raises(DataError, match="duplicate sample id 's0'"):
+            bus.put("lost", ["s0"], {"x": np.zeros((1, 512), np.int64)}, group_ids=["g0"], versions=[0])
+    finally:
+        bus.close()
 
 
 def test_get_timeout_names_the_field_no_row_has_and_a_running_ray_is_reused(tq):

@@ -51,7 +51,7 @@ def test_media_travel_from_rollout_through_the_bus_to_the_trainer_and_back(media
     from relax_agent.data import DataConfig, build_transfer_queue
     from relax_agent.roles import build_roles
     from relax_agent.rollout.engines.base import SamplingParams
-    from relax_agent.runtime.base import PARTITION, GroupJob
+    from relax_agent.runtime.base import PARTITION, GroupJob, TrainRef
     from relax_agent.runtime.local import build_local_runtime
 
     cfg = load_config(REPO / "examples/visual_count.yaml", [f"model.path={media_models['tiny-vl']}",
@@ -68,7 +68,7 @@ def test_media_travel_from_rollout_through_the_bus_to_the_trainer_and_back(media
         batch = bus.get(PARTITION, [*R.TRAIN_FIELDS, R.TRAINABLE], consumer="trainer", batch_size=4, timeout_s=60)
         assert all(m is not None and m.kinds[0] == "image" for m in batch.fields[R.MEDIA])
         visual = {k: v.clone() for k, v in roles.trainer.policy_state_dict().items() if "visual" in k}
-        metrics = runtime.trainer.train(batch.fields, 1)
+        metrics = runtime.trainer.train(TrainRef(PARTITION, tuple(batch.sample_ids), tuple(R.TRAIN_FIELDS), 1))
         assert metrics["train/grad_norm"] > 0
         after = roles.trainer.policy_state_dict()
         assert any(not torch.equal(visual[k], after[k]) for k in visual), "the vision encoder did not train"
@@ -87,7 +87,7 @@ def test_routes_travel_with_the_media_and_replay_the_rollout(media_models, tmp_p
     from relax_agent.data import DataConfig, build_transfer_queue
     from relax_agent.roles import build_roles
     from relax_agent.rollout.engines.base import SamplingParams
-    from relax_agent.runtime.base import PARTITION, GroupJob
+    from relax_agent.runtime.base import PARTITION, GroupJob, TrainRef
     from relax_agent.runtime.local import build_local_runtime
 
     cfg = load_config(REPO / "examples/visual_count_qwen3.yaml", [f"model.path={media_models['tiny-vl3-moe']}",
@@ -107,7 +107,8 @@ def test_routes_travel_with_the_media_and_replay_the_rollout(media_models, tmp_p
         ends = [int(np.flatnonzero(m)[-1]) + 1 for m in batch.fields[R.LOSS_MASK]]  # past each row's last policy token
         for end, mask, media in zip(ends, batch.fields[R.ROUTES_MASK], batch.fields[R.MEDIA]):
             assert media is not None and mask[:end].tolist() == [False] + [True] * (end - 1)  # image tokens too
-        metrics = runtime.trainer.train(batch.fields, 1)
+        metrics = runtime.trainer.train(TrainRef(PARTITION, tuple(batch.sample_ids),
+                                                 (*R.TRAIN_FIELDS, *R.ROUTE_FIELDS), 1))
         assert metrics["moe/route_flip_frac"] == 0.0 and metrics[MISMATCH_ABS_DIFF_MAX] < 1e-5, metrics
         assert metrics["moe/replayed_tokens"] == sum(int(m.sum()) for m in batch.fields[R.ROUTES_MASK])
     finally:

@@ -38,12 +38,14 @@ def ray_session():
 
 
 class CountingBus:
-    """Wraps the controller's bus: sample ids each consumer acked (counted once per first ack)."""
+    """Wraps the controller's bus: sample ids each consumer acked (counted once per first ack) and the
+    fields each consumer read through the driver."""
 
     def __init__(self, inner):
-        self.inner, self.acked, self._leases = inner, Counter(), {}
+        self.inner, self.acked, self._leases, self.fields = inner, Counter(), {}, {}
 
     def get(self, partition, fields, consumer, batch_size, **kw):
+        self.fields.setdefault(consumer, set()).update(fields)
         batch = self.inner.get(partition, fields, consumer, batch_size, **kw)
         self._leases[batch.lease_id] = (consumer, list(batch.sample_ids))
         return batch
@@ -144,14 +146,21 @@ def dumped(out: Path) -> list[dict]:
 
 def assert_every_sample_once(out: Path, bus: CountingBus, steps: int = STEPS) -> None:
     """s = 0: every sample id of every step is in the dumps exactly once (0 lost, 0 trained twice), each
-    was acked exactly once by the advantage consumer and the trainer, and every step was logged once."""
+    was acked exactly once by the advantage consumer and the trainer, every step was logged once, and
+    no token, mask, log-prob, media or route array went through the driver (the trainer actor reads
+    them from the bus)."""
+    from relax_agent import records as R
+
     rows = dumped(out)
     ids = Counter(r["sample_id"] for r in rows)
     assert [i for i, n in ids.items() if n > 1] == []
     assert set(ids) == {f"s{k}/g{g}/{i}" for k in range(steps) for g in range(B) for i in range(G)}
     assert not any(r["dropped_stale"] for r in rows)
-    assert set(bus.acked) == {f"{c}:{i}" for c in ("trainer", "advantage") for i in ids}
+    loop_acks = {k for k in bus.acked if not k.startswith("checkpoint:")}
+    assert loop_acks == {f"{c}:{i}" for c in ("trainer", "advantage") for i in ids}
     assert set(bus.acked.values()) == {1}
+    assert bus.fields["trainer"] == {R.ADVANTAGE, R.TRAINABLE, R.TRAJECTORY}
+    assert bus.fields["advantage"] == {R.REWARD, R.TRAINABLE, R.POLICY_TOKENS}
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, steps + 1))
 
@@ -271,6 +280,7 @@ def test_sigkill_of_the_trainer_restarts_it_from_the_checkpoint(ray_session, tin
         thread.join(600)
         assert "error" not in box, box.get("error")
         new = ctrl.runtime.trainer.pid
+        left_on_bus = ctrl.bus.stats("rollouts")["rows"]
     finally:
         ctrl.close()
     assert new != old
@@ -279,6 +289,11 @@ def test_sigkill_of_the_trainer_restarts_it_from_the_checkpoint(ray_session, tin
     assert_same_as_local(reference, tmp_path, box["summary"])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["runtime/trainer_restarts"] for m in metrics] == [0, 0, 0, 1]
+    # step 3's rows waited on the bus for the restart to replay them; the checkpoints of steps 2 and 4
+    # released every trained row once (nothing is left on the bus)
+    released = sorted(k.split(":", 1)[1] for k in ctrl.bus.acked if k.startswith("checkpoint:"))
+    assert released == sorted(r["sample_id"] for r in dumped(tmp_path))
+    assert left_on_bus == 0
 
 
 def gate_trainer(ctrl, gated_calls):
@@ -287,12 +302,12 @@ def gate_trainer(ctrl, gated_calls):
     calls, gates = [], {n: threading.Event() for n in gated_calls}
     real = ctrl.runtime.trainer.train
 
-    def train(fields, version):
-        calls.append(version)
+    def train(ref):
+        calls.append(ref.version)
         gate = gates.get(len(calls))
         if gate is not None:
             assert gate.wait(600), f"train call {len(calls)} was never released"
-        return real(fields, version)
+        return real(ref)
 
     ctrl.runtime.trainer.train = train
     return calls, gates
@@ -434,6 +449,10 @@ def test_train_cli_starts_its_own_ray_and_resumes(tiny_model_dir, tmp_path):
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         assert not (out / "runtime.json").exists()
+        # a clean run (and its resume) says nothing per actor: no progress bars, no Ray warning about
+        # blocking gets, no re-registration of the replicas after a resume
+        noise = ("blocking ray.get", "no longer knows this subscriber", "Writing model shards", "(RolloutReplica")
+        assert [n for n in noise if n in res.stderr] == [], res.stderr[-3000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return [m for m in rows if "rollout/reward" in m]
 

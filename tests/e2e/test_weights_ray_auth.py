@@ -158,7 +158,7 @@ def test_a_stranger_joined_to_the_run_s_ray_cannot_call_the_trainer_actor(ray_se
     coordinator = ActorCoordinator(start_coordinator("auth-test.trainer-weights", NS, credential), credential)
     name = "auth-test.trainer.1"
     actor = ray.remote(TrainerActor).options(name=name, namespace=NS, num_cpus=0).remote(
-        None, "trainer", coordinator, None, "127.0.0.1")
+        None, "trainer", coordinator, None, "127.0.0.1", None)
     try:
         got = ray.get(stranger_at_the_trainer.remote(name), timeout=120)
         assert all("needs the run's publisher credential" in v for v in got.values()), got

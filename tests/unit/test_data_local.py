@@ -193,6 +193,23 @@ def test_clear_drops_rows_and_leases_and_unblocks_producers():
     assert tq.ack(lease) is False
     assert tq.get("p", ["reward"], "t", 1).sample_ids == ["b"]
     assert tq.stats("p")["fields"] == {"reward": "float64"}
+    with pytest.raises(DataError, match=r"duplicate sample id 'a': a row with that id was stored before a clear"):
+        put_rows(tq, "p", ["a"], reward=[3.0])  # the holder of the cleared lease may still train "a"
+
+
+def test_dropping_dead_rows_frees_their_group_and_hands_the_rest_back():
+    """What the Ray backend does when a reader finds values lost: the named rows and the rest of their
+    group go for good (counted), the lease's other rows are handed out again at once."""
+    tq = make_tq()
+    tq.create_partition("p", 8, group_size=2)
+    put_rows(tq, "p", ["a0", "a1"], group="a", reward=[0.0, 1.0])
+    put_rows(tq, "p", ["b0", "b1"], group="b", reward=[2.0, 3.0])
+    batch = tq.get("p", ["reward"], "t", 4, sampler="group")
+    assert tq._store.drop_dead(batch.lease_id, ["a1"]) == ["a0", "a1"]
+    assert tq.get("p", ["reward"], "t", 2, sampler="group", timeout_s=1).sample_ids == ["b0", "b1"]
+    assert tq.stats("p")["dead_rows"] == 2 and tq.stats("p")["rows"] == 2
+    with pytest.raises(LeaseError, match="was nacked"):
+        tq._store.drop_dead(batch.lease_id, ["b0"])
 
 
 @pytest.mark.parametrize(
@@ -372,3 +389,52 @@ def test_a_bad_version_is_refused_by_name_before_any_row_is_stored(bad):
     tq.put("p", ["a"], {"r": [1.0]}, group_ids=["g"], versions=[np.int32(7)])
     batch = tq.get("p", ["r"], "t", 1, timeout_s=1)
     assert list(batch.versions) == [7] and type(batch.versions[0]) is int
+
+
+def test_read_returns_named_rows_in_the_given_order_without_a_lease():
+    """The trainer service reads the rows the loop leased: by id, in the loop's order, no cursor moves."""
+    tq = make_tq()
+    tq.create_partition("p", 8, SCHEMA, group_size=2, retire_after=["trainer"])
+    put_rows(tq, "p", ["a", "b"], response_ids=[np.arange(3), np.arange(5)],
+             reward=np.asarray([0.5, 1.0], np.float32))
+    fields = tq.read("p", ["b", "a"], ["response_ids", "reward"])
+    assert [r.tolist() for r in fields["response_ids"]] == [[0, 1, 2, 3, 4], [0, 1, 2]]
+    assert fields["reward"].tolist() == [1.0, 0.5]
+    batch = tq.get("p", ["reward"], "trainer", 2, timeout_s=1)  # reading leased nothing
+    assert batch.sample_ids == ["a", "b"]
+    assert tq.read("p", ["a"], ["reward"])["reward"].tolist() == [0.5]  # leased rows stay readable
+    tq.ack(batch.lease_id)
+    with pytest.raises(DataError, match=r"2 of 2 rows are not live \(2 retired, 0 never put\)"):
+        tq.read("p", ["a", "b"], ["reward"])
+
+
+@pytest.mark.parametrize("ids, fields, message", [
+    (["a", "zz"], ["reward"], r"1 of 2 rows are not live \(0 retired, 1 never put\), e.g. \['zz'\]"),
+    (["a", "a"], ["reward"], r"sample_ids repeat \['a'\]"),
+    ([], ["reward"], "no sample_ids given"),
+    (["a"], ["logprobs"], r"rows \['a'\] have no field 'logprobs' yet"),
+    (["a"], ["nope"], r"unknown field\(s\) \['nope'\]"),
+    ("a", ["reward"], "is not a sequence of ids"),
+])
+def test_read_refuses_bad_ids_and_fields_by_name(ids, fields, message):
+    tq = make_tq()
+    tq.create_partition("p", 8, SCHEMA)
+    put_rows(tq, "p", ["a"], reward=np.asarray([0.5], np.float32))
+    with pytest.raises(DataError, match=message):
+        tq.read("p", ids, fields)
+
+
+def test_ids_sampler_leases_exactly_the_named_rows_once_all_are_ready():
+    from relax_agent.data import IdsSampler
+
+    tq = make_tq()
+    tq.create_partition("p", 8, SCHEMA, retire_after=["keeper"])
+    put_rows(tq, "p", ["a", "b", "c"], reward=np.asarray([0.0, 1.0, 2.0], np.float32))
+    with pytest.raises(QueueTimeoutError):  # "d" is not there: waits
+        tq.get("p", ["reward"], "keeper", 2, timeout_s=0.05, sampler=IdsSampler(("c", "d")))
+    batch = tq.get("p", ["reward"], "keeper", 2, timeout_s=1, sampler=IdsSampler(("c", "a")))
+    assert batch.sample_ids == ["c", "a"] and batch.fields["reward"].tolist() == [2.0, 0.0]
+    tq.ack(batch.lease_id)
+    assert tq.stats("p")["rows"] == 1  # c and a retired, b stays
+    with pytest.raises(DataError, match="names 1 rows but batch_size=2"):
+        tq.get("p", ["reward"], "keeper", 2, timeout_s=1, sampler=IdsSampler(("b",)))

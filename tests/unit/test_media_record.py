@@ -68,3 +68,25 @@ def test_media_that_are_not_json_data_are_written_so_they_process_the_same(proce
         assert item_digest(processor.process(before)) == item_digest(processor.process(after))
     assert safe[0]["content"][0] == {"type": "text", "text": "look"}
     assert safe[0]["content"][1]["image"].startswith("data:image/png;base64,")
+
+
+def test_the_bus_trajectory_field_carries_no_media_arrays_or_routes_and_records_the_same_digests(processor):
+    """The loop reads the ``trajectory`` field (metrics, dumps, token records): it holds the media as a
+    summary (kinds, token counts, digests) and the turns without routes; the arrays go to the trainer
+    in their own fields, and the token record written from the summary equals the one from the arrays."""
+    from relax_agent import records as R
+
+    media = MediaInputs.concat([processor.process(image_part(_img(0))), processor.process(audio_part(_clip(440.0)))])
+    img = processor.family.token_ids["image"]
+    n = sum(media.num_tokens)
+    routes = np.ones((2, 2, 2), np.uint8)
+    turn = R.Turn(n, (5, 6), (-0.1, -0.2), 0, "stop", routed_experts=routes)
+    traj = R.Trajectory("g/0", "g", "t", tuple([img] * n + [5, 6]), tuple([0] * n + [1, 1]),
+                        tuple([0.0] * n + [-0.1, -0.2]), n, (turn,), 1.0, media=media)
+    fields = R.trajectory_fields([traj], ((2, 2), "uint8"))
+    slim = fields[R.TRAJECTORY][0]
+    assert slim.media.arrays == {} and slim.turns[0].routed_experts is None
+    assert fields[R.MEDIA][0] is media and fields[R.ROUTED_EXPERTS][0][n:].tolist() == routes.tolist()
+    kind_of = processor.family.kind_of_token()
+    assert media_record(slim.media, slim.token_ids, kind_of) == media_record(media, traj.token_ids, kind_of)
+    assert (slim.token_ids, slim.loss_mask, slim.turns[0].token_ids) == (traj.token_ids, traj.loss_mask, (5, 6))

@@ -213,7 +213,7 @@ def test_a_group_waiting_past_the_lease_timeout_is_trained_once_and_never_crashe
     ctrl.bus.close()
     from relax_agent.data import build_transfer_queue
 
-    ctrl.bus = ctrl.runtime.rollout.bus = build_transfer_queue(ctrl.cfg.data)
+    ctrl.bus = ctrl.runtime.rollout.bus = ctrl.runtime.trainer.bus = build_transfer_queue(ctrl.cfg.data)
     ctrl.runtime.closers[-1] = ctrl.bus.close
     run(ctrl)
     rows = dumped(tmp_path)
@@ -272,3 +272,60 @@ def test_each_step_row_carries_the_rollout_engines_own_metrics(tmp_path):
     run(ctrl)
     assert [m[M.PREFIX_CACHE_HIT_RATE] for m in metrics(tmp_path)] == [0.25, 0.5, 0.75]
     assert all(m[M.CROSSED_UPDATE_TURNS] == 0.0 for m in metrics(tmp_path))
+
+
+def test_rows_a_trainer_may_replay_wait_on_the_bus_until_a_checkpoint_covers_them(tmp_path):
+    """A trainer service that replays updates after a restart (as under ``runtime: ray``) says which
+    versions a checkpoint covers; the loop keeps the rows of later updates on the bus, releases the
+    covered ones after each save (every 2 steps), and names the rows to the trainer service, which
+    reads the token arrays from the bus itself."""
+    from relax_agent import records as R
+
+    ctrl = make_controller(tmp_path, 1, lognormal_delay, steps=5)
+    ctrl.cfg.checkpoint.every_steps = 2
+    service, bus = ctrl.runtime.trainer, ctrl.bus
+    refs, released, saved = [], [], {"version": 0}
+    leases = {}
+
+    class Recorder:
+        def get(self, partition, fields, consumer, batch_size, **kw):
+            batch = bus.get(partition, fields, consumer, batch_size, **kw)
+            leases[batch.lease_id] = (consumer, list(batch.sample_ids), list(fields))
+            return batch
+
+        def ack(self, lease_id):
+            consumer, ids, fields = leases[lease_id]
+            if consumer == "checkpoint":
+                released.append((saved["version"], ids))
+            if consumer == "trainer":
+                assert R.TOKEN_IDS not in fields  # the loop reads scalars and the trajectory only
+            return bus.ack(lease_id)
+
+        def __getattr__(self, name):
+            return getattr(bus, name)
+
+    real_train, real_save = service.train, service.save_model
+
+    def train(ref):
+        refs.append(ref)
+        return real_train(ref)
+
+    def save_model(path):
+        saved["version"] = ctrl.version
+        real_save(path)
+
+    ctrl.bus = Recorder()
+    service.train, service.save_model = train, save_model
+    service.rows_needed_after = lambda: saved["version"]
+    run(ctrl)
+    assert [r.version for r in refs] == [1, 2, 3, 4, 5] and all(r.fields == R.TRAIN_FIELDS for r in refs)
+    trained_into = {sid: r.version for r in refs for sid in r.sample_ids}
+    when = {sid: covered for covered, ids in released for sid in ids}
+    for sid, version in trained_into.items():
+        if version <= 4:  # the checkpoints after steps 2 and 4 cover it: released after them, not before
+            assert when[sid] >= version and when[sid] in (2, 4), (sid, version, when.get(sid))
+        else:
+            assert sid not in when  # version 5: no checkpoint covers it before the run ends
+    trained_groups = {sid.rsplit("/", 1)[0] for sid in trained_into}
+    idle = {r["sample_id"] for r in dumped(tmp_path) if r["sample_id"].rsplit("/", 1)[0] not in trained_groups}
+    assert idle and idle <= set(when)  # groups that trained nothing (dropped, uniform) are released at once

@@ -22,14 +22,21 @@ class FakeTrainer:
 
     Args:
         train_s: seconds each :meth:`train_step` sleeps (a slow trainer, for schedule tests).
+        hang_at_update: the update (1-based, counting restored ones) whose :meth:`train_step` never
+            returns (sleeps forever: a hung trainer); None: never.
+        hang_marker: with ``hang_at_update``: a file created when the hang starts; when it exists
+            already, the trainer does not hang (a restarted trainer goes on).
 
     Attributes:
         batches: every batch trained on, in order.
         step: updates taken.
     """
 
-    def __init__(self, train_s: float = 0.0) -> None:
+    def __init__(self, train_s: float = 0.0, hang_at_update: int | None = None,
+                 hang_marker: str | Path | None = None) -> None:
         self.train_s = train_s
+        self.hang_at_update = hang_at_update
+        self.hang_marker = None if hang_marker is None else Path(hang_marker)
         self.batches: list[TrainBatch] = []
         self.sft_batches: list[TrainBatch] = []
         self.step = 0
@@ -38,6 +45,11 @@ class FakeTrainer:
         """Record ``batch``; the loss is the mean advantage (a value a test can predict)."""
         if self.train_s:
             time.sleep(self.train_s)
+        if self.step + 1 == self.hang_at_update and not (self.hang_marker is not None and self.hang_marker.exists()):
+            if self.hang_marker is not None:
+                self.hang_marker.touch()
+            while True:
+                time.sleep(3600.0)
         self.batches.append(batch)
         self.step += 1
         return {"train/loss": float(batch.advantages.mean()), "train/sequences": float(batch.size)}
