@@ -303,6 +303,48 @@ class LoggingConfig(Section):
     rollout log-probs, turns and messages, as the trainer saw them (what ``relax-agent replay`` checks)."""
 
 
+class AutoscaleConfig(Section):
+    """ray: scale rollout replicas while training from the trainer's idle time (``runtime.autoscale``).
+
+    After each step the autoscaler takes the fraction of the step the trainer spent waiting for
+    groups (``timing/data_wait_s / timing/step_s``), averaged over the last ``window_steps`` steps
+    (the first step, which waits for the replicas' start and first rollouts, is not counted). Above
+    ``scale_up_above`` rollout is the bottleneck: one more replica, up to ``max_replicas`` (and what
+    the cluster holds, as for ``relax-agent scale``). Below ``scale_down_below`` the trainer is: the
+    replicas wait at the staleness gate, one is drained, down to ``min_replicas``. After a change
+    the next ``cooldown_steps`` steps are not judged (a new replica loads its model and pulls the
+    weights first). A resumed run starts again from ``runtime.rollout_replicas``.
+    """
+
+    enabled: bool = False
+    """Scale rollout replicas automatically (``runtime.kind: ray`` only; ``relax-agent scale`` still
+    sets the target by hand, and the autoscaler goes on from there)."""
+    min_replicas: int = Field(default=1, ge=1)
+    """Fewest rollout replicas the autoscaler drains down to."""
+    max_replicas: int | None = Field(default=None, ge=1)
+    """Most rollout replicas the autoscaler starts; None: ``runtime.max_rollout_replicas`` (either way
+    no more than the cluster's resources hold)."""
+    scale_up_above: float = Field(default=0.25, ge=0.0, le=1.0)
+    """Trainer idle fraction (mean over the window) above which a replica is added."""
+    scale_down_below: float = Field(default=0.02, ge=0.0, le=1.0)
+    """Trainer idle fraction (mean over the window) below which a replica is drained."""
+    window_steps: int = Field(default=2, ge=1)
+    """Steps whose idle fractions are averaged for a decision."""
+    cooldown_steps: int = Field(default=2, ge=0)
+    """Steps after a change that are not judged (the new replica's start, the drained one's exit)."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "AutoscaleConfig":
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"runtime.autoscale.min_replicas={self.min_replicas} is more than "
+                             f"runtime.autoscale.max_replicas={self.max_replicas}")
+        if self.scale_down_below >= self.scale_up_above:
+            raise ValueError(f"runtime.autoscale.scale_down_below={self.scale_down_below:g} is not below "
+                             f"runtime.autoscale.scale_up_above={self.scale_up_above:g}: the autoscaler would "
+                             "add and drain replicas at the same idle time")
+        return self
+
+
 class RuntimeConfig(Section):
     """Where the roles run: this process (``local``) or Ray actors (``ray``).
 
@@ -367,6 +409,8 @@ class RuntimeConfig(Section):
     trainer_resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
     """ray: Ray custom resources the trainer actor asks for, e.g. ``{"head_host": 0.01}`` to keep it on
     the head; empty: any node with CPUs."""
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    """ray: scale rollout replicas from the trainer's idle time while training (off by default)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -188,14 +188,19 @@ def check_output_dir(path: str) -> None:
 
 def check_mode(cfg: RelaxConfig, device: str) -> None:
     """Refuse ``weights.transport: nccl`` in async mode (ConfigError naming it and the device) and the
-    combinations ``runtime.kind: ray`` cannot run (:func:`check_ray_combination`); warn about
-    ``weights`` keys that ``mode: colocate`` ignores.
+    combinations ``runtime.kind: ray`` cannot run (:func:`check_ray_combination`), and
+    ``runtime.autoscale.enabled`` without it (only Ray actors can be added); warn about ``weights``
+    keys that ``mode: colocate`` ignores.
 
     Async mode's engine shares the trainer's process, which nccl cannot reach (it broadcasts
     to rollout processes on CUDA GPUs); colocate publishes through ``inproc`` whatever is set.
     """
     if cfg.runtime.kind == "ray":
         check_ray_combination(cfg)
+    elif cfg.runtime.autoscale.enabled:
+        raise ConfigError(f"runtime.autoscale.enabled=true with runtime.kind={cfg.runtime.kind!r}: the autoscaler "
+                          "adds and drains rollout replicas, which are Ray actors; set runtime.kind=ray (or "
+                          "runtime.autoscale.enabled=false)")
     if cfg.mode == "async" and cfg.weights.transport == "nccl":
         why = (f"run.device resolves to {device!r} and nccl needs CUDA GPUs" if not device.startswith("cuda") else
                "nccl reaches rollout engines in other processes, and this run's engine shares the trainer's process")

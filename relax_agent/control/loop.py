@@ -554,6 +554,8 @@ class _Run:
         sampled = trajs + [t for grp in filtered for t in grp.trajs]
         row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last,
                        self._rollout_s(groups + filtered, t_end - t_last))
+        for hook in ctrl.runtime.step_hooks:
+            row.update(hook(row))
         ctrl.logger.log(ctrl.step, row)
         ctrl.logger.log_histogram(ctrl.step, STALENESS_HIST, [trained_at - v for v in versions])
         ctrl._report("step", row)

@@ -189,6 +189,9 @@ class Runtime:
         train_tasks / heldout_tasks: the env's splits.
         decode: token ids -> text (responses in the rollout dumps).
         closers: called in order by :meth:`close`.
+        step_hooks: called by the loop with each training step's metric row once it is complete
+            (the trainer thread); each returns metrics added to the row (the Ray runtime's
+            autoscaler, :mod:`relax_agent.runtime.autoscale`).
     """
 
     rollout: RolloutService
@@ -197,6 +200,7 @@ class Runtime:
     heldout_tasks: list[Task]
     decode: Callable[[Sequence[int]], str]
     closers: list[Callable[[], None]] = field(default_factory=list)
+    step_hooks: list[Callable[[Mapping[str, Any]], dict[str, float]]] = field(default_factory=list)
 
     def close(self) -> None:
         """Close every service (each closer runs even when an earlier one raised)."""

@@ -212,6 +212,10 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
     if owns_ray:
         closers.append(ray.shutdown)
     runtime = Runtime(rollout, trainer, roles.train_tasks, roles.heldout_tasks, roles.tokenizer.decode, closers)
+    if cfg.runtime.autoscale.enabled:
+        from relax_agent.runtime.autoscale import Autoscaler
+
+        runtime.step_hooks.append(Autoscaler(cfg.runtime.autoscale, supervisor, cfg.runtime.max_rollout_replicas).observe)
     return runtime, GuardedBus(bus, watch)
 
 

@@ -358,6 +358,31 @@ def test_scale_out_and_in_while_training(ray_session, tiny_model_dir, tmp_path, 
     assert not (tmp_path / "runtime.json").exists()  # the control endpoint is gone with the run
 
 
+def test_autoscale_adds_a_replica_while_the_trainer_waits_and_stops_at_its_bound(ray_session, tiny_model_dir,
+                                                                                 tmp_path):
+    """s = 0: the trainer waits for every step's rollouts, so with any idle time above 1% the autoscaler
+    adds a replica after step 2 (step 1 is not judged), and none past ``max_replicas=2``; every sample
+    is trained once."""
+    steps = 5
+    ctrl = build(tiny_model_dir, tmp_path, "autoscale", "runtime.rollout_replicas=1", f"trainer.steps={steps}",
+                 "runtime.autoscale.enabled=true", "runtime.autoscale.max_replicas=2",
+                 "runtime.autoscale.window_steps=1", "runtime.autoscale.cooldown_steps=0",
+                 "runtime.autoscale.scale_up_above=0.01", "runtime.autoscale.scale_down_below=0.0")
+    pool = ctrl.runtime.rollout.pool
+    try:
+        ctrl.train()
+        events = [(e, name) for _, e, name, _ in pool.events]
+    finally:
+        ctrl.close()
+    metrics = [m for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+               if "rollout/reward" in (m := json.loads(line))]
+    assert [m["runtime/autoscale"] for m in metrics] == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert all(m["runtime/trainer_idle_frac"] > 0.01 for m in metrics[1:2])
+    assert [m["runtime/rollout_target"] for m in metrics][2:] == [2.0] * (steps - 2)
+    assert [name for e, name in events if e == "started"] == [f"t-autoscale.rollout-{k}.{k}" for k in (0, 1)]
+    assert_every_sample_once(tmp_path, ctrl.bus, steps)
+
+
 SLOW_REWARD_PY = '''
 import json, os, time
 
