@@ -12,7 +12,10 @@ capacity is bound by tool slots per host and a second host adds capacity. Prints
 2. bytes the driver's bus reads carried per step: token, mask, log-prob, media and route arrays
    (target 0: the trainer actor reads those from the bus itself) and the pickled trajectories the
    loop reads for its metrics and dumps (with the token ids inside them);
-3. failover: ``--kills`` times, every process of worker host 3 is SIGKILLed while training; seconds
+3. autoscaling (``--autoscale-steps``): a run that starts with 1 replica and ``runtime.autoscale`` on
+   (at most 2): the step after which the autoscaler added the second replica, the replicas serving per
+   step, and samples/s once both served;
+4. failover: ``--kills`` times, every process of worker host 3 is SIGKILLed while training; seconds
    until a replacement replica is ready on the surviving host (target p50 <= 15 s), after which host
    3 joins again.
 
@@ -67,20 +70,24 @@ class CountingBus:
         return getattr(self.inner, name)
 
 
-def ray_runtime(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
-    return {"kind": "ray", "rollout_replicas": replicas, "trainer_num_cpus": 0.25,
-            "max_groups_per_replica": args.groups_per_replica, "rollout_resources": {"rollout_host": 1},
-            "rollout_spread": True, "trainer_resources": {"head_host": 0.01}, "heartbeat_interval_s": 0.5,
-            "heartbeat_timeout_s": 10.0}
+def ray_runtime(args: argparse.Namespace, replicas: int, autoscale: bool = False) -> dict[str, Any]:
+    rt = {"kind": "ray", "rollout_replicas": replicas, "trainer_num_cpus": 0.25,
+          "max_groups_per_replica": args.groups_per_replica, "rollout_resources": {"rollout_host": 1},
+          "rollout_spread": True, "trainer_resources": {"head_host": 0.01}, "heartbeat_interval_s": 0.5,
+          "heartbeat_timeout_s": 10.0}
+    if autoscale:
+        rt["autoscale"] = {"enabled": True, "max_replicas": 2, "window_steps": 2, "cooldown_steps": 1}
+    return rt
 
 
-def build(args: argparse.Namespace, model: str, out: Path, name: str, replicas: int, steps: int | None = None) -> Any:
+def build(args: argparse.Namespace, model: str, out: Path, name: str, replicas: int, steps: int | None = None,
+          autoscale: bool = False) -> Any:
     import runtime as single_host  # benchmarks/runtime.py: the same workload and config
 
     from relax_agent.control import build_controller
     from relax_agent.roles import build_roles
 
-    cfg = single_host.config(args, model, out, ray_runtime(args, replicas), steps)
+    cfg = single_host.config(args, model, out, ray_runtime(args, replicas, autoscale), steps)
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
         "ray_address": args.address, "ray_actor_name": f"{PREFIX}-{name}"})})
     ctrl = build_controller(cfg, build_roles(cfg))
@@ -104,6 +111,29 @@ def throughput(args: argparse.Namespace, model: str, out: Path, name: str, repli
             "samples_per_s": len(rows) * args.tasks_per_step * args.group_size / wall_s,
             "array_bytes_per_step": bus.array_bytes / len(rows), "trajectory_bytes_per_step": bus.trajectory_bytes / len(rows),
             "trajectory_tokens_per_step": bus.trajectory_tokens / len(rows)}
+
+
+def autoscaled(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
+    """Start with 1 replica and ``runtime.autoscale`` on (at most 2, window 2 steps, cooldown 1): per step
+    the replicas serving, the target, the trainer's idle fraction; samples/s over the steps after the
+    target reached 2 (the second replica's start excluded)."""
+    from relax_agent.metrics import read_metrics
+
+    ctrl = build(args, model, out, "autoscaled", 1, steps=args.autoscale_steps, autoscale=True)
+    try:
+        ctrl.train()
+        nodes = sorted({r.node_id for r in ctrl.runtime.rollout.pool.replicas if r.node_id})
+    finally:
+        ctrl.close()
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    full = [r for r in rows if r["runtime/rollout_replicas"] >= 2]
+    per_step = args.tasks_per_step * args.group_size
+    return {"run": "autoscaled", "hosts": len(nodes), "steps": len(rows),
+            "replicas": [r["runtime/rollout_replicas"] for r in rows],
+            "target": [r["runtime/rollout_target"] for r in rows],
+            "idle": [r.get("runtime/trainer_idle_frac") for r in rows],
+            "scaled_up_after_step": next((r["step"] for r in rows if r["runtime/autoscale"] > 0), None),
+            "samples_per_s_at_2": len(full) * per_step / sum(r["timing/step_s"] for r in full) if full else None}
 
 
 def failover(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
@@ -193,6 +223,8 @@ def inner(args: argparse.Namespace) -> None:
             model = str(make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=0))
             results["runs"] = [throughput(args, model, Path(tmp) / "one", "one-host", 1),
                                throughput(args, model, Path(tmp) / "two", "two-hosts", 2)]
+            if args.autoscale_steps:
+                results["autoscaled"] = autoscaled(args, model, Path(tmp) / "autoscaled")
             if args.kills:
                 results["failover"] = failover(args, model, Path(tmp) / "failover")
     finally:
@@ -231,6 +263,13 @@ def outer(args: argparse.Namespace) -> None:
               f"{r['array_bytes_per_step']:.0f} B of token/media/route arrays, {r['trajectory_bytes_per_step'] / 1024:.1f} "
               f"KiB of trajectories ({r['trajectory_tokens_per_step']:.0f} token ids inside)")
     print(f"two worker hosts / one: {two['samples_per_s'] / one['samples_per_s']:.2f}x (target >= 1.7x)")
+    if "autoscaled" in results:
+        a = results["autoscaled"]
+        at2 = "n/a" if a["samples_per_s_at_2"] is None else f"{a['samples_per_s_at_2']:.2f}"
+        print(f"autoscaled from 1 replica: target raised after step {a['scaled_up_after_step']}; replicas serving per "
+              f"step {[int(x) for x in a['replicas']]}; trainer idle (window mean) "
+              f"{[None if x is None else round(x, 2) for x in a['idle']]}; {at2} samples/s once 2 served "
+              f"(on {a['hosts']} host(s))")
     if "failover" in results:
         f = results["failover"]
         print(f"host killed -> replacement ready: p50 {f['ready_p50_s']:.1f} s, max {f['ready_max_s']:.1f} s over "
@@ -251,6 +290,8 @@ def main() -> None:
     p.add_argument("--latency-sigma", type=float, default=0.5)
     p.add_argument("--latency-cap-s", type=float, default=6.0)
     p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--autoscale-steps", type=int, default=10,
+                   help="steps of the run that starts with 1 replica under runtime.autoscale (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="also write the results here")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
