@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ from relax_agent.errors import LeaseError, QueueTimeoutError, RolloutError
 from relax_agent.evaluation import evaluate
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
-from relax_agent.runtime.base import PARTITION, GroupJob, Runtime, TrainRef
+from relax_agent.runtime.base import PARTITION, GroupJob, Runtime, TrainerService, TrainRef
 from relax_agent.sampler import TaskSampler
 from relax_agent.train.algorithms import BATCH_NORMALIZED
 
@@ -131,6 +132,13 @@ class Controller:
         """Close the runtime's services and the bus."""
         self.runtime.close()
 
+    @property
+    def trainer(self) -> TrainerService:
+        """The runtime's trainer service; RuntimeError for a runtime built to evaluate only."""
+        if self.runtime.trainer is None:
+            raise RuntimeError("this runtime has no trainer service (it was built to evaluate only)")
+        return self.runtime.trainer
+
     # -- resume -----------------------------------------------------------------------------
     def restore(self, ckpt: Path) -> None:
         """Continue from ``ckpt`` (the policy was already loaded from ``ckpt/model``); its
@@ -141,13 +149,13 @@ class Controller:
         self.step, self.version = state["step"], state["policy_version"]
         self.groups_drawn = state.get("groups_drawn", self.step * self.B)
         self.sft_done = state.get("sft_done", True)
-        self.runtime.trainer.restore(trainer_state, self.version)
+        self.trainer.restore(trainer_state, self.version)
 
     def save(self) -> Path:
         """Checkpoint the last complete step."""
         state = {"policy_version": self.version, "sampler": self.sampler.state_dict(), "groups_drawn": self.groups_drawn,
                  "sft_done": self.sft_done}
-        trainer = self.runtime.trainer
+        trainer = self.trainer
         return self.ckpts.save(self.step, trainer.save_model, trainer.state_dict(), state, dump_config(self.cfg))
 
     # -- the run ----------------------------------------------------------------------------
@@ -195,7 +203,7 @@ class Controller:
 
         routes = self.runtime.rollout.routes
         capacity, consumers = queue_capacity(self.B, self.s, self.G), [ADVANTAGE_CONSUMER, TRAINER]
-        if self.runtime.trainer.rows_needed_after() is not None:
+        if self.trainer.rows_needed_after() is not None:
             # the rows of up to checkpoint.every_steps updates wait on the bus for a checkpoint
             capacity += self.cfg.checkpoint.every_steps * self.B * self.G
             consumers.append(KEEPER)
@@ -235,14 +243,14 @@ class Controller:
                 rows = {name: [demos[name][i] for i in idx]
                         for name in (R.TOKEN_IDS, R.LOSS_MASK, R.ROLLOUT_LOGPROBS, R.MEDIA) if name in demos}
                 self.weights_dirty = True
-                metrics = self.runtime.trainer.sft(rows, t.sft_lr)
+                metrics = self.trainer.sft(rows, t.sft_lr)
                 losses.append(metrics["sft/loss"])
                 log.write(json.dumps({"sft/step": k + 1, **metrics}) + "\n")
                 log.flush()
                 self._report("sft", {"step": k + 1, "total": t.sft_warmup_steps, **metrics})
                 self.stop.check()
         self.version += 1
-        self.runtime.trainer.end_sft(self.version)
+        self.trainer.end_sft(self.version)
         self.weights_dirty = False
         self.sft_done = True
         out = {"sft/steps": float(t.sft_warmup_steps), "sft/demonstrations": float(n),
@@ -285,8 +293,15 @@ class Controller:
         return every > 0 and self.step % every == 0
 
 
+def _mark_played(span: list[float], _fut: Any) -> None:
+    """Done-callback of a group's rollout: its ``[start, end]`` span gets its end."""
+    span[1] = time.perf_counter()
+
+
 class _Run:
     """One pass of the pipeline: the coroutines and the trainer thread of :meth:`Controller.train`."""
+
+    _kind_of_token: dict[int, str] | None  # read on first use by _placeholder_ids
 
     def __init__(self, ctrl: Controller) -> None:
         cfg = ctrl.cfg
@@ -324,7 +339,7 @@ class _Run:
         self.train_fields = tuple(R.TRAIN_FIELDS)
         if ctrl.runtime.rollout.routes is not None:
             self.train_fields += tuple(R.ROUTE_FIELDS)
-        self.keep = ctrl.runtime.trainer.rows_needed_after() is not None
+        self.keep = ctrl.trainer.rows_needed_after() is not None
         """Trained rows wait on the bus (consumer :data:`KEEPER`) until a checkpoint covers them."""
         self.kept: list[tuple[int, list[str]]] = []
         """(policy version of the update, sample ids) of the groups kept for a trainer restart."""
@@ -365,7 +380,7 @@ class _Run:
                 job = self._next_job()
                 span = self.played_s[job.group_id] = [time.perf_counter(), math.nan]
                 fut = asyncio.ensure_future(self.ctrl.runtime.rollout.play_group(job, self.ctrl.params()))
-                fut.add_done_callback(lambda _f, span=span: span.__setitem__(1, time.perf_counter()))
+                fut.add_done_callback(functools.partial(_mark_played, span))
                 running.add(fut)
                 fut.add_done_callback(running.discard)
                 fut.add_done_callback(self._raise_failed)
@@ -435,7 +450,7 @@ class _Run:
             if self.gate.too_stale(self.ctrl.version, group.version):
                 self._drop(group)
             elif self.draw_cap is not None and not _informative(group, self.estimator):
-                if self._may_filter(len(groups)):
+                if self._may_filter(len(groups), self.draw_cap):
                     self._filter(group)
                 else:
                     self.cap_reached = True
@@ -444,11 +459,11 @@ class _Run:
                 groups.append(group)
         return groups, wait_s
 
-    def _may_filter(self, kept: int) -> bool:
+    def _may_filter(self, kept: int, draw_cap: int) -> bool:
         """True when filtering one more group still lets the step fill its ``B - kept`` places
-        within the draw cap (every group taken so far, this one and the places left)."""
+        within ``draw_cap`` (every group taken so far, this one and the places left)."""
         taken = kept + self.dropped_this_step + self.filtered_this_step
-        return taken + 1 + (self.ctrl.B - kept) <= self.draw_cap
+        return taken + 1 + (self.ctrl.B - kept) <= draw_cap
 
     def _filter(self, group: _Group) -> None:
         """Dynamic sampling: retire a group without signal untrained and free its place for a new draw."""
@@ -487,7 +502,8 @@ class _Run:
         gid = group.trajs[0].group_id
         self.trained.add(gid)
         self.seq_of.pop(gid, None)
-        group.played_s = tuple(self.played_s.pop(gid, (math.nan, math.nan)))
+        start, end = self.played_s.pop(gid, (math.nan, math.nan))
+        group.played_s = (start, end)
         self._ack(group.lease_id)
         if self.keep:
             if trained_into is None:
@@ -505,7 +521,7 @@ class _Run:
 
     def _release_kept(self) -> None:
         """After a checkpoint: release the kept rows it covers (trainer thread)."""
-        covered = self.ctrl.runtime.trainer.rows_needed_after()
+        covered = self.ctrl.trainer.rows_needed_after()
         if covered is None:
             return
         keep = []
@@ -581,7 +597,7 @@ class _Run:
         ref = TrainRef(PARTITION, tuple(grp.sample_ids[i] for grp, i in keep), self.train_fields, ctrl.version + 1,
                        None if final is None else tuple(final[(grp.seq, i)] for grp, i in keep))
         ctrl.weights_dirty = True
-        out.update(ctrl.runtime.trainer.train(ref))
+        out.update(ctrl.trainer.train(ref))
         ctrl.version += 1
         return out, kept
 

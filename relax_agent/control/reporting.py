@@ -6,7 +6,7 @@ import gzip
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Callable, Iterable, Mapping, Sequence
 
 from relax_agent import metrics as M
 from relax_agent.evaluation import episode_accuracy
@@ -40,7 +40,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, 
 
 def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], trained_at: int, kept: set[str],
                        dropped: set[str], decode: Callable[[Sequence[int]], str],
-                       filtered: set[str] = frozenset()) -> None:
+                       filtered: AbstractSet[str] = frozenset()) -> None:
     """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
 
     ``rows``: ``(trajectory, sample_version)`` pairs. Each line records ``sample_version`` (engine

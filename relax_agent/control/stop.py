@@ -19,7 +19,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
-        self._cancel: Callable[[], None] | None = None
+        self._cancel: Callable[[], object] | None = None
         self._previous: Any = None
 
     def __enter__(self) -> "StopRequest":
@@ -49,6 +49,7 @@ class StopRequest:
 
         async def main() -> Any:
             loop, task = asyncio.get_running_loop(), asyncio.current_task()
+            assert task is not None  # main() runs as asyncio.run's task
             self._cancel = lambda: loop.call_soon_threadsafe(task.cancel)
             return await coro_fn()
 

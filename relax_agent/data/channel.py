@@ -17,11 +17,11 @@ import tempfile
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Coroutine
 
 from relax_agent.errors import DataError
 
-Handler = Callable[[str, tuple], Awaitable[Any]]
+Handler = Callable[[str, tuple], Coroutine[Any, Any, Any]]
 
 
 def _dumps(obj: Any) -> bytes:

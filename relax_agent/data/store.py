@@ -320,6 +320,7 @@ class Store:
             part.schema.setdefault(name, spec)
         for i, (sid, is_new) in enumerate(zip(plan.sample_ids, plan.new)):
             if is_new:
+                assert plan.group_ids is not None and plan.versions is not None  # _check_ids requires both for new rows
                 row = _Row(len(part.order), str(plan.group_ids[i]), int(plan.versions[i]))
                 part.rows[sid] = row
                 part.groups[row.group_id] = (row.version, part.groups.get(row.group_id, (0, 0))[1] + 1)
@@ -563,8 +564,9 @@ class Store:
         live_before = list(itertools.accumulate((sid is not None for sid in part.order), initial=0))
         for cons in part.consumers.values():
             cons.start = live_before[cons.start]
-        part.order = [sid for sid in part.order if sid is not None]
-        for seq, sid in enumerate(part.order):
+        live = [sid for sid in part.order if sid is not None]
+        part.order = list(live)
+        for seq, sid in enumerate(live):
             part.rows[sid].seq = seq
 
     # -- stats ----------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class Autoscaler:
             self.cooldown -= 1
             return target
         self.window.append(idle)
-        if len(self.window) < self.window.maxlen:
+        if len(self.window) < self.cfg.window_steps:
             return target
         mean = self.last_mean = sum(self.window) / len(self.window)
         upper = min(self.upper, bound)

@@ -111,9 +111,9 @@ def record_placement(cfg: Any, role: str, name: str, info: dict[str, Any]) -> No
     import time
     from pathlib import Path
 
-    row = {"time": time.time(), "role": role, "name": name,
-           **{k: info.get(k) for k in ("pid", "node_id", "node_ip", "weights_address", "policy_version")
-              if k in info}}
+    row: dict[str, Any] = {"time": time.time(), "role": role, "name": name,
+                           **{k: info.get(k) for k in ("pid", "node_id", "node_ip", "weights_address",
+                                                       "policy_version") if k in info}}
     try:
         path = Path(cfg.run.output_dir) / PLACEMENT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
