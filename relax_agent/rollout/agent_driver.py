@@ -299,7 +299,7 @@ def kill_marked(marker: str, proc_dir: str = "/proc") -> list[int]:
         the pids signalled.
     """
     needle = marker.encode() + b"\0"
-    killed = []
+    killed: list[int] = []
     try:
         pids = [int(name) for name in os.listdir(proc_dir) if name.isdigit()]
     except OSError:

@@ -94,7 +94,8 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
                       renderer: ChatRenderer, parser: ToolCallParser, params: SamplingParams,
                       deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
     """The turn loop after the prompt: (summed env reward, last numeric info, stop reason)."""
-    reward, metrics = 0.0, {}
+    reward = 0.0
+    metrics: dict[str, float] = {}
     for turn in range(spec.max_turns):
         budget = spec.max_total_tokens - rec.num_tokens
         if budget <= 0:

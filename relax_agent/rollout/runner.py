@@ -25,6 +25,14 @@ class RolloutLimits:
     episode_timeout_s: float = 1800.0
 
 
+def _env_driver(make_env: Callable[[], Any] | None, engine: InferenceEngine | None, renderer: ChatRenderer | None,
+                parser: ToolCallParser | None) -> EnvDriver:
+    """``EnvDriver(make_env, engine, renderer, parser)``; TypeError when one of them is None."""
+    if make_env is None or engine is None or renderer is None or parser is None:
+        raise TypeError("RolloutRunner without a driver needs make_env, engine, renderer and parser")
+    return EnvDriver(make_env, engine, renderer, parser)
+
+
 class RolloutRunner:
     """Plays GRPO groups: ``group_size`` episodes per task, all concurrently.
 
@@ -46,7 +54,7 @@ class RolloutRunner:
     def __init__(self, make_env: Callable[[], Any] | None, engine: InferenceEngine | None,
                  renderer: ChatRenderer | None, parser: ToolCallParser | None, limits: RolloutLimits,
                  reward: Any = None, env_id: str = "", driver: RolloutDriver | None = None):
-        self.driver = driver if driver is not None else EnvDriver(make_env, engine, renderer, parser)
+        self.driver = driver if driver is not None else _env_driver(make_env, engine, renderer, parser)
         self.engine = self.driver.engine
         self.reward = reward
         self.env_id = env_id

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import queue
 import threading
@@ -237,7 +238,7 @@ class HFEngine:
         for prompt, p in zip(prompts, per_prompt):
             fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
             futures.append(fut)
-            self._submit(list(prompt), p, lambda r, f=fut: _resolve(f, r))
+            self._submit(list(prompt), p, functools.partial(_resolve, fut))
         return [f.result() for f in futures]
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
@@ -676,7 +677,10 @@ class _Batch:
 
     @property
     def width(self) -> int:
-        return 0 if self.cache is None else self.cache.layers[0].keys.shape[-2]
+        if self.cache is None:
+            return 0
+        first: Any = self.cache.layers[0]  # an attention layer (transformers types its keys as optional)
+        return first.keys.shape[-2]
 
     def merge(self, new: list[_Row]) -> None:
         """Add prefilled rows: the batch's KV is copied once into buffers wide enough for every row."""
@@ -708,7 +712,9 @@ class _Batch:
             self._sampling = (
                 torch.tensor([r.params.temperature for r in self.rows], device=self.device, dtype=torch.float32),
                 torch.tensor([r.params.top_p for r in self.rows], device=self.device, dtype=torch.float32))
-        return sample_tokens(logits, *self._sampling, [r.generator for r in self.rows])
+        generators = [r.generator for r in self.rows if r.generator is not None]
+        assert len(generators) == len(self.rows)  # a row gets its generator when it is prefilled
+        return sample_tokens(logits, *self._sampling, generators)
 
     def row_kv(self, i: int) -> KV:
         """Row ``i``'s real columns, copied out: [1, kv_heads, lengths[i], head_dim] per layer."""
@@ -725,6 +731,7 @@ class _Batch:
         self.next_tokens = [tokens[i] for i in keep]
 
     def _row_views(self, i: int) -> RowKV:
+        assert self.cache is not None  # rows have columns only once the batch has a cache
         start = self.width - self.lengths[i]
         return [(k[i, :, start:], v[i, :, start:]) for k, v in _kv_of(self.cache)]
 
@@ -792,7 +799,8 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def _kv_of(cache: DynamicCache) -> KV:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    layers: list[Any] = cache.layers  # attention layers (transformers types their keys/values as optional)
+    return [(layer.keys, layer.values) for layer in layers]
 
 
 def _cache_of(kv: KV | None) -> DynamicCache:
@@ -821,7 +829,8 @@ class _GrowingLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         super().__init__()
         self.lazy_initialization(keys, values)
-        self._buffers, self._length = (keys, values), length
+        self._buffers: tuple[torch.Tensor, ...] = (keys, values)
+        self._length = length
         self._expose()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -832,11 +841,12 @@ class _GrowingLayer(DynamicLayer):
         self._buffers[0][:, :, start:end] = key_states
         self._buffers[1][:, :, start:end] = value_states
         self._length = end
-        self._expose()
-        return self.keys, self.values
+        return self._expose()
 
-    def _expose(self) -> None:
-        self.keys, self.values = (buf[:, :, :self._length] for buf in self._buffers)
+    def _expose(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = (buf[:, :, :self._length] for buf in self._buffers)
+        self.keys, self.values = keys, values
+        return keys, values
 
 
 def _widened(buf: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
@@ -859,7 +869,7 @@ def _assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
                 buf[j, :, :width - n].zero_()
                 buf[j, :, width - n:width] = row[layer][side]
             buffers.append(buf)
-        cache.layers.append(_GrowingLayer(*buffers, width))
+        cache.layers.append(_GrowingLayer(buffers[0], buffers[1], width))
     return cache
 
 

@@ -254,7 +254,8 @@ class VLLMEngine:
         check_vllm_model(model.config, "cpu" if device == "cpu" else "cuda")
         text = model.config.get_text_config()
         self._vocab_size = int(text.vocab_size)
-        self._max_len = int(vcfg.max_model_len or getattr(text, "max_position_embeddings", 4096))
+        max_len = vcfg.max_model_len
+        self._max_len = int(max_len if max_len else getattr(text, "max_position_embeddings", 4096))
         self._default_stop = tuple(sorted(set(default_stop_ids(tokenizer) if stop_token_ids is None
                                               else stop_token_ids)))
         self._dtype = _TORCH_DTYPES[cfg.dtype]
@@ -284,6 +285,7 @@ class VLLMEngine:
 
     def _check_route_layout(self) -> None:
         """Refuse a server whose MoE layers or top-k differ from the model's routers (ConfigError)."""
+        assert self._route_layout is not None  # only called when routes are recorded
         (layers, top_k), _ = self._route_layout
         got = self._server.info.get("routes") or {}
         if len(got.get("layers", ())) != layers or got.get("top_k") != top_k:
@@ -545,11 +547,12 @@ class VLLMEngine:
         Raises:
             EngineError: the reply has no routes, or not one row of the layout per token.
         """
+        assert self._route_layout is not None  # only called when routes are recorded
         (layers, top_k), dtype = self._route_layout
         expected = (len(reply["token_ids"]), layers, top_k)
         packed = reply.get("routes")
         shape = tuple(packed["shape"]) if packed else None
-        if shape != expected:
+        if not packed or shape != expected:
             raise EngineError(f"the vLLM server returned routes of shape {shape} for request {request_id}; "
                               f"expected {expected} (tokens, MoE layers, top_k)")
         raw = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.dtype(packed["dtype"]))
@@ -692,5 +695,5 @@ def write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]]) -
         f.write(raw)
         for _, t in tensors:
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
     os.replace(tmp, path)

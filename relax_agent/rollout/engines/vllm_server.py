@@ -327,8 +327,9 @@ class EngineLoop:
         self.aborted_ids: dict[str, None] = {}
         """Client ids aborted before their request arrived (the abort overtook it): refused on arrival."""
         self.error: str | None = None
-        self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0,
-                      "aborted": 0, "resumed": 0, "max_running": 0, "weight_loads": 0, "weight_load_s": 0.0, "last_load": {}}
+        self.stats: dict[str, Any] = {"steps": 0, "requests": 0, "new_tokens": 0, "prompt_tokens": 0,
+                                      "cached_prompt_tokens": 0, "aborted": 0, "resumed": 0, "max_running": 0,
+                                      "weight_loads": 0, "weight_load_s": 0.0, "last_load": {}}
         self.thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
 
     # ------------------------------------------------------------------ thread
@@ -459,6 +460,7 @@ class EngineLoop:
                 if len(new) != 1:
                     raise RuntimeError(f"request {req.vllm_id} sampled {len(new)} tokens in one step; routes "
                                        "are recorded for one token per request per step")
+                assert self.capture is not None  # requests record routes only under --record-routes
                 if step_routes is None:
                     step_routes = self.capture.step_routes()
                 req.routes.append(step_routes[1][self.capture.row_of(req, step_routes[0])].copy())

@@ -111,7 +111,8 @@ def _dummy(schema: dict[str, Any]) -> Any:
     kind = schema.get("type")
     if "enum" in schema and schema["enum"]:
         return schema["enum"][0]
-    return {"number": 1, "integer": 1, "string": "x", "boolean": True, "array": [], "object": {}}.get(kind, "x")
+    dummies: dict[Any, Any] = {"number": 1, "integer": 1, "string": "x", "boolean": True, "array": [], "object": {}}
+    return dummies.get(kind, "x")
 
 
 def call_of(tool: dict[str, Any]) -> dict[str, Any]:

@@ -242,8 +242,8 @@ class MessagesStreamWriter:
 
     def start(self, prompt_tokens: int | None = None) -> list[str]:
         usage = {"input_tokens": prompt_tokens or 0, "output_tokens": 0}
-        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": usage}
+        message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [sse_event("message_start", {"type": "message_start", "message": message})]
 
     def text(self, index: int, delta: str) -> list[str]:

@@ -42,7 +42,7 @@ import hashlib
 import json
 import socket
 import threading
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Coroutine, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -108,12 +108,12 @@ class EndpointServer:
                                 timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         ready = threading.Event()
-        self.loop = asyncio.new_event_loop()
+        self.loop = loop = asyncio.new_event_loop()
 
         def serve() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.call_soon(ready.set)
-            self.loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_until_complete(self._server.serve(sockets=[self._sock]))
 
         self._thread = threading.Thread(target=serve, name="agent-endpoint", daemon=True)
         self._thread.start()
@@ -139,14 +139,20 @@ class EndpointServer:
         sessions, self.sessions = list(self.sessions.values()), {}
         await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
 
-    def call_sync(self, coro: Awaitable[T], timeout_s: float) -> T:
+    def call_sync(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         """Run ``coro`` on the server's loop from another thread and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, self._started_loop()).result(timeout_s)
 
-    async def call(self, coro: Awaitable[T]) -> T:
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` run on the server's loop (from any other loop)."""
-        fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(coro, self._started_loop())
         return await asyncio.wrap_future(fut)
+
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        """The server's loop; RuntimeError before :meth:`start`."""
+        if self.loop is None:
+            raise RuntimeError("the endpoint server is not started (call start() first)")
+        return self.loop
 
     # -- sessions -------------------------------------------------------------------------
     def open(self, session: AgentSession) -> None:

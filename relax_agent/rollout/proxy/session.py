@@ -61,7 +61,7 @@ import inspect
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.chat import ChatRenderer, text_of
@@ -133,7 +133,8 @@ class Reply:
 
     def chain(self) -> list["Reply"]:
         """[k] the replies from the root down to this one."""
-        out, node = [], self
+        out: list[Reply] = []
+        node: Reply | None = self
         while node is not None:
             out.append(node)
             node = node.parent
@@ -210,6 +211,14 @@ def _decoded(arguments: Any) -> Any:
 
 def _tools_key(tools: Sequence[dict[str, Any]]) -> str:
     return json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
+
+
+class _StreamingEngine(Protocol):
+    """An engine whose ``generate`` calls ``on_token(token_id, logprob, policy_version)`` as it samples
+    (:func:`streams_tokens` tells)."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float, int], object]) -> Generation: ...
 
 
 def streams_tokens(engine: InferenceEngine) -> bool:
@@ -539,7 +548,7 @@ class AgentSession:
                 on_text(index, text if cut is None else text[:cut])
 
         if self._streams and (markers or on_text is not None):
-            gen_task = asyncio.ensure_future(self.engine.generate(
+            gen_task = asyncio.ensure_future(cast(_StreamingEngine, self.engine).generate(
                 prompt, params, on_token=lambda t, lp, v: loop.call_soon_threadsafe(push, t, lp, v)))
             try:
                 await asyncio.wait({gen_task, hit}, return_when=asyncio.FIRST_COMPLETED)
@@ -625,7 +634,11 @@ class AgentSession:
         mode = req.tool_choice.mode
         if mode not in ("required", "function"):
             return
-        allowed = {req.tool_choice.name} if mode == "function" else {t["function"]["name"] for t in req.tools}
+        if mode == "function":
+            assert req.tool_choice.name is not None  # _tool_choice names the function of this mode
+            allowed = {req.tool_choice.name}
+        else:
+            allowed = {t["function"]["name"] for t in req.tools}
         for i, c in enumerate(choices):
             names = [call["function"]["name"] for call in c.tool_calls]
             if not names or not set(names) <= allowed:
@@ -677,10 +690,10 @@ class AgentSession:
             return text, (), {"role": "assistant", "content": text, "tool_calls": []}, 0
         parsed = self.parser.parse(parsed_text)
         if parsed.errors:
-            internal = {"role": "assistant", "content": parsed_text.strip(), "tool_calls": [],
-                        "parse_errors": list(parsed.errors)}
+            internal: dict[str, Any] = {"role": "assistant", "content": parsed_text.strip(), "tool_calls": [],
+                                        "parse_errors": list(parsed.errors)}
             return text.strip(), (), internal, 1
-        calls = []
+        calls: list[dict[str, Any]] = []
         for c in parsed.tool_calls:
             self._calls += 1
             calls.append({"id": f"call_{self._calls}", "type": "function",

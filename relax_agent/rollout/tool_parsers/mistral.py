@@ -57,7 +57,7 @@ class MistralParser:
                 return [], f"[TOOL_CALLS] list is followed by {stripped[stop:].strip()[:40]!r}"
             if not obj:
                 return [], "[TOOL_CALLS] list is empty"
-            calls = []
+            calls: list[dict[str, Any]] = []
             for item in obj:
                 args = item.get("arguments") if isinstance(item, dict) else None
                 if isinstance(args, str):
