@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -50,9 +50,9 @@ class TrainBatch:
             raise DataError(f"advantages must be [B]={shape[0]}; got shape {tuple(self.advantages.shape)}")
         if (self.routed_experts is None) != (self.routes_mask is None):
             raise DataError("routed_experts and routes_mask come together (both set or both None)")
-        if self.routed_experts is not None and (tuple(self.routed_experts.shape[:2]) != shape
-                                                or self.routed_experts.dim() != 4
-                                                or tuple(self.routes_mask.shape) != shape):
+        if self.routed_experts is not None and self.routes_mask is not None and (
+                tuple(self.routed_experts.shape[:2]) != shape or self.routed_experts.dim() != 4
+                or tuple(self.routes_mask.shape) != shape):
             raise DataError(f"routed_experts must be [B, T, layers, top_k] and routes_mask [B, T] with "
                             f"[B, T]={shape}; got {tuple(self.routed_experts.shape)} and {tuple(self.routes_mask.shape)}")
 
@@ -73,7 +73,8 @@ class TrainBatch:
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         """The same batch with every tensor on ``device``."""
-        return TrainBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+        moved: dict[str, Any] = {f.name: _to(getattr(self, f.name), device) for f in fields(self)}
+        return TrainBatch(**moved)
 
     def micro_slices(self, micro_batch_size: int, max_tokens: int | None = None) -> list[slice]:
         """Row ranges of consecutive micro-batches: at most ``micro_batch_size`` sequences each
@@ -100,7 +101,7 @@ class TrainBatch:
             out.append(slice(start, len(lengths)))
         return out
 
-    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list["TrainBatch"]:
+    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> Sequence["TrainBatch"]:
         """The micro-batches of :meth:`micro_slices`, each trimmed to its own longest sequence,
         so short sequences batched together cost no padding compute.
 

@@ -112,6 +112,8 @@ def _collate_routes(fields: Mapping[str, Any], lengths: list[int], t_max: int) -
     rows, masks = fields.get(R.ROUTED_EXPERTS), fields.get(R.ROUTES_MASK)
     if rows is None:
         return None, None
+    if masks is None:
+        raise DataError(f"{R.ROUTED_EXPERTS} needs {R.ROUTES_MASK} (the positions whose route was recorded)")
     present = [(i, np.asarray(r)) for i, r in enumerate(rows) if r is not None and len(r) and np.any(masks[i])]
     if not present:
         return None, None
@@ -123,5 +125,5 @@ def _collate_routes(fields: Mapping[str, Any], lengths: list[int], t_max: int) -
     mask = np.zeros((len(lengths), t_max), dtype=bool)
     for i, r in present:
         out[i, :len(r)] = r
-        mask[i, :len(r)] = np.asarray(masks[i], dtype=bool)
+        mask[i, :len(r)] = np.asarray(masks[i], dtype=np.bool_)
     return torch.from_numpy(out), torch.from_numpy(mask)

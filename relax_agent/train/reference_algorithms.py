@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import cast
 
 import torch
 
@@ -68,6 +69,8 @@ def advantages(estimator: str, rewards: list[float], groups: list, valid: list[b
             else:
                 raise ValueError(estimator)
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        if token_counts is None:
+            raise ValueError(f"estimator {estimator!r} needs token_counts")
         out = batch_whiten(out, token_counts, valid, eps_batch)
     return out
 
@@ -117,15 +120,15 @@ def policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: list[list[float
                 ratio = torch.exp(logprobs[b, t] - old_logprobs[b][t])
                 terms.append(-min(ratio * a, _clip(ratio, 1 - eps_low, 1 + eps_high) * a))
         elif name == "gspo":
-            log_seq = sum(logprobs[b, t] - old_logprobs[b][t] for t in tokens) / len(tokens)
+            log_seq = cast(torch.Tensor, sum(logprobs[b, t] - old_logprobs[b][t] for t in tokens)) / len(tokens)
             s = torch.exp(log_seq)
             seq_loss = -min(s * a, _clip(s, 1 - eps_low, 1 + eps_high) * a)
             terms = [seq_loss for _ in tokens]
         elif name == "cispo":
             terms = []
             for t in tokens:
-                ratio = math.exp(float(logprobs[b, t].detach()) - old_logprobs[b][t])  # a number: no gradient
-                terms.append(-_clip(ratio, 1 - eps_low, 1 + eps_high) * a * logprobs[b, t])
+                ratio_val = math.exp(float(logprobs[b, t].detach()) - old_logprobs[b][t])  # a number: no gradient
+                terms.append(-_clip(ratio_val, 1 - eps_low, 1 + eps_high) * a * logprobs[b, t])
         else:
             raise ValueError(name)
         if weights is not None:

@@ -184,20 +184,20 @@ class MegatronTrainer:
             self.close()
             raise MegatronTrainerError(f"megatron rank {rank} closed its connection (exit code {proc.poll()})") from exc
         if status == "error":
-            exc, trace = payload
+            err, trace = payload
             if expect == "ready":
                 self.close()
-            if isinstance(exc, RelaxError):
-                raise exc
-            raise MegatronTrainerError(f"megatron rank {rank} failed:\n{trace}") from exc
+            if isinstance(err, RelaxError):
+                raise err
+            raise MegatronTrainerError(f"megatron rank {rank} failed:\n{trace}") from err
         return payload
 
     def _call(self, command: str, args: tuple = (), per_rank: list[tuple] | None = None) -> list[Any]:
         """Send ``command`` to every rank (``args``, or ``per_rank[i]`` to rank i) and collect the answers."""
         if not self._finalizer.alive:
             raise MegatronTrainerError("the megatron trainer is closed")
-        args = per_rank if per_rank is not None else [args] * self.world_size
-        for conn, a in zip(self._conns, args):
+        sends = per_rank if per_rank is not None else [args] * self.world_size
+        for conn, a in zip(self._conns, sends):
             _send(conn, (command, a))
         results, error = [], None
         for rank in range(self.world_size):  # read every answer so the pipes stay in step

@@ -162,7 +162,7 @@ def token_logprobs_and_entropy(
             f"input_ids and attention_mask must share one [B, T] shape; got "
             f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
         )
-    extra = {}
+    extra: dict[str, Any] = {}
     if media is not None:
         from relax_agent.multimodal.batch import checked_media_kwargs
 
@@ -261,6 +261,8 @@ class TorchTrainer:
             ``freeze_embeddings`` on a model without input embeddings, or nothing left to train.
     """
 
+    _sft_optimizer: torch.optim.AdamW | None  # the warm-up's own optimizer, made by its first step
+
     def __init__(
         self,
         model: nn.Module,
@@ -299,12 +301,12 @@ class TorchTrainer:
         self.routing_replay = build_routing_replay(self.model, routing_replay)
 
     def _setup_ref_model(self, ref_model: nn.Module | None) -> nn.Module | None:
-        if self.cfg.kl_coef > 0 and ref_model is None:
-            raise ConfigError(f"trainer.kl_coef={self.cfg.kl_coef} needs a reference model (ref_model=...)")
         if self.cfg.kl_coef == 0:
             if ref_model is not None:
                 warnings.warn("ref_model is ignored: trainer.kl_coef is 0", stacklevel=3)
             return None
+        if ref_model is None:  # kl_coef > 0 (the config refuses a negative one)
+            raise ConfigError(f"trainer.kl_coef={self.cfg.kl_coef} needs a reference model (ref_model=...)")
         ref_model = _with_master_weights(ref_model.to(self.device)).eval()
         ref_model.requires_grad_(False)
         return ref_model
@@ -396,7 +398,8 @@ class TorchTrainer:
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
                                                            media=getattr(mb, "media", None),
                                                            first_position=first_scored_position(mb.loss_mask))
-        old, weights, corr_metrics = mb.rollout_logprobs, None, {}
+        old, weights = mb.rollout_logprobs, None
+        corr_metrics: dict[str, torch.Tensor] = {}
         mis = self.mismatch
         if mis.mode != "none":  # ratio against the pre-update policy, correction weight against the rollout
             old = logprobs.detach()
@@ -419,12 +422,14 @@ class TorchTrainer:
         totals.add(LOSS, loss)
         for key, value in pg_metrics.items():
             totals.add(key, value, n_policy)
+        assert entropy is not None  # token_logprobs_and_entropy's with_entropy defaults to True
         totals.add(ENTROPY, (entropy * mask).sum())
         totals.train_lp.append(logprobs.detach()[mask])
         totals.rollout_lp.append(mb.rollout_logprobs[mask])
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
+        assert self.ref_model is not None  # called only when there is a reference model
         with torch.no_grad(), self._autocast():
             return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature,
                                   media=getattr(mb, "media", None), first_position=first_scored_position(mb.loss_mask))
@@ -514,13 +519,14 @@ class TorchTrainer:
         n_tokens = batch.num_policy_tokens
         if n_tokens == 0:
             raise DataError("the SFT batch has no loss tokens (loss_mask is all 0)")
-        if getattr(self, "_sft_optimizer", None) is None:
-            self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, betas=self.cfg.betas,
-                                                    weight_decay=self.cfg.weight_decay)
-        for group in self._sft_optimizer.param_groups:
+        opt = getattr(self, "_sft_optimizer", None)
+        if opt is None:
+            opt = self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, betas=self.cfg.betas,
+                                                          weight_decay=self.cfg.weight_decay)
+        for group in opt.param_groups:
             group["lr"] = lr
         self.model.train()
-        self._sft_optimizer.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         total = 0.0
         for micro in batch.split(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
             micro = micro.to(self.device)
@@ -533,8 +539,8 @@ class TorchTrainer:
             total += float(nll.detach())
         grad_norm = self._clip_sft_grads()
         if math.isfinite(grad_norm):
-            self._sft_optimizer.step()
-        self._sft_optimizer.zero_grad(set_to_none=True)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
         release_free_heap()
         return {"sft/loss": total, "sft/grad_norm": grad_norm, "sft/tokens": float(n_tokens)}
 
@@ -555,7 +561,8 @@ class TorchTrainer:
 
             save_lora_model(self.lora, path)
             return
-        self.model.save_pretrained(path, safe_serialization=True)
+        model: Any = self.model  # a Hugging Face model
+        model.save_pretrained(path, safe_serialization=True)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights for the rollout engine / weight sync.

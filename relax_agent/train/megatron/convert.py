@@ -160,7 +160,7 @@ def model_spec(hf_config: Any) -> ModelSpec:
                           f"this policy is {family!r} (use trainer.backend=torch)")
     _refuse(c, family)
     heads = int(c["num_attention_heads"])
-    rope = c.get("rope_parameters") or {}
+    rope: Mapping[str, Any] = c.get("rope_parameters") or {}
     spec = dict(
         family=family, num_layers=int(c["num_hidden_layers"]), hidden_size=int(c["hidden_size"]),
         num_heads=heads, num_query_groups=int(c.get("num_key_value_heads") or heads),
@@ -171,7 +171,10 @@ def model_spec(hf_config: Any) -> ModelSpec:
         norm_eps=float(c.get("rms_norm_eps", 1e-6)), max_positions=int(c.get("max_position_embeddings", 4096)),
     )
     if family in ("qwen3_moe", "mixtral"):
-        experts = int(c.get("num_experts") or c.get("num_local_experts"))
+        num_experts = c.get("num_experts") or c.get("num_local_experts")
+        if num_experts is None:
+            raise ConfigError(f"{family} config has neither num_experts nor num_local_experts")
+        experts = int(num_experts)
         width = int(c.get("moe_intermediate_size") or c["intermediate_size"])
         renorm = True if family == "mixtral" else bool(c.get("norm_topk_prob", False))
         spec.update(num_experts=experts, top_k=int(c["num_experts_per_tok"]), moe_ffn_hidden_size=width,
@@ -277,8 +280,8 @@ def _entry(spec: ModelSpec, name: str) -> tuple[Any, str, int | None, int | None
     key = _EXPERT.sub("local_experts.{j}.", suffix) if e else suffix
     hf, rule = spec.table()[key]
     prefix = f"model.layers.{layer}."
-    hf = tuple(prefix + h for h in hf) if isinstance(hf, tuple) else prefix + hf
-    return hf, rule, layer, int(e.group(1)) if e else None
+    names = tuple(prefix + h for h in hf) if isinstance(hf, tuple) else prefix + hf
+    return names, rule, layer, int(e.group(1)) if e else None
 
 
 def hf_to_rank(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, par: Parallel) -> dict[str, torch.Tensor]:
@@ -318,6 +321,7 @@ def _split(spec: ModelSpec, par: Parallel, rule: str, hf: Any, sd: Mapping[str, 
         return _chunk(_qkv_join(spec, *(sd[h] for h in hf)), t, r)
     if rule == GATE_UP:
         return torch.cat([_chunk(sd[hf[0]], t, r), _chunk(sd[hf[1]], t, r)])
+    assert j is not None  # only expert rules are left, and _entry names their local expert
     expert = par.ep_rank * (spec.num_experts // par.ep) + j
     w = sd[hf][expert]
     if rule == EXPERT_GATE_UP:
@@ -364,6 +368,7 @@ def ranks_to_hf(ranks: Iterable[tuple[Parallel, Mapping[str, torch.Tensor]]], sp
     for name in megatron_names(spec, first.ep):
         hf, rule, _layer, j = _entry(spec, name)
         if rule in (EXPERT_GATE_UP, EXPERT_DOWN):
+            assert j is not None  # _entry names the local expert of an expert rule
             local = spec.num_experts // first.ep
             for e in range(first.ep):
                 pieces = [by_expert[(e, s)][name] for s in range(first.etp)]

@@ -36,7 +36,7 @@ def apply_cpu_patches() -> bool:
         return False
     if _applied:
         return True
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]  # a CPU device name
     from megatron.core.tensor_parallel import random as mpu_random
     from megatron.core.transformer.moe import moe_utils
 

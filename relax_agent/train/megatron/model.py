@@ -46,7 +46,7 @@ class RMSNorm(nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))  # Megatron's parameter tag
 
 
 class QKNorm(nn.RMSNorm):
@@ -55,7 +55,7 @@ class QKNorm(nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        self.weight.tp_partial_grad = True
+        setattr(self.weight, "tp_partial_grad", True)
 
 
 def build_gpt_model(spec: ModelSpec, tp: int, ep: int, sequence_parallel: bool, routing_replay: bool) -> nn.Module:
@@ -125,7 +125,7 @@ class MegatronCausalLM(nn.Module):
         sequence_parallel: the model was built with ``sequence_parallel``.
     """
 
-    def __init__(self, gpt: nn.Module, spec: ModelSpec, tp: int, sequence_parallel: bool) -> None:
+    def __init__(self, gpt: Any, spec: ModelSpec, tp: int, sequence_parallel: bool) -> None:
         super().__init__()
         self.gpt = gpt
         self.spec = spec
@@ -190,7 +190,7 @@ class MaskedRouterReplay:
         def topk(scores: torch.Tensor, k: int, num_groups: Any = None, group_topk: Any = None,
                  default_compute_topk: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
             own_scores, own = default_compute_topk(scores, k, num_groups=num_groups, group_topk=group_topk)
-            if self._forced is None:
+            if self._forced is None or self._mask is None:  # set and cleared together
                 return own_scores, own
             if scores.shape[0] != self._mask.shape[0]:
                 raise DataError(f"a Megatron router saw {scores.shape[0]} tokens but the replayed batch has "

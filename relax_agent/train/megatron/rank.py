@@ -23,7 +23,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from relax_agent.train.backends.torch_backend import TorchTrainer
 from relax_agent.train.batch import TrainBatch
 from relax_agent.train.config import TrainerConfig
 from relax_agent.train.megatron.convert import Parallel, hf_to_rank, model_spec, ranks_to_hf
+
+if TYPE_CHECKING:
+    from relax_agent.train.megatron.model import MegatronCausalLM
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class RankTrainer(TorchTrainer):
         rank: this process's global rank.
     """
 
+    model: MegatronCausalLM
+
     def __init__(self, setup: RankSetup, rank: int) -> None:
         from relax_agent.train.megatron.model import MaskedRouterReplay, MegatronCausalLM, build_gpt_model
 
@@ -170,7 +175,8 @@ class RankTrainer(TorchTrainer):
                 counts = torch.tensor([moe["moe/replayed_tokens"], moe["moe/route_flip_frac"] * moe["moe/replayed_tokens"]],
                                       dtype=torch.float64, device=self.device)
                 dist.all_reduce(counts)
-                moe = {"moe/replayed_tokens": float(counts[0]), "moe/route_flip_frac": float(counts[1] / max(counts[0], 1))}
+                replayed = float(counts[0])
+                moe = {"moe/replayed_tokens": replayed, "moe/route_flip_frac": float(counts[1]) / max(replayed, 1)}
             metrics.update(moe)
         return metrics
 
@@ -183,7 +189,7 @@ class RankTrainer(TorchTrainer):
             return contextlib.nullcontext()
         from relax_agent.errors import DataError
 
-        if mb.routed_experts is None:
+        if mb.routed_experts is None or mb.routes_mask is None:  # TrainBatch holds both or neither
             raise DataError("moe.routing_replay=rollout but the batch has no routed_experts: the rollout engine "
                             "did not record routes (build it with record_routes=True)")
         t = mb.input_ids.shape[1]
@@ -246,6 +252,7 @@ class RankTrainer(TorchTrainer):
 
     def _agree_on_overflow(self) -> None:
         """fp16: every rank skips the step when any rank's shard overflowed."""
+        assert self.scaler is not None  # fp16 runs have a scaler
         state = self.scaler._per_optimizer_states[id(self.optimizer)]
         for found in state["found_inf_per_device"].values():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -269,19 +276,19 @@ class RankTrainer(TorchTrainer):
                 local.pop("output_layer.weight", None)
         else:
             local = self.local_state()
-        gathered: list[Any] = [None] * self.setup.world_size if self.rank == 0 else None
+        gathered: list[Any] | None = [None] * self.setup.world_size if self.rank == 0 else None
         dist.gather_object((self.par, local), gathered, dst=0)
-        if self.rank != 0:
+        if gathered is None:  # not rank 0
             return None
         return ranks_to_hf(gathered, self.spec)
 
-    def policy_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def policy_state_dict(self) -> dict[str, torch.Tensor] | None:  # type: ignore[override]  # None off rank 0
         return self.gather_hf()
 
     def save_model(self, path: Path) -> None:
         """Rank 0 writes the policy into ``path`` (:func:`write_hf_folder`)."""
         state = self.gather_hf()
-        if self.rank == 0:
+        if state is not None:  # rank 0
             write_hf_folder(Path(path), self.hf_config, state, self.spec.tied,
                             Path(self.setup.hf_dir) / "generation_config.json")
 
