@@ -135,7 +135,7 @@ def tensor_digest(tensor: torch.Tensor, dtype: torch.dtype | None = None,
                     picked = picked.to(dtype)
                 if picked.device.type != "cpu":
                     picked = picked.cpu()
-                crc = zlib.crc32(picked.view(torch.uint8).numpy(), crc)
+                crc = zlib.crc32(picked.view(torch.uint8).numpy().data, crc)
     return TensorDigest(shape, str(dtype).removeprefix("torch."), f"{crc:08x}", samples)
 
 

@@ -63,7 +63,7 @@ class TensorEngine:
             verify = expected_digests is not None
             backup = {name: self.tensors[name].clone() for name in state_dict} if verify else {}
             self._copy(state_dict)
-            if verify:
+            if expected_digests is not None:
                 verify_start = time.perf_counter()
                 diff = verify_held(expected_digests, lambda want: {
                     n: tensor_digest(self.tensors[n], samples=d.samples) if n in self.tensors else None

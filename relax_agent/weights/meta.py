@@ -192,7 +192,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 class FlatSource:
@@ -210,7 +210,7 @@ class FlatSource:
                  state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         self.tensors = tensors
         self.total_bytes = total_bytes
-        self._buffer = memoryview(buffer.numpy()) if buffer is not None else None
+        self._buffer = buffer.numpy().data if buffer is not None else None
         self._pieces: list[tuple[int, memoryview]] = []
         if buffer is None:
             assert state_dict is not None
@@ -267,7 +267,7 @@ def snapshot_with_checksums(buffer: torch.Tensor, state_dict: Mapping[str, torch
         snapshot_into(buffer, state_dict, tensors)
         return ()
     fn, total = checksum_fn(algo), buffer.numel()
-    view = memoryview(buffer.numpy())
+    view = buffer.numpy().data
     starts = list(range(0, total, bucket_bytes))
     futures: list[concurrent.futures.Future[int]] = []
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-checksum") as pool, torch.no_grad():

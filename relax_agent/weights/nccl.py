@@ -50,9 +50,9 @@ def make_group(cfg: WeightSyncConfig, rank: int) -> Any:
     """
     timeout = datetime.timedelta(seconds=cfg.publish_timeout_s)
     try:
-        store = dist.TCPStore(cfg.host, cfg.nccl_init_port, cfg.nccl_world_size, is_master=rank == 0,
-                              timeout=timeout, wait_for_workers=False)
-        store = dist.PrefixStore(_STORE_PREFIX, store)
+        tcp = dist.TCPStore(cfg.host, cfg.nccl_init_port, cfg.nccl_world_size, is_master=rank == 0,
+                            timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore(_STORE_PREFIX, tcp)
         if cfg.nccl_backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, cfg.nccl_world_size, timeout)
         options = dist.ProcessGroupNCCL.Options()

@@ -233,7 +233,7 @@ class EngineSubscriber:
         """engine.load_weights (verified with ``verify_samples``); returns the engine's pause in seconds
         (time it could not decode) and the wall seconds the verification added to it (the engine's
         ``stats.weight_verify_s``: its digests, and any wait for the expected ones)."""
-        stats = getattr(self.engine, "stats", None)
+        stats: Any = getattr(self.engine, "stats", None)
         before = getattr(stats, "weight_load_s", None)
         verify_before = getattr(stats, "weight_verify_s", 0.0)
         mapped = {names[n]: t for n, t in tensors.items() if n in names}

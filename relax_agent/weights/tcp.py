@@ -262,7 +262,7 @@ class TcpReceiver:
         start_s = time.perf_counter()
         if self._buffer is None or self._buffer.numel() != meta.total_bytes:
             self._buffer = torch.empty(meta.total_bytes, dtype=torch.uint8)
-        view = memoryview(self._buffer.numpy())
+        view = self._buffer.numpy().data
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-verify") as pool:
             resumes = self._fetch_all(meta, view, pool)
         stats = {"receive_s": time.perf_counter() - start_s, "bytes": float(meta.total_bytes),
