@@ -519,9 +519,9 @@ def _format_error(err: ValidationError, source: str) -> str:
             lines.append(f"  {key}: unknown key{suffix}")
         elif key:
             got = e.get("input")
-            hint = ("; write numbers without quotes" if isinstance(got, str) and e["type"] in ("int_type", "float_type")
-                    else "")
-            lines.append(f"  {key}: {e['msg']} (got {got!r}){hint}")
+            tip = ("; write numbers without quotes" if isinstance(got, str) and e["type"] in ("int_type", "float_type")
+                   else "")
+            lines.append(f"  {key}: {e['msg']} (got {got!r}){tip}")
         else:
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)

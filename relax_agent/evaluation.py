@@ -24,7 +24,7 @@ import re
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
@@ -54,7 +54,16 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
     }
 
 
-def evaluate(runner: RolloutRunner, tasks: Sequence[dict[str, Any]], seeds: Sequence[int],
+class EpisodeRunner(Protocol):
+    """What :func:`evaluate` plays episodes with: a :class:`RolloutRunner` or a runtime's rollout service."""
+
+    def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[Any]: ...
+
+    async def run(self, specs: Sequence[Any], params: SamplingParams,
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]: ...
+
+
+def evaluate(runner: EpisodeRunner, tasks: Sequence[dict[str, Any]], seeds: Sequence[int],
              params: SamplingParams, on_done: Callable[[Trajectory], None] | None = None,
              run: Runner = _run_default, samples_path: str | Path | None = None) -> dict[str, Any]:
     """Run every task once per seed; returns ``eval/<metric>`` means, ``_std`` over seeds and per-seed values.
@@ -92,7 +101,7 @@ def evaluate(runner: RolloutRunner, tasks: Sequence[dict[str, Any]], seeds: Sequ
 
 
 # ---------------------------------------------------------------- per-sample records
-def replay_reason(runner: RolloutRunner, task: dict[str, Any], seed: int, traj: Trajectory) -> str | None:
+def replay_reason(runner: EpisodeRunner, task: dict[str, Any], seed: int, traj: Trajectory) -> str | None:
     """The env's ``info["reason"]`` at the end of ``traj``, by replaying its parsed actions on a fresh env.
 
     Returns None when the runner's driver has no env factory and parser (a custom driver), the
@@ -236,12 +245,12 @@ def evaluate_bfcl(runner: RolloutRunner, num_tasks: int, seeds: Sequence[int], p
         from relax_agent.errors import ConfigError
 
         raise ConfigError(f"env_ids: {unknown} are not BFCL envs; expected some of {sorted(ids)}")
-    driver = runner.driver
+    driver: Any = runner.driver  # an env driver: its engine, renderer and parser are reused
     results: dict[str, dict[str, Any]] = {}
     for env_id in env_ids or list(ids):
         category = ids[env_id]
         make_env = functools.partial(gymnasium.make, env_id, **_env_kwargs(env_id, dict(env_kwargs or {})))
-        probe = make_env()
+        probe: Any = make_env()  # a relax env, whose unwrapped env lists tasks()
         try:
             tasks = probe.unwrapped.tasks("heldout")[:num_tasks]
         finally:
@@ -287,8 +296,9 @@ def bfcl_leaderboard(per_category: dict[str, tuple[float, int]]) -> dict[str, fl
         simple = statistics.fmean(acc[c] for c in ("simple_python", "simple_java", "simple_javascript"))
         out["non_live_ast"] = statistics.fmean([simple, acc["multiple"], acc["parallel"], acc["parallel_multiple"]])
     live = LEADERBOARD_GROUPS["live"]
-    if set(live) <= set(acc) and sum(count[c] for c in live):
-        out["live"] = sum(acc[c] * count[c] for c in live) / sum(count[c] for c in live)
+    live_tasks = sum(count[c] for c in live) if set(live) <= set(acc) else 0
+    if live_tasks:
+        out["live"] = sum(acc[c] * count[c] for c in live) / live_tasks
     for group in ("multi_turn", "irrelevance", "relevance"):
         if set(LEADERBOARD_GROUPS[group]) <= set(acc):
             out[group] = statistics.fmean(acc[c] for c in LEADERBOARD_GROUPS[group])

@@ -125,9 +125,9 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
             axes[0].plot(*zip(*pts), marker=".", label=label, color=colors[label])
     axes[0].set_title("training rollouts")
     for key, label in ((EVAL_REWARD, "reward"), (EVAL_ACCURACY, "accuracy"), (EVAL_FORMAT_RATE, "well-formed calls")):
-        pts = [(r["step"], r[key], r.get(key + "_std") or 0.0) for r in rows if r.get(key) is not None]
-        if pts:
-            s, m, e = zip(*pts)
+        with_std = [(r["step"], r[key], r.get(key + "_std") or 0.0) for r in rows if r.get(key) is not None]
+        if with_std:
+            s, m, e = zip(*with_std)
             axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label, color=colors[label])
     warm = [(r["step"], r["eval_warmup/accuracy"], r.get("eval_warmup/accuracy_std") or 0.0)
             for r in rows if r.get("eval_warmup/accuracy") is not None]

@@ -28,12 +28,15 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from relax_agent.config import ModelConfig
 from relax_agent.errors import ConfigError, ModelLoadError, RelaxError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -531,11 +534,13 @@ def _tiny_media_config(kind: str, tokenizer: Any, ids: dict[str, int], text_over
 
     audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
                  num_mel_bins=128, max_source_positions=1500, n_window=50)
+    # kept by the config although its signature does not list them
+    vision_ids: dict[str, Any] = {"vision_start_token_id": ids["VISION_START"],
+                                  "vision_end_token_id": ids["VISION_END"]}
     config = Qwen2_5OmniThinkerConfig(
         text_config=text, vision_config=vision, audio_config=audio, audio_token_index=ids["AUDIO"],
-        image_token_index=ids["IMAGE"], video_token_index=ids["VIDEO"], vision_start_token_id=ids["VISION_START"],
-        vision_end_token_id=ids["VISION_END"], audio_start_token_id=ids["AUDIO_START"],
-        audio_end_token_id=ids["AUDIO_END"])
+        image_token_index=ids["IMAGE"], video_token_index=ids["VIDEO"], audio_start_token_id=ids["AUDIO_START"],
+        audio_end_token_id=ids["AUDIO_END"], **vision_ids)
     config.tie_word_embeddings = True
     return config
 
@@ -553,6 +558,7 @@ def _tiny_qwen3_vl_config(kind: str, text: dict[str, Any], ids: dict[str, int], 
                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64, deepstack_visual_indexes=[1])
     text.update(text_overrides or {})
     vision.update(vision_overrides or {})
+    Config: Callable[..., PretrainedConfig]
     if kind == "tiny-vl3":
         from transformers import Qwen3VLConfig as Config
     else:
@@ -612,6 +618,8 @@ def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int 
 
 def _check_media_overrides(kind: str, text: dict[str, Any], vision: dict[str, Any]) -> None:
     """ConfigError naming overrides that are not fields of the family's text / vision config."""
+    TextConfig: type[PretrainedConfig]
+    VisionConfig: type[PretrainedConfig]
     if kind == "tiny-vl":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
             Qwen2_5_VLTextConfig as TextConfig, Qwen2_5_VLVisionConfig as VisionConfig,

@@ -69,6 +69,8 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
 
     spec = gymnasium.spec(env_id.rpartition(":")[2])
     creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
+    if creator is None:
+        raise ConfigError(f"env.id={env_id!r} has no entry_point (a vector-only env)")
     params = inspect.signature(creator).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return

@@ -163,14 +163,14 @@ class MediaInputs:
     @staticmethod
     def concat(parts: Sequence["MediaInputs | None"]) -> "MediaInputs | None":
         """The items of ``parts`` in order (None and empty parts skipped); None when no item is left."""
-        parts = [p for p in parts if p is not None and len(p)]
-        if not parts:
+        kept = [p for p in parts if p is not None and len(p)]
+        if not kept:
             return None
-        if len(parts) == 1:
-            return parts[0]
-        names = sorted({k for p in parts for k in p.arrays})
-        arrays = {k: np.concatenate([p.arrays[k] for p in parts if k in p.arrays], axis=0) for k in names}
-        return MediaInputs(tuple(k for p in parts for k in p.kinds), tuple(n for p in parts for n in p.num_tokens),
+        if len(kept) == 1:
+            return kept[0]
+        names = sorted({k for p in kept for k in p.arrays})
+        arrays = {k: np.concatenate([p.arrays[k] for p in kept if k in p.arrays], axis=0) for k in names}
+        return MediaInputs(tuple(k for p in kept for k in p.kinds), tuple(n for p in kept for n in p.num_tokens),
                            arrays)
 
 

@@ -200,7 +200,7 @@ def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Mess
         at = _match_replies(messages, replies[:-1])
         if at is None:
             continue
-        first = at[0] if at else (_match_replies(messages, replies[:1]) or [None])[0]
+        first = at[0] if at else next(iter(_match_replies(messages, replies[:1]) or ()), None)
         if first is None:
             continue
         return list(messages[:first]), _between(messages, at), [dict(messages[i]) for i in at]
@@ -283,6 +283,7 @@ def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergen
 
             items = split_items(seg.media)
             local = item_starts(expected, seg.media.kinds, seg.media.num_tokens, renderer.family.kind_of_token())
+            assert local is not None  # a delta the renderer made holds its own items' placeholders
             div = _compare_items(rec, items, [end + j for j in local], len(made), k + 1)
             if div is not None:
                 return div, None, None
@@ -402,7 +403,7 @@ def replay_step(cfg: Any, run_dir: str | Path, step: int, logprobs: bool = True,
     tokenizer = load_tokenizer(cfg.model)
     r = cfg.rollout
     media = is_media_policy(cfg.model)
-    renderer = ChatRenderer(tokenizer, r.tools_in, r.system_prompt, r.tool_example, accepts_media=media)
+    renderer: Any = ChatRenderer(tokenizer, r.tools_in, r.system_prompt, r.tool_example, accepts_media=media)
     if media:
         from transformers import AutoConfig
 

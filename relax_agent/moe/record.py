@@ -72,8 +72,9 @@ class RouteRecorder:
         The forward pass must have had ``rows`` rows with every row's last position real
         (left padding, as the HF engine pads).
         """
-        assert all(t is not None for t in self._latest), "no forward pass recorded yet"
-        last = [t.view(rows, -1, t.shape[-1])[:, -1] for t in self._latest]
+        latest = [t for t in self._latest if t is not None]
+        assert len(latest) == len(self._latest), "no forward pass recorded yet"
+        last = [t.view(rows, -1, t.shape[-1])[:, -1] for t in latest]
         return torch.stack(last, dim=1).to(self._torch_dtype).cpu().numpy()  # narrowed before the host copy
 
     def close(self) -> None:

@@ -118,7 +118,8 @@ class MediaEnvDriver:
 
     async def _turns(self, rec: MediaRecorder, calls: EnvCalls, spec: EpisodeSpec, params: Any,
                      deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
-        reward, metrics = 0.0, {}
+        reward = 0.0
+        metrics: dict[str, float] = {}
         for turn in range(spec.max_turns):
             budget = spec.max_total_tokens - rec.num_tokens
             if budget <= 0:

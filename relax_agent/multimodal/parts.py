@@ -180,7 +180,8 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
             raw = w.readframes(w.getnframes())
     except Exception as exc:
         raise DataError(f"{where}: not a base64 WAV file ({type(exc).__name__}: {exc})") from exc
-    dtype = {1: np.uint8, 2: "<i2", 4: "<i4"}.get(width)
+    dtypes: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype("<i2"), 4: np.dtype("<i4")}
+    dtype = dtypes.get(width)
     if dtype is None:
         raise DataError(f"{where}: {8 * width}-bit WAV samples are not supported; expected 8, 16 or 32-bit PCM")
     pcm = np.frombuffer(raw, dtype=dtype).astype(np.float32)
@@ -206,6 +207,8 @@ def _checked_audio(samples: np.ndarray, where: str) -> np.ndarray:
 def video_frame_count(value: Any) -> int:
     """Frames of a ``video`` part (or a list / [n, H, W, 3] array of frames), without decoding them."""
     frames = value.get("video", value.get("video_url")) if isinstance(value, dict) else value
+    if frames is None:
+        raise DataError("a video part needs its frames under 'video' or 'video_url'")
     return len(frames)
 
 

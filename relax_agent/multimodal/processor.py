@@ -297,7 +297,8 @@ class MediaProcessor:
         gh, gw = h // p, w // p
         patches = video.reshape(t, tp, c, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         pixels = np.ascontiguousarray(patches.reshape(t * gh * gw, c * tp * p * p), dtype=np.float32)
-        arrays = {"pixel_values_videos": pixels, "video_grid_thw": np.asarray([[t, gh, gw]], dtype=np.int64)}
+        arrays: dict[str, np.ndarray] = {"pixel_values_videos": pixels,
+                                         "video_grid_thw": np.asarray([[t, gh, gw]], dtype=np.int64)}
         if f.model_type in _SECONDS_PER_GRID:
             arrays[_SECONDS_PER_GRID[f.model_type]] = np.asarray([tp / self.video_fps], dtype=np.float32)
         return MediaInputs(("video",), (t * gh * gw // m ** 2,), arrays)

@@ -194,10 +194,12 @@ class MediaRenderer:
         per_step = h * w // self.family.merge_size ** 2
         times = self.processor.video_timestamps_s(num_frames)
         assert len(times) == t, "one timestamp per temporal grid step"
+        start, end = self.family.vision_start_id, self.family.vision_end_id
+        assert start is not None and end is not None  # __init__ refuses a timestamped family without them
         out: list[int] = []
         for seconds in times:
             out += self.tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"]
-            out += [self.family.vision_start_id, *[pad] * per_step, self.family.vision_end_id]
+            out += [start, *[pad] * per_step, end]
         return out
 
     def _check_rendered(self, ids: list[int], messages: list[dict[str, Any]], parts: list[Any],
@@ -207,6 +209,7 @@ class MediaRenderer:
         wanted = {k: 0 for k in self.family.token_ids}
         for p in parts:
             kind = part_kind(p)
+            assert kind is not None  # _media_parts passes media parts only
             wanted[kind] = wanted.get(kind, 0) + 1
         if rendered == wanted:
             return
@@ -224,7 +227,8 @@ class MediaRenderer:
 
     def _parts_of(self, message: dict[str, Any]) -> dict[str, int]:
         out: dict[str, int] = {}
-        for p in message.get("content") if isinstance(message.get("content"), list) else ():
+        content = message.get("content")
+        for p in content if isinstance(content, list) else ():
             kind = part_kind(p) if isinstance(p, dict) else None
             if kind is not None:
                 out[kind] = out.get(kind, 0) + 1

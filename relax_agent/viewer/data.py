@@ -521,7 +521,8 @@ class RunReader:
         if path is None:
             raise DataError(f"evaluation {name!r} not found in {self.dir}; expected one of {sorted(self.eval_files())}")
         read = self.jsonl(path)
-        samples, reasons = [], {}
+        samples: list[dict[str, Any]] = []
+        reasons: dict[str, int] = {}
         for i, row in enumerate(read.rows):
             verdict = row.get("verdict") or {}
             reasons[str(verdict.get("reason"))] = reasons.get(str(verdict.get("reason")), 0) + 1
