@@ -61,7 +61,8 @@ def check_env_id(env_id: str) -> None:
 
 
 def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
-    """Raise ConfigError naming an ``env.kwargs`` key the env's constructor does not take."""
+    """Raise ConfigError naming an ``env.kwargs`` key the env's constructor does not take (or an env
+    registered without an ``entry_point``)."""
     import inspect
 
     import gymnasium

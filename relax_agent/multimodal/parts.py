@@ -205,7 +205,8 @@ def _checked_audio(samples: np.ndarray, where: str) -> np.ndarray:
 
 
 def video_frame_count(value: Any) -> int:
-    """Frames of a ``video`` part (or a list / [n, H, W, 3] array of frames), without decoding them."""
+    """Frames of a ``video`` part (or a list / [n, H, W, 3] array of frames), without decoding them;
+    DataError for a part without frames."""
     frames = value.get("video", value.get("video_url")) if isinstance(value, dict) else value
     if frames is None:
         raise DataError("a video part needs its frames under 'video' or 'video_url'")

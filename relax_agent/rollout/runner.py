@@ -47,6 +47,9 @@ class RolloutRunner:
         driver: plays each episode; default ``EnvDriver(make_env, engine, renderer, parser)``.
             A driver of its own (e.g. agent-driven) needs none of those four: pass None for them.
 
+    Raises:
+        TypeError: no ``driver`` and one of those four is None.
+
     Attributes:
         engine: the driver's engine (the loop reads its ``policy_version`` and loads weights into it).
     """

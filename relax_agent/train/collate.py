@@ -65,7 +65,8 @@ def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any
 
     Raises:
         DataError: no rows, an empty row, a loss mask set on token 0, ragged fields of unequal
-            lengths, advantages of another length, routes of different shapes or dtypes.
+            lengths, advantages of another length, routes of different shapes or dtypes, routes
+            without their routes mask.
     """
     tokens = fields[R.TOKEN_IDS]
     b = len(tokens)
