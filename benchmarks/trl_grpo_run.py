@@ -42,8 +42,14 @@ def main(job_path: str) -> None:
     rows = [json.loads(line) for line in open(job["prompts"])]
     data = Dataset.from_list([{"prompt": r["prompt"], "task": json.dumps(r["task"])} for r in rows])
     n = job["prompts_per_step"] * job["group_size"]
+    micro = min(job.get("micro_batch_size", n), n)
+    if n % micro:
+        raise SystemExit(f"{n} completions per step do not split into micro-batches of {micro}")
+    # one generation of n completions per optimizer step, back-propagated in micro-batches as relax-agent
+    # does (trainer.micro_batch_size): a single pass over 48 rows of ~700 tokens needs > 23 GB in fp32
     args = GRPOConfig(
-        output_dir=job["out"], max_steps=job["steps"], per_device_train_batch_size=n, gradient_accumulation_steps=1,
+        output_dir=job["out"], max_steps=job["steps"], per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n // micro, steps_per_generation=n // micro,
         num_generations=job["group_size"], max_completion_length=job["max_new_tokens"],
         temperature=job["temperature"], top_p=1.0, learning_rate=job["lr"], lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=job["grad_clip"],

@@ -139,7 +139,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, prompts: Path, out: Path)
            "steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size,
            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "lr": args.lr,
            "grad_clip": cfg.trainer.grad_clip, "clip_low": cfg.trainer.clip_eps_low, "clip_high": cfg.trainer.clip_eps_high,
-           "threads": args.threads, "scorer_cmd": [sys.executable, __file__, "--score", "--seed", str(args.seed)]}
+           "threads": args.threads, "micro_batch_size": cfg.trainer.micro_batch_size, "scorer_cmd": [sys.executable, __file__, "--score", "--seed", str(args.seed)]}
     (out / "trl-job.json").write_text(json.dumps(job))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": ""}
     rc, cpu_s, rss = _run([str(TRL_PY), str(REPO / "benchmarks" / "trl_grpo_run.py"), str(out / "trl-job.json")],
