@@ -95,16 +95,21 @@ def build(args: argparse.Namespace, model: str, out: Path, name: str, replicas: 
     return ctrl
 
 
-def throughput(args: argparse.Namespace, model: str, out: Path, name: str, replicas: int) -> dict[str, Any]:
+def train(ctrl: Any, out: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run ``ctrl`` to the end; its step rows and the Ray nodes its rollout replicas ran on."""
     from relax_agent.metrics import read_metrics
 
-    ctrl = build(args, model, out, name, replicas)
     try:
         ctrl.train()
         nodes = sorted({r.node_id for r in ctrl.runtime.rollout.pool.replicas if r.node_id})
     finally:
         ctrl.close()
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    return [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r], nodes
+
+
+def throughput(args: argparse.Namespace, model: str, out: Path, name: str, replicas: int) -> dict[str, Any]:
+    ctrl = build(args, model, out, name, replicas)
+    rows, nodes = train(ctrl, out)
     wall_s = sum(r["timing/step_s"] for r in rows)
     bus = ctrl.bus
     return {"run": name, "hosts": len(nodes), "steps": len(rows),
@@ -117,15 +122,7 @@ def autoscaled(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any
     """Start with 1 replica and ``runtime.autoscale`` on (at most 2, window 2 steps, cooldown 1): per step
     the replicas serving, the target, the trainer's idle fraction; samples/s over the steps after the
     target reached 2 (the second replica's start excluded)."""
-    from relax_agent.metrics import read_metrics
-
-    ctrl = build(args, model, out, "autoscaled", 1, steps=args.autoscale_steps, autoscale=True)
-    try:
-        ctrl.train()
-        nodes = sorted({r.node_id for r in ctrl.runtime.rollout.pool.replicas if r.node_id})
-    finally:
-        ctrl.close()
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "rollout/reward" in r]
+    rows, nodes = train(build(args, model, out, "autoscaled", 1, steps=args.autoscale_steps, autoscale=True), out)
     full = [r for r in rows if r["runtime/rollout_replicas"] >= 2]
     per_step = args.tasks_per_step * args.group_size
     return {"run": "autoscaled", "hosts": len(nodes), "steps": len(rows),
