@@ -188,7 +188,9 @@ def test_a_worker_host_killed_mid_run_loses_no_sample_and_trains_none_twice(clus
     """Every process of host 3 is SIGKILLed after step 2: its replica is replaced on host 2, the run
     ends with every sample id trained exactly once. Runs last: it leaves the cluster one host short."""
     out = tmp_path / "kill"
-    steps = 20  # ~1.5 s a step: the run outlives node-death detection and the replacement's start
+    # ~1.5 s a step: 60 steps outlive node-death detection and the replacement's start (~10-40 s, longer
+    # with both cores busy); the test waits for a step that counts the replacement while the run lives
+    steps = 60
     proc = train(cluster, tiny_model_dir, out, "kill", steps)
     try:
         wait_for(lambda: {p["node_ip"] for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"} == WORKERS,
@@ -197,6 +199,12 @@ def test_a_worker_host_killed_mid_run_loses_no_sample_and_trains_none_twice(clus
         killed_at = time.time()
         killed = cluster.kill_host(3)
         assert killed and cluster.pids(cluster.ns(3)) == []
+        wait_for(lambda: [p for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"
+                          and p["time"] > killed_at], 240, "the replacement replica", proc)
+        replaced_at = time.time()
+        back = wait_for(lambda: [m for m in jsonl(out / "metrics.jsonl") if m.get("time", 0) > replaced_at
+                                 and m.get("runtime/rollout_replicas") == 2.0], 120,
+                        "a step served by 2 replicas again", proc)
     finally:
         finish(proc, out)
     assert_every_sample_trained_once(out, steps)
@@ -204,7 +212,7 @@ def test_a_worker_host_killed_mid_run_loses_no_sample_and_trains_none_twice(clus
     assert after and {p["node_ip"] for p in after} == {"10.77.0.2"}, after  # replaced on the surviving host
     metrics = [m for m in jsonl(out / "metrics.jsonl") if "rollout/reward" in m]
     assert metrics[-1]["runtime/rollout_restarts"] >= 1
-    assert metrics[-1]["runtime/rollout_replicas"] == 2.0  # back to the target before the end
+    assert back[0]["runtime/rollout_replicas"] == 2.0 and metrics[-1]["runtime/rollout_replicas"] == 2.0
     print(f"\nkilled {len(killed)} processes of host 3; replacement ready "
           f"{min(p['time'] for p in after) - killed_at:.1f} s after the kill")
 
