@@ -3,7 +3,9 @@
 Workload (default: the main job's): BFCL simple-python, the embedded SmolLM2-135M-Instruct saved as
 one HF folder both systems load, ``--prompts`` prompts x ``--group-size`` completions per step,
 ``--max-new-tokens``, ``--temperature``, fp32, ``--threads`` torch threads, ``--steps`` steps from the
-same weights (no warm-up unless ``--from`` names an HF folder, e.g. a warmed-up checkpoint's model).
+same weights: the embedded model, ``--from`` an HF folder, or with ``--warmup`` the main job's supervised
+warm-up run here first (its time counted for neither system). The starting policy is evaluated the
+same way as the trained ones (the baseline row).
 Prompts are rendered once by relax-agent's renderer and given to TRL as text, in the order
 relax-agent draws its tasks; TRL's reward hook sends each completion to a scorer process in this
 venv (the same env, parser and partial credit relax-agent trains with). Matched settings: learning
@@ -19,7 +21,7 @@ training loop, CPU-seconds per completion and peak RSS of the whole process (mod
 generated tokens/s, and held-out accuracy of each final model (``relax-agent eval``, the BFCL
 checker, ``--eval-tasks`` x ``--eval-seeds``). The last lines are ratios against TRL.
 
-    bash scripts/setup_trl.sh && .venv/bin/python benchmarks/vs_trl.py              # ~30-40 min idle
+    bash scripts/setup_trl.sh && .venv/bin/python benchmarks/vs_trl.py --warmup     # ~40 min idle
     .venv/bin/python benchmarks/vs_trl.py --steps 1 --prompts 2 --group-size 4 --max-new-tokens 24 \\
         --eval-tasks 4 --eval-seeds 0                                                # a smoke run
 """
@@ -78,6 +80,27 @@ def prepare(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
             f.write(json.dumps({"prompt": tok.decode(prompt.token_ids), "task": task}, default=str) + "\n")
     env.close()
     return model_dir, path
+
+
+def warm_up(args: argparse.Namespace, out: Path) -> tuple[Path, float]:
+    """The main job's supervised warm-up (``trainer.sft_warmup_*`` of the config) from the embedded model,
+    alone: (the warmed-up HF folder both systems then start from, seconds it took)."""
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_tokenizer
+
+    run_dir = out / "warmup"
+    cmd = [sys.executable, "-m", "relax_agent.cli", "train", str(CONFIG), f"run.output_dir={run_dir}",
+           f"run.seed={args.seed}", "trainer.steps=0", "checkpoint.keep_warmup=true", f"run.num_threads={args.threads}",
+           "eval.at_start=false", "eval.at_end=false", "eval.after_warmup=false", "logging.tensorboard=false",
+           "logging.plot=false", "--quiet"]
+    start = time.perf_counter()
+    rc, *_ = _run(cmd, out / "warmup.log")
+    if rc != 0:
+        raise SystemExit(f"the warm-up failed (rc {rc}); see {out / 'warmup.log'}")
+    model_dir = run_dir / "checkpoints" / "step_000000" / "model"
+    if not (model_dir / "tokenizer_config.json").exists():  # TRL loads the tokenizer from the same folder
+        load_tokenizer(ModelConfig()).save_pretrained(model_dir)
+    return model_dir, time.perf_counter() - start
 
 
 def score_forever(args: argparse.Namespace) -> None:
@@ -179,6 +202,8 @@ def main() -> None:
     p.add_argument("--eval-tasks", type=int, default=50)
     p.add_argument("--eval-seeds", default="0,1,2")
     p.add_argument("--from", dest="model_from", default=None, help="HF folder both systems start from")
+    p.add_argument("--warmup", action="store_true",
+                   help="start both from the main job's supervised warm-up, run here first (not timed for either)")
     p.add_argument("--out", default=None, help="work folder (default: a temporary one, kept)")
     p.add_argument("--skip-eval", action="store_true")
     p.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
@@ -186,18 +211,26 @@ def main() -> None:
     if args.score:
         score_forever(args)
         return
+    if args.warmup and args.model_from:
+        raise SystemExit("--warmup and --from both name the starting policy: give one")
     out = Path(args.out or tempfile.mkdtemp(prefix="vs_trl-"))
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
+    warmup_s = None
+    if args.warmup:
+        args.model_from, warmup_s = warm_up(args, out)
     model_dir, prompts = prepare(args, out)
     rows = [run_relax(args, model_dir, out, "colocate"), run_relax(args, model_dir, out, "async"),
             run_trl(args, model_dir, prompts, out)]
+    start = "the warm-up alone" if args.warmup else ("--from" if args.model_from else "untrained")
+    baseline = (float("nan"), float("nan")) if args.skip_eval else held_out(args, model_dir, out, "start")
     for r in rows:
         r["acc"], r["acc_std"] = (float("nan"), float("nan")) if args.skip_eval else held_out(
             args, r["model"], out, r["system"].split()[0] + "-" + str(rows.index(r)))
     print(f"{args.steps} steps x {args.prompts} prompts x {args.group_size} completions, {args.max_new_tokens} new tokens, "
-          f"T={args.temperature}, fp32, {args.threads} threads; load at start {load:.1f}, at end {os.getloadavg()[0]:.1f}; "
-          f"work folder {out}")
+          f"T={args.temperature}, fp32, {args.threads} threads, from {start}"
+          + (f" ({warmup_s:.0f} s, not counted)" if warmup_s is not None else "")
+          + f"; load at start {load:.1f}, at end {os.getloadavg()[0]:.1f}; work folder {out}")
     print(f"{'system':<28} {'compl/s':>8} {'trained/s':>9} {'tok/s':>7} {'step s (median)':>15} {'CPU s/compl':>11} "
           f"{'peak RSS GB':>11} {'held-out acc':>14}")
     for r in rows:
@@ -205,6 +238,8 @@ def main() -> None:
         print(f"{r['system']:<28} {r['cps']:>8.3f} {r['trained'] / r['loop_s']:>9.3f} {r['tokens'] / r['loop_s']:>7.1f} "
               f"{statistics.median(r['step_s']):>15.1f} {r['cpu_s'] / r['completions']:>11.2f} {r['rss_gb']:>11.2f} "
               f"{r['acc']:>8.3f} ± {r['acc_std']:.3f}")
+    print(f"{'starting policy (' + start + ')':<28} {'':>8} {'':>9} {'':>7} {'':>15} {'':>11} {'':>11} "
+          f"{baseline[0]:>8.3f} ± {baseline[1]:.3f}")
     trl = rows[-1]
     for r in rows[:-1]:
         print(f"{r['system']} / TRL: completions/s {r['cps'] / trl['cps']:.2f}x, "

@@ -1,4 +1,4 @@
-"""Cost of ``weights.verify`` per sync, for the main job's model with the HF engine.
+"""Cost of ``weights.verify`` per sync, for the main job's model with the HF engine or vLLM.
 
 SmolLM2-135M-Instruct (``embedded:smollm2-135m-instruct``, fp32, 273 tensors: the tied lm_head is
 the embedding's second name, so 162.8M elements for 135M parameters)
@@ -12,7 +12,13 @@ processes' load). For comparison it also
 times a full-pass digest (float64 sum and sum of squares of every tensor) of the same weights,
 the alternative :mod:`relax_agent.weights.digest` explains it does not use.
 
-Run: ``python benchmarks/weight_verify.py [--rounds 7] [--samples 2048]`` (about 90 s).
+With ``--engine vllm`` the policy is published over ``weights.transport: tcp`` (the path a vLLM
+engine takes) into a ``VLLMEngine`` (CPU build), and the verified sync also includes the server's
+check of what the engine serves after the reload (each linear layer read back through its kernel);
+that part is printed on its own (``served_verify_s``).
+
+Run: ``python benchmarks/weight_verify.py [--rounds 7] [--samples 2048] [--engine hf|vllm]`` (about
+90 s; vLLM: about 3 min).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from relax_agent.config import EngineConfig, ModelConfig
 from relax_agent.models import load_policy
+from relax_agent.rollout.engines.config import VLLMConfig
 from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.weights import WeightSyncConfig, build_weight_sync
 
@@ -42,18 +49,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
     args = parser.parse_args()
     torch.manual_seed(0)
     trainer, _ = load_policy(ModelConfig())
     model, tokenizer = load_policy(ModelConfig())
-    engine = HFEngine(model, tokenizer, EngineConfig(), seed=0)
+    if args.engine == "vllm":
+        engine = EngineConfig(kind="vllm", vllm=VLLMConfig(kv_cache_gib=1, max_model_len=2048)).build(
+            model=model, tokenizer=tokenizer, seed=0)
+        transport = "tcp"
+    else:
+        engine, transport = HFEngine(model, tokenizer, EngineConfig(), seed=0), "inproc"
     state = trainer.state_dict()
     n_params = sum(t.numel() for t in state.values())
-    syncs = {True: build_weight_sync(WeightSyncConfig(transport="inproc", verify=True, verify_samples=args.samples)),
-             False: build_weight_sync(WeightSyncConfig(transport="inproc", verify=False))}
+    syncs = {True: build_weight_sync(WeightSyncConfig(transport=transport, verify=True, verify_samples=args.samples)),
+             False: build_weight_sync(WeightSyncConfig(transport=transport, verify=False))}
     subs = {on: sync.attach(engine, name=f"verify-{on}") for on, sync in syncs.items()}
     seconds: dict[bool, list[float]] = {True: [], False: []}
-    verify, full = [], []
+    verify, full, served = [], [], []
     try:
         for version in range(1, args.rounds + 1):
             with torch.no_grad():
@@ -64,6 +77,8 @@ def main() -> None:
                 seconds[on].append(stats.seconds)
                 if on:
                     verify.append(stats.verify_s)
+                    if args.engine == "vllm":
+                        served.append(engine.server_stats()["last_load"]["served_verify_s"])
             full.append(full_pass_s(state))
     finally:
         for on, sync in syncs.items():
@@ -71,13 +86,16 @@ def main() -> None:
         engine.close()
     off_s, on_s, verify_s = (statistics.median(seconds[False]), statistics.median(seconds[True]),
                              statistics.median(verify))
-    print(f"SmolLM2-135M-Instruct: {len(state)} tensors, {n_params / 1e6:.1f}M parameters, fp32 HFEngine, "
-          f"inproc, {args.rounds} rounds, verify_samples={args.samples}; load average {os.getloadavg()[0]:.2f}")
+    print(f"SmolLM2-135M-Instruct: {len(state)} tensors, {n_params / 1e6:.1f}M parameters, fp32 {type(engine).__name__}, "
+          f"{transport}, {args.rounds} rounds, verify_samples={args.samples}; load average {os.getloadavg()[0]:.2f}")
     print(f"sync, verify off (median)        {off_s * 1e3:8.1f} ms")
     print(f"sync, verify on  (median)        {on_s * 1e3:8.1f} ms")
     print(f"weights/verify_s (median)        {verify_s * 1e3:8.1f} ms   = {verify_s / on_s:6.1%} of the verified sync")
     print(f"fastest rounds: sync off {min(seconds[False]) * 1e3:.1f} ms, sync on {min(seconds[True]) * 1e3:.1f} ms, "
           f"verify {min(verify) * 1e3:.1f} ms = {min(verify) / min(seconds[True]):.1%} (least disturbed by other load)")
+    if served:
+        print(f"of which the served-weights check {statistics.median(served) * 1e3:8.1f} ms   = "
+              f"{statistics.median(served) / on_s:6.1%} of the verified sync (vLLM server, after the reload)")
     print(f"full-pass fp64 sum + sumsq       {statistics.median(full) * 1e3:8.1f} ms   = "
           f"{statistics.median(full) / off_s:6.1%} of the unverified sync (one side only)")
 

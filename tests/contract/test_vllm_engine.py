@@ -9,6 +9,7 @@ update policies, prefix caching and its reset, close. Needs the vLLM venv
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 
@@ -387,6 +388,73 @@ def test_weight_sync_verifies_what_the_server_loads_and_refuses_a_corrupted_tens
         sync.close()
 
 
+_STALE_RELOAD = """
+import importlib.util, sys
+import torch
+from safetensors import safe_open
+server, argv = sys.argv[1], sys.argv[2:]
+spec = importlib.util.spec_from_file_location("vllm_server", server)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+with safe_open(argv[argv.index("--model") + 1] + "/model.safetensors", framework="pt") as f:
+    stale = f.get_tensor({module!r} + ".weight")
+reload, calls = mod.EngineLoop._reload, []
+
+def reload_one_stale(self, tensors):
+    took = reload(self, tensors)
+    calls.append(1)
+    if len(calls) == {call}:  # the engine's kernel keeps the startup weight of one layer
+        def repack(model):
+            layer = model.get_submodule({module!r})
+            layer.weight = torch.nn.Parameter(stale.clone(), requires_grad=False)
+            layer.quant_method.process_weights_after_loading(layer)
+        self.llm.apply_model(repack)
+    return took
+
+mod.EngineLoop._reload = reload_one_stale
+mod.main(argv)
+"""
+
+
+@needs_vllm
+def test_weight_sync_verifies_what_the_engine_serves_and_restores_the_previous_version(policy, tmp_path):
+    """A reload whose packed kernel keeps a stale weight for one layer (the server's file read is clean):
+    the check of the served weights names that tensor, the previous version is reloaded and keeps serving,
+    and its log-probs equal the trainer's for that version. A clean version is checked as served too."""
+    from relax_agent.weights import WeightSyncConfig, build_weight_sync
+
+    model, tok = policy
+    stale = "model.layers.1.mlp.down_proj"
+    script = tmp_path / "stale_server.py"
+    script.write_text(_STALE_RELOAD.format(module=stale, call=2))
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nexec {find_vllm_python()} {script} \"$@\"\n")
+    wrapper.chmod(0o755)
+    eng = engine_config(python=str(wrapper)).build(model=model, tokenizer=tok, seed=0)
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), engines=[eng])
+    v1 = perturbed(model, seed=6)
+    try:
+        sync.publish(v1, version=1)
+        assert eng.policy_version == 1 and eng.stats.served_verified >= 2 * 7 + 2  # q k v o gate up down per layer
+        assert eng.stats.served_unverified == 0
+        with pytest.raises(WeightSyncError) as info:
+            sync.publish(perturbed(model, seed=7), version=2)
+        message = str(info.value)
+        assert "version 2" in message and f"{stale}.weight" in message and "the engine serves" in message
+        assert "version 1 was reloaded" in message and "up_proj" not in message
+        assert eng.policy_version == 1 and eng.server_stats()["last_load"]["version"] == 1
+        prompt = prompt_of(30, 3)
+        gen = eng.generate_many([prompt], SamplingParams(max_new_tokens=6, seed=2))[0]
+    finally:
+        sync.close()
+        eng.close()
+    assert set(gen.token_versions) == {1}
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(v1)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), reference_logprobs(reference, prompt, gen.token_ids, 1.0),
+                               atol=1e-4, rtol=0)
+
+
 @needs_vllm
 def test_abort_resume_tags_every_token_with_the_version_that_sampled_it(policy, engine, restore):
     model, _ = policy
@@ -526,16 +594,22 @@ def test_train_rollout_mismatch_is_below_1e_6_for_vllm_and_the_hf_engine(policy,
 @needs_vllm
 @pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_half_precision_engines_follow_the_forward_pass_in_that_dtype(policy, dtype, torch_dtype):
-    import copy
+    from relax_agent.weights import WeightSyncConfig, build_weight_sync
 
     model, tok = policy
     eng = EngineConfig(kind="vllm", dtype=dtype, max_batch_size=4,
                        vllm=VLLMConfig(kv_cache_gib=1, max_model_len=1024)).build(model=model, tokenizer=tok)
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), engines=[eng])
     try:
         assert {dt for _, dt in eng.weight_layout().values()} == {torch_dtype}
+        # a clean version passes the check of the served weights within the dtype's rounding
+        sync.publish(perturbed(model, seed=8), version=1)
+        assert eng.policy_version == 1 and eng.stats.served_verified >= 2 * 7 + 2
+        sync.publish({k: v.clone() for k, v in model.state_dict().items()}, version=2)
         prompt = prompt_of(50, 11)
         gen = eng.generate_many([prompt], SamplingParams(max_new_tokens=8, seed=3))[0]
     finally:
+        sync.close()
         eng.close()
     half = copy.deepcopy(model).to(torch_dtype)
     ref_half = reference_logprobs(half, prompt, gen.token_ids, 1.0)

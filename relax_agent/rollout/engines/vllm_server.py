@@ -23,7 +23,7 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   ``"routes": {"data", "dtype", "shape"}``: base64 of the C-order bytes of an
   ``[n, moe_layers, top_k]`` array of expert ids (see :class:`RouteCapture`).
 - ``POST /abort`` ``{"id"}``: stop that request now (its ``/generate`` answers ``"abort"``).
-- ``POST /load_weights`` ``{"path", "version", "policy", "expected"}``: reload every weight from the
+- ``POST /load_weights`` ``{"path", "version", "policy", "expected", "previous"}``: reload every weight from the
   safetensors file ``path`` (checkpoint names, e.g. ``model.layers.0.self_attn.q_proj.weight``)
   through vLLM's ``reload_weights`` (which re-fuses qkv/gate-up and repacks for the CPU
   kernels; the CPU MoE experts' prepack, which it skips on an update, is redone), reset the
@@ -35,9 +35,14 @@ HTTP API (127.0.0.1 only; every call needs ``Authorization: Bearer $RELAX_VLLM_T
   then reloads. ``expected`` (optional, ``weights.verify``): name -> ``[shape, dtype, sample hash,
   samples]`` (:func:`tensor_digest`) of tensors to check as the server read them, before anything
   is aborted or reloaded; a difference answers 409 naming the tensors, and the previous version
-  keeps serving. Answers ``{"version", "pause_s", "read_s", "reload_s", "verify_s", "verified",
-  "aborted"}`` (``verified``: tensors checked)
-  (``pause_s``: time the engine could not step).
+  keeps serving. With ``expected``, after the reload the server also checks what the engine now
+  *serves* against the file it read (:func:`served_mismatches`: exact columns of every linear layer
+  read back through its own kernel, a random probe, plain parameters compared exactly); a difference
+  reloads ``previous`` (the file of the version served before), answers 409 naming the tensors, and
+  the previous version keeps serving. Answers ``{"version", "pause_s", "read_s", "reload_s",
+  "verify_s", "verified", "served_verify_s", "served_verified", "served_unverified", "aborted"}``
+  (``verified``: tensors checked as read; ``served_verified``: as served; ``served_unverified``:
+  engine parameters the check could not map to checkpoint names) (``pause_s``: time the engine could not step).
 - ``GET /stats``: counters since start (``max_running``: most requests in one batch); ``GET /health``: ``{"version"}`` (500 once the
   engine thread died).
 
@@ -125,10 +130,111 @@ class _Load:
     future: asyncio.Future
     expected: dict[str, list] | None = None
     """name -> [shape, dtype, sample hash, samples] of the tensors to verify (``weights.verify``)."""
+    previous: str | None = None
+    """The version file now served: reloaded if the engine serves the new one differently from its file."""
 
 
 class VerificationError(Exception):
-    """A version's tensors, as the server read them, differ from what the client says it sent."""
+    """A version's tensors, as the server read or serves them, differ from what the client sent."""
+
+
+SERVED_COLUMNS = 8
+"""Columns of each linear layer's weight read back exactly from the engine after every load."""
+SERVED_RTOL = {"torch.float32": 1e-5, "torch.bfloat16": 1.6e-2, "torch.float16": 4e-3}
+"""Bound on ``|served - expected| / sum_k |x_k w_nk|`` of the random probe, per dtype: 4 units in the last
+place of a half type (the kernels round the output to it), ~60x the error measured for fp32's oneDNN."""
+
+
+def served_mismatches(model: Any, read: dict[str, Any], tied: list[list[str]],
+                      version: int) -> tuple[int, int, list[str]]:
+    """Check the weights ``model`` serves against ``read`` (checkpoint name -> tensor of the version file,
+    as read): ``(checkpoint tensors checked, engine parameters not checked, differences)``.
+
+    vLLM fuses q/k/v and gate/up and, on CPU, repacks each linear weight into a kernel handle whose values
+    cannot be read. So each linear layer (and the LM head) is run on a probe batch through its own
+    ``quant_method.apply``: :data:`SERVED_COLUMNS` one-hot rows (``x = e_k``, so ``y = W[:, k]`` exactly in
+    any accumulation order: the columns ``(i * K // m + version) mod K``, a different set each version) and
+    one seeded random row (``y = W x`` within :data:`SERVED_RTOL`, which touches every element). Each slice
+    of a fused output is compared with its checkpoint tensor (``packed_modules_mapping``; a tied head with
+    the embedding). Plain parameters (norms, the embedding's lookup table, biases) are compared exactly.
+    Not checked: parameters without a checkpoint name of their own (an MoE's fused experts): counted.
+    """
+    import torch
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed = dict(getattr(model, "packed_modules_mapping", None) or {})
+    alias = {n: next((o for o in group if o in read), None) for group in tied for n in group}
+
+    def source(name: str) -> str | None:
+        return name if name in read else alias.get(name)
+
+    checked, unchecked, bad, probed = 0, 0, [], set()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+                continue
+            prefix, _, last = name.rpartition(".")
+            parts = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in packed.get(last, [last])]
+            sources = [source(p) for p in parts]
+            if None in sources:
+                continue
+            bad += _probe(module, [(p, read[s]) for p, s in zip(parts, sources) if s is not None], version)
+            checked += len(parts)
+            probed.add(f"{name}.weight")
+        for name, param in model.named_parameters():
+            s = source(name)
+            if s is None:
+                unchecked += name not in probed
+                continue
+            if param.numel() == 0:
+                continue
+            want = read[s]
+            got = param.detach()[: want.shape[0]] if param.shape[1:] == want.shape[1:] else param.detach()
+            if tuple(got.shape) != tuple(want.shape) or not torch.equal(got.to("cpu", want.dtype), want):
+                bad.append(f"{name}: the engine holds other values than the file's {s}")
+            checked += 1
+    return checked, unchecked, bad
+
+
+def _probe(module: Any, parts: list[tuple[str, Any]], version: int) -> list[str]:
+    """Differences between ``module``'s served output on the probe batch and each part's weight
+    (see :func:`served_mismatches`)."""
+    import torch
+
+    k = int(parts[0][1].shape[1])
+    if any(w.dim() != 2 or int(w.shape[1]) != k for _, w in parts):
+        return [f"{parts[0][0]}: checkpoint shapes {[tuple(w.shape) for _, w in parts]} do not share an input size"]
+    dtype = parts[0][1].dtype
+    cols = (torch.arange(SERVED_COLUMNS) * max(1, k // SERVED_COLUMNS) + version) % k
+    x = torch.zeros(len(cols) + 1, k, dtype=dtype)
+    x[torch.arange(len(cols)), cols] = 1
+    x[-1] = torch.randn(k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    y = module.quant_method.apply(module, x.to(device)).float().cpu()
+    rtol = SERVED_RTOL.get(str(dtype), 1.6e-2)
+    bad, offset = [], 0
+    for name, w in parts:
+        n, w32 = int(w.shape[0]), w.float()
+        got = y[:, offset:offset + n] if y.shape[-1] >= offset + n else None
+        offset += n
+        if got is None:
+            bad.append(f"{name}: the engine's output has {y.shape[-1]} features, the checkpoint's weights {offset}")
+            continue
+        differ = (got[:-1] != w32[:, cols].T).nonzero()
+        if len(differ):
+            row, out = (int(v) for v in differ[0])
+            bad.append(f"{name}: column {int(cols[row])} read back from the engine differs at {len(differ)} "
+                       f"element(s), e.g. row {out}: served {got[row, out].item():.6g}, file "
+                       f"{w32[out, int(cols[row])].item():.6g}")
+            continue
+        want = w32 @ x[-1].float()
+        bound = rtol * (w32.abs() @ x[-1].float().abs()) + 1e-30
+        err = ((got[-1] - want).abs() / bound).max().item()
+        if err > 1.0:
+            bad.append(f"{name}: the engine's output on a random probe is {err:.3g}x the {dtype} tolerance off "
+                       f"what the file's weights give")
+    return bad
 
 
 def tensor_digest(tensor: Any, samples: int) -> list:
@@ -324,6 +430,8 @@ class EngineLoop:
         """Requests waiting for a weight update to finish (new ones under finish_old, aborted
         ones under abort_resume)."""
         self.pending_load: _Load | None = None
+        self.tied: list[list[str]] = []
+        """Groups of parameter names that are one tensor, as of the last reload (a tied head)."""
         self.aborted_ids: dict[str, None] = {}
         """Client ids aborted before their request arrived (the abort overtook it): refused on arrival."""
         self.error: str | None = None
@@ -496,15 +604,25 @@ class EngineLoop:
             _settle(load.loop, load.future, RuntimeError(f"reload_weights from {load.path} failed: "
                                                          f"{type(exc).__name__}: {exc}"))
             raise
+        served_s = time.perf_counter()
+        served: tuple[int, int, list[str]] = (0, 0, [])
+        if load.expected is not None:
+            read = dict(tensors)
+            served = self.llm.apply_model(lambda model: served_mismatches(model, read, self.tied, load.version))[0]
+        served_s = time.perf_counter() - served_s
         if self.capture is not None:
             self.capture.bind()
         self.llm.reset_prefix_cache()
+        if served[2]:
+            self._restore(load, served[2])
+            return
         self.version = load.version
         pause_s = time.perf_counter() - start
         self.stats["weight_loads"] += 1
         self.stats["weight_load_s"] += pause_s
         detail = {"version": load.version, "pause_s": pause_s, "read_s": read_s, "reload_s": reload_s,
-                  "verify_s": verify_s, "verified": len(load.expected or ()), "aborted": aborted}
+                  "verify_s": verify_s, "verified": len(load.expected or ()), "served_verify_s": served_s,
+                  "served_verified": served[0], "served_unverified": served[1], "aborted": aborted}
         self.stats["last_load"] = detail
         _settle(load.loop, load.future, detail)
 
@@ -525,11 +643,35 @@ class EngineLoop:
             verify_tensors(tensors, load.expected, load.version)
         return tensors, read_s, time.perf_counter() - start - read_s
 
+    def _restore(self, load: _Load, differences: list[str]) -> None:
+        """The engine serves ``load``'s version differently from its file: reload the file of the version
+        served before (``load.previous``) and answer with the differences; without one, fail the engine.
+
+        Raises:
+            RuntimeError: no previous file, or reloading it failed (the engine thread dies: /health 500).
+        """
+        error = VerificationError(f"version {load.version}: the engine serves {len(differences)} tensor(s) other "
+                                  f"than the version file it read; version {self.version} was reloaded and keeps "
+                                  f"serving (weights.verify): " + "; ".join(differences[:20]))
+        try:
+            if load.previous is None:
+                raise RuntimeError("no previous version file to reload")
+            from safetensors import safe_open
+
+            with safe_open(load.previous, framework="pt", device="cpu") as f:
+                self._reload([(name, f.get_tensor(name)) for name in f.keys()])
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            _settle(load.loop, load.future, RuntimeError(f"{error}; reloading version {self.version} from "
+                                                         f"{load.previous} failed: {type(exc).__name__}: {exc}"))
+            raise
+        _settle(load.loop, load.future, error)
+
     def _reload(self, tensors: list) -> float:
         """Reload ``tensors`` (checkpoint names) in place; returns the seconds it took."""
         start = time.perf_counter()
         loaded = {name for name, _ in tensors}
-        tied = self.llm.apply_model(_tied_parameters)[0]
+        tied = self.tied = self.llm.apply_model(_tied_parameters)[0]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
         self.llm.apply_model(lambda model: _tie_again(model, tied, loaded))
         self.llm.apply_model(_prepack_cpu_experts_again)
@@ -666,7 +808,7 @@ def build_app(engine: EngineLoop, token: str) -> Any:
             raise HTTPException(422, f"path={body['path']!r} is not a file")
         loop = asyncio.get_running_loop()
         load = _Load(str(body["path"]), int(body["version"]), policy, loop, loop.create_future(),
-                     body.get("expected"))
+                     body.get("expected"), body.get("previous"))
         engine.commands.put(("load", load))
         try:
             return await load.future
