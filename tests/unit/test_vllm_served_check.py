@@ -51,7 +51,7 @@ def test_one_element_in_a_read_back_column_is_named_with_its_tensor_and_position
     parts = _parts()
     fused = torch.cat([w for _, w in parts]).clone()
     version = 5
-    col = int((torch.arange(vllm_server.SERVED_COLUMNS) * (64 // vllm_server.SERVED_COLUMNS) + version)[2] % 64)
+    col = (version * vllm_server.SERVED_COLUMNS) % (64 - vllm_server.SERVED_COLUMNS + 1) + 2
     fused[48 + 3, col] += 1e-6  # row 3 of k: below any tolerance, but read back exactly
     bad = vllm_server._probe(_Layer(fused), parts, version)
     assert len(bad) == 1 and bad[0].startswith("k.weight: column") and f"column {col} " in bad[0]
@@ -69,8 +69,7 @@ def test_a_stale_tensor_and_a_swapped_fusion_are_found():
 def test_a_change_between_the_read_back_columns_is_caught_by_the_random_probe():
     parts = _parts()
     fused = torch.cat([w for _, w in parts]).clone()
-    cols = set((torch.arange(vllm_server.SERVED_COLUMNS) * 8).tolist())
-    other = next(c for c in range(64) if c not in cols)
+    other = vllm_server.SERVED_COLUMNS + 3  # outside version 0's block of read-back columns
     fused[:48, other] *= -1  # one column of q flipped in sign
     bad = vllm_server._probe(_Layer(fused), parts, 0)
     assert len(bad) == 1 and bad[0].startswith("q.weight: the engine's output on a random probe")
