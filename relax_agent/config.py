@@ -124,6 +124,13 @@ class AgentConfig(Section):
     """"env": the env scores the agent's final answer (``env.step`` on the last assistant message, or
     on ``answer`` from the output file), then ``reward`` (a reward service) may re-score as for
     env-driven runs; "agent": the number the agent wrote as ``reward`` in its output file."""
+    train_branches: bool = False
+    """Train the episode's side segments too (abandoned requests, unchosen ``n > 1`` siblings, side calls
+    after the answer: every reply the policy sampled off the trained chain). Group semantics: the
+    group's advantages are computed over the G trained chains only, as without branches; each side
+    segment trains as an extra row with the advantage of the episode it branched from (the same
+    reward), so a segment moves no baseline and an episode with zero advantage trains no segment.
+    False: segments are recorded in the rollout dump, never trained."""
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the endpoint on 127.0.0.1; 0 picks a free one."""
     model_name: str = "policy"

@@ -339,6 +339,9 @@ class _Run:
         self.train_fields = tuple(R.TRAIN_FIELDS)
         if ctrl.runtime.rollout.routes is not None:
             self.train_fields += tuple(R.ROUTE_FIELDS)
+        self.train_branches = ctrl.cfg.rollout.driver == "agent" and ctrl.cfg.rollout.agent.train_branches
+        if self.train_branches:  # the trainer reads each row's side segments from its trajectory
+            self.train_fields += (R.TRAJECTORY,)
         self.keep = ctrl.trainer.rows_needed_after() is not None
         """Trained rows wait on the bus (consumer :data:`KEEPER`) until a checkpoint covers them."""
         self.kept: list[tuple[int, list[str]]] = []
@@ -562,7 +565,8 @@ class _Run:
         rows = list(zip(trajs, versions)) + [(t, grp.version) for grp in dropped + filtered for t in grp.trajs]
         write_rollout_dump(ctrl.out / "rollouts" / f"step_{ctrl.step:06d}.jsonl", rows, trained_at, kept,
                            {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode,
-                           filtered={t.sample_id for grp in filtered for t in grp.trajs})
+                           filtered={t.sample_id for grp in filtered for t in grp.trajs},
+                           train_branches=self.train_branches)
         if ctrl.cfg.logging.token_record:
             write_token_record(ctrl.out / "rollouts" / "tokens" / f"step_{ctrl.step:06d}.jsonl.gz", rows,
                                self._placeholder_ids(trajs))

@@ -40,7 +40,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, 
 
 def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], trained_at: int, kept: set[str],
                        dropped: set[str], decode: Callable[[Sequence[int]], str],
-                       filtered: AbstractSet[str] = frozenset()) -> None:
+                       filtered: AbstractSet[str] = frozenset(), train_branches: bool = False) -> None:
     """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
 
     ``rows``: ``(trajectory, sample_version)`` pairs. Each line records ``sample_version`` (engine
@@ -50,7 +50,9 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
     not trained), ``filtered`` (dynamic sampling retired its group untrained: its rewards did not
     vary) and, per turn, ``token_versions`` (each token's policy version where a weight
     update landed inside the turn, else empty). An agent-driven episode's side segments follow it,
-    each with ``side_branch_of`` (the episode's sample id) and ``trained`` false.
+    each with ``side_branch_of`` (the episode's sample id) and ``trained``: false, or with
+    ``train_branches`` (``rollout.agent.train_branches``) its episode's, when the segment has a
+    sampled token and a real reward.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -59,7 +61,8 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
                    "dropped_stale": t.sample_id in dropped, "filtered": t.sample_id in filtered}
             f.write(json.dumps({**_dump_row(t, decode), **row}) + "\n")
             for seg in t.side_segments:
-                f.write(json.dumps({**_dump_row(seg, decode), **row, "trained": False,
+                trained = train_branches and row["trained"] and seg.trainable and any(seg.loss_mask)
+                f.write(json.dumps({**_dump_row(seg, decode), **row, "trained": trained,
                                     "side_branch_of": t.sample_id}) + "\n")
 
 

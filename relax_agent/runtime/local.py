@@ -18,6 +18,9 @@ from relax_agent.records import Trajectory, trajectory_fields
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Runtime, Task, TrainRef
 
+SIDE_BRANCHES = "train/side_branches"
+"""Side segments of agent episodes trained in the update (``rollout.agent.train_branches``)."""
+
 
 class LocalRolloutService:
     """Implements :class:`~relax_agent.runtime.base.RolloutService` over an in-process runner.
@@ -118,13 +121,21 @@ class LocalTrainerService:
 
     def update(self, fields: Mapping[str, Any]) -> dict[str, float]:
         """Collate ``fields`` (B rows of :data:`~relax_agent.records.TRAIN_FIELDS`) and take one
-        update without publishing; returns ``train/*`` metrics and ``timing/train_s``."""
-        from relax_agent.train.collate import collate_fields
+        update without publishing; returns ``train/*`` metrics and ``timing/train_s``. With a
+        ``trajectory`` field the rows' side segments train too (:func:`~relax_agent.train.collate.
+        with_side_branches`, metric :data:`SIDE_BRANCHES`)."""
+        from relax_agent import records as R
+        from relax_agent.train.collate import collate_fields, with_side_branches
 
+        branches = None
+        if R.TRAJECTORY in fields:  # rollout.agent.train_branches: the side segments train too
+            fields, branches = with_side_branches(fields)
         batch = collate_fields(fields, self.pad_token_id)
         t0 = time.perf_counter()
         out = dict(self.trainer.train_step(batch))
         out["timing/train_s"] = time.perf_counter() - t0
+        if branches is not None:
+            out[SIDE_BRANCHES] = float(branches)
         return out
 
     def rows_needed_after(self) -> int | None:

@@ -49,6 +49,48 @@ def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_no
     return estimator_advantages(estimator, rewards, group_index, valid)
 
 
+def with_side_branches(fields: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
+    """``fields`` with a training row appended for every side segment of every row
+    (``rollout.agent.train_branches``), and the number appended.
+
+    Each row's ``trajectory`` (a :class:`~relax_agent.records.Trajectory` as the bus keeps it) carries
+    its agent episode's side segments (replies off the trained chain: abandoned requests, unchosen
+    ``n > 1`` siblings, side calls after the answer). A segment trains with the advantage of the
+    episode it branched from: the group's advantages are computed over the trained chains only, as
+    without branches, so a segment changes no baseline. A row that is not trainable, and a segment
+    with no sampled token, adds nothing. Appended rows have no media and no recorded routes (zeros
+    with an all-False routes mask when the step replays routes). The ``trajectory`` field is dropped.
+
+    Raises:
+        DataError: ``fields`` has no ``trajectory`` field.
+    """
+    if R.TRAJECTORY not in fields:
+        raise DataError(f"side branches are read from the {R.TRAJECTORY!r} field; got {sorted(fields)}")
+    out = {k: list(v) for k, v in fields.items() if k != R.TRAJECTORY}
+    trainable = fields.get(R.TRAINABLE)
+    added = 0
+    for i, traj in enumerate(fields[R.TRAJECTORY]):
+        if trainable is not None and not bool(trainable[i]):
+            continue
+        for seg in getattr(traj, "side_segments", ()):
+            if not seg.trainable or not any(seg.loss_mask):
+                continue
+            out[R.TOKEN_IDS].append(np.asarray(seg.token_ids, dtype=np.int64))
+            out[R.LOSS_MASK].append(np.asarray(seg.loss_mask, dtype=np.int8))
+            out[R.ROLLOUT_LOGPROBS].append(np.asarray(seg.rollout_logprobs, dtype=np.float32))
+            out[R.ADVANTAGE].append(fields[R.ADVANTAGE][i])
+            for name, value in ((R.TRAINABLE, True), (R.MEDIA, None)):
+                if name in out:
+                    out[name].append(value)
+            if R.ROUTED_EXPERTS in out:
+                shape = np.asarray(fields[R.ROUTED_EXPERTS][i]).shape[1:]
+                out[R.ROUTED_EXPERTS].append(np.zeros((len(seg.token_ids), *shape),
+                                                      dtype=np.asarray(fields[R.ROUTED_EXPERTS][i]).dtype))
+                out[R.ROUTES_MASK].append(np.zeros(len(seg.token_ids), dtype=bool))
+            added += 1
+    return out, added
+
+
 def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any = None) -> TrainBatch:
     """Right-pad rows given as fields into a :class:`TrainBatch`.
 

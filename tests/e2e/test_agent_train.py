@@ -45,3 +45,41 @@ def test_two_training_steps_through_the_example_agent(tiny_model_dir, tmp_path, 
     n = int(last.split(" of ")[1].split()[0])
     assert last == f"step 1: {n} of {n} episodes replay without divergence" and n >= 4, done.stdout
     assert "skipped" not in done.stdout, done.stdout
+
+
+_SIDE_CALL_AGENT = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+client = OpenAI(max_retries=0)
+reply = client.chat.completions.create(model="policy", messages=task["messages"])
+client.chat.completions.create(model="policy", messages=[  # a side call after the answer
+    {"role": "user", "content": "Give this a short title: " + (reply.choices[0].message.content or "")}])
+index = int(task["sample_id"].rsplit("/", 1)[-1])  # the episode's place in its group: rewards 0 and 1
+json.dump({"reward": float(index % 2)}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
+"""
+
+
+def test_train_branches_trains_each_side_call_with_its_episode(tiny_model_dir, tmp_path):
+    """``rollout.agent.train_branches=true`` with an agent that makes one side call after its answer
+    (the agent scores itself 0 or 1, so every episode has a non-zero advantage): every step trains
+    its 4 chains and their 4 side segments, and the dump marks each segment trained."""
+    agent = tmp_path / "side_call_agent.py"
+    agent.write_text(_SIDE_CALL_AGENT)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "relax_agent.cli", "train", "examples/agents/openai_sdk_agent.yaml", "--quiet",
+           f"model.path={tiny_model_dir}", f"run.output_dir={out}", "trainer.steps=2", "rollout.tasks_per_step=2",
+           "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_total_tokens=1024",
+           "rollout.agent.reward=agent", "rollout.agent.train_branches=true", "eval.at_start=false",
+           "eval.at_end=false", "trainer.micro_batch_size=8", "checkpoint.every_steps=0", "run.num_threads=1",
+           "logging.tensorboard=false", "logging.plot=false", f'rollout.agent.command=["{{python}}", "{agent}"]']
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "rollout/reward" in r]
+    assert [(r["train/samples"], r["train/side_branches"]) for r in steps] == [(4.0, 4.0), (4.0, 4.0)]
+    for step in (1, 2):
+        rows = [json.loads(x) for x in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        side = [r for r in rows if r.get("side_branch_of")]
+        assert len(side) == 4 and all(r["trained"] for r in rows), rows
+        assert {r["side_branch_of"] for r in side} == {r["sample_id"] for r in rows if not r.get("side_branch_of")}

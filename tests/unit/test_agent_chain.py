@@ -207,3 +207,38 @@ def test_mixed_seeds_are_in_range_and_deterministic():
     seeds = {mixed_seed(7, e, k) for e in range(50) for k in range(4)}
     assert len(seeds) == 200 and all(0 <= s < 2**31 - 65 for s in seeds)
     assert mixed_seed(-(2**63), 2**40, 3) == mixed_seed(-(2**63), 2**40, 3)
+
+
+def test_with_train_branches_a_side_segment_trains_with_its_episodes_advantage(tok, tmp_path):
+    """``rollout.agent.train_branches``: the trainer's fields gain one row per side segment, with the
+    segment's own tokens, mask and log-probs and its episode's advantage; a row that is not trainable
+    adds none; the rollout dump marks the segment trained with its episode."""
+    import json
+
+    import numpy as np
+
+    from relax_agent import records as R
+    from relax_agent.control.reporting import write_rollout_dump
+    from relax_agent.errors import DataError
+    from relax_agent.train.collate import collate_fields, with_side_branches
+
+    answer, title = _ids(tok, ANSWER), _ids(tok, "Adding numbers")
+    traj = _play(_driver(tok, CallEngine([(answer, 0.0), (title, 0.0)]), tmp_path, SIDE_CALL))
+    fields = R.trajectory_fields([traj, traj])  # as the trainer reads them from the bus
+    fields[R.ADVANTAGE] = [np.float32(0.75), np.float32(-0.5)]
+    fields[R.TRAINABLE] = np.asarray([True, False])
+    (side,) = traj.side_segments
+    out, added = with_side_branches(fields)
+    assert added == 1 and R.TRAJECTORY not in out and len(out[R.TOKEN_IDS]) == 3
+    assert list(out[R.TOKEN_IDS][2]) == list(side.token_ids) and list(out[R.LOSS_MASK][2]) == list(side.loss_mask)
+    assert list(out[R.ROLLOUT_LOGPROBS][2]) == pytest.approx(list(side.rollout_logprobs))
+    assert float(out[R.ADVANTAGE][2]) == 0.75 and out[R.MEDIA][2] is None
+    batch = collate_fields(out, tok.pad_token_id or 0)
+    assert batch.loss_mask[2].sum().item() == len(title) and batch.advantages.tolist() == [0.75, -0.5, 0.75]
+    with pytest.raises(DataError, match="trajectory"):
+        with_side_branches({k: v for k, v in fields.items() if k != R.TRAJECTORY})
+    path = tmp_path / "step_000001.jsonl"
+    slim = fields[R.TRAJECTORY][0]
+    write_rollout_dump(path, [(slim, 0)], 1, {traj.sample_id}, set(), tok.decode, train_branches=True)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["trained"], r.get("side_branch_of")) for r in rows] == [(True, None), (True, traj.sample_id)]
