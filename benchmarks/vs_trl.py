@@ -188,6 +188,36 @@ def held_out(args: argparse.Namespace, model: Path, out: Path, name: str) -> tup
     return res["eval/accuracy"], res["eval/accuracy_std"]
 
 
+def write_summary(out: Path, rows: list[dict], baseline: tuple[float, float], start: str) -> Path:
+    """``summary.json`` and ``comparison.png`` (completions/s, CPU-seconds per completion, held-out accuracy
+    with its spread over seeds, the starting policy's as a line) in ``out``; returns the plot's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("system", "cps", "loop_s", "completions", "trained", "tokens", "cpu_s", "rss_gb", "acc", "acc_std", "step_s")
+    (out / "summary.json").write_text(json.dumps({"start": start, "start_acc": baseline[0], "start_acc_std": baseline[1],
+                                                  "systems": [{k: r[k] for k in keys} for r in rows]}, indent=1))
+    names = [r["system"].replace("relax-agent ", "relax-agent\n") for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].bar(names, [r["cps"] for r in rows], color="tab:blue")
+    axes[0].set_title("completions / s (higher is better)")
+    axes[1].bar(names, [r["cpu_s"] / r["completions"] for r in rows], color="tab:orange")
+    axes[1].set_title("CPU-seconds per completion (lower is better)")
+    axes[2].bar(names, [r["acc"] for r in rows], yerr=[r["acc_std"] for r in rows], color="tab:green", capsize=4)
+    axes[2].axhline(baseline[0], color="k", ls="--", label=f"starting policy ({start})")
+    axes[2].set_title("held-out accuracy (mean ± std over seeds)")
+    axes[2].legend(loc="lower right", fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    path = out / "comparison.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2)
@@ -244,6 +274,7 @@ def main() -> None:
     for r in rows[:-1]:
         print(f"{r['system']} / TRL: completions/s {r['cps'] / trl['cps']:.2f}x, "
               f"CPU-seconds per completion {r['cpu_s'] / r['completions'] / (trl['cpu_s'] / trl['completions']):.2f}x")
+    print(f"plot: {write_summary(out, rows, baseline, start)}")
 
 
 if __name__ == "__main__":
