@@ -268,7 +268,7 @@ def main() -> None:
         print(f"{r['system']:<28} {r['cps']:>8.3f} {r['trained'] / r['loop_s']:>9.3f} {r['tokens'] / r['loop_s']:>7.1f} "
               f"{statistics.median(r['step_s']):>15.1f} {r['cpu_s'] / r['completions']:>11.2f} {r['rss_gb']:>11.2f} "
               f"{r['acc']:>8.3f} ± {r['acc_std']:.3f}")
-    print(f"{'starting policy (' + start + ')':<28} {'':>8} {'':>9} {'':>7} {'':>15} {'':>11} {'':>11} "
+    print(f"{'start: ' + start:<28} {'':>8} {'':>9} {'':>7} {'':>15} {'':>11} {'':>11} "
           f"{baseline[0]:>8.3f} ± {baseline[1]:.3f}")
     trl = rows[-1]
     for r in rows[:-1]:
