@@ -72,7 +72,7 @@ def with_side_branches(fields: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
     for i, traj in enumerate(fields[R.TRAJECTORY]):
         if trainable is not None and not bool(trainable[i]):
             continue
-        for seg in getattr(traj, "side_segments", ()):
+        for seg in traj.side_segments:
             if not seg.trainable or not any(seg.loss_mask):
                 continue
             out[R.TOKEN_IDS].append(np.asarray(seg.token_ids, dtype=np.int64))

@@ -395,8 +395,8 @@ class VLLMEngine:
                 what the engine serves against that file: vLLM fuses q/k/v and gate/up and on CPU repacks
                 every linear weight for oneDNN, so each linear layer is run through its own kernel on
                 one-hot probes (8 columns of each weight read back exactly, other columns every version)
-                and a random probe (every element, within the dtype's rounding); norms, the embedding and
-                biases are compared exactly. A difference reloads the previous version's file, which keeps
+                and a random probe (every element of every 8th output row, another set each version,
+                within the dtype's rounding); norms, the embedding and biases are compared exactly. A difference reloads the previous version's file, which keeps
                 serving, and names the tensor. Not checked as served: modules without a checkpoint name
                 of their own (an MoE's fused experts), counted in ``stats.served_unverified``.
 
