@@ -239,7 +239,9 @@ def test_a_host_that_joins_the_running_cluster_gets_a_replica_with_the_latest_we
         assert scale.returncode == 0, scale.stdout + scale.stderr
         new = wait_for(lambda: [p for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"
                                 and p["time"] > joined_at], 120, "the new replica", proc)
-        version_then = max(m["policy_version"] for m in jsonl(out / "metrics.jsonl") if "policy_version" in m)
+        ready_at = new[0]["time"]  # the loop's version when the new replica became ready, not after it
+        version_then = max((m["policy_version"] for m in jsonl(out / "metrics.jsonl")
+                            if "policy_version" in m and m.get("time", 0) <= ready_at), default=0)
     finally:
         finish(proc, out)
     assert [p["node_ip"] for p in new] == ["10.77.0.5"], new
