@@ -69,7 +69,7 @@ def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, st
     from relax_agent.config import validate_config
     from relax_agent.control import build_controller
     from relax_agent.metrics import read_metrics
-    from relax_agent.roles import build_roles
+    from relax_agent.roles import build_run_roles
 
     cfg = validate_config({
         "mode": mode, "max_staleness": staleness,
@@ -85,7 +85,7 @@ def run_mode(args: argparse.Namespace, model_path: str, out: Path, mode: str, st
         "logging": {"tensorboard": False, "progress": False, "plot": False},
     }, "benchmarks/multimodal.py")
     cpu0 = time.process_time()
-    ctrl = build_controller(cfg, build_roles(cfg))
+    ctrl = build_controller(cfg, build_run_roles(cfg))
     try:
         ctrl.train()
     finally:

@@ -67,9 +67,9 @@ def config(args: argparse.Namespace, model: str, out: Path, runtime: dict[str, A
 
 def build(cfg: Any) -> Any:
     from relax_agent.control import build_controller
-    from relax_agent.roles import build_roles
+    from relax_agent.roles import build_run_roles
 
-    return build_controller(cfg, build_roles(cfg))
+    return build_controller(cfg, build_run_roles(cfg))
 
 
 def throughput(args: argparse.Namespace, model: str, out: Path, name: str, runtime: dict[str, Any]) -> dict[str, Any]:

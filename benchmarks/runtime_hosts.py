@@ -85,12 +85,12 @@ def build(args: argparse.Namespace, model: str, out: Path, name: str, replicas: 
     import runtime as single_host  # benchmarks/runtime.py: the same workload and config
 
     from relax_agent.control import build_controller
-    from relax_agent.roles import build_roles
+    from relax_agent.roles import build_run_roles
 
     cfg = single_host.config(args, model, out, ray_runtime(args, replicas, autoscale), steps)
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={
         "ray_address": args.address, "ray_actor_name": f"{PREFIX}-{name}"})})
-    ctrl = build_controller(cfg, build_roles(cfg))
+    ctrl = build_controller(cfg, build_run_roles(cfg))
     ctrl.bus = CountingBus(ctrl.bus)
     return ctrl
 

@@ -103,12 +103,12 @@ def train(
     """Train a policy with GRPO on a registered environment."""
     from relax_agent.control import build_controller
     from relax_agent.progress import ConsoleReporter, format_eval
-    from relax_agent.roles import build_roles
+    from relax_agent.roles import build_run_roles
 
     try:
         cfg = _load(config, overrides)
         ckpt = _checkpoint_to_resume(cfg, resume)
-        roles = build_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce,
+        roles = build_run_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce,
                             on_tasks=None if ckpt is None else _check_resume(ckpt, cfg))
         controller = build_controller(cfg, roles)
         try:

@@ -4,6 +4,11 @@ Checks that need no model run first (:func:`relax_agent.preflight.preflight`); t
 the trainer are whatever ``engine.kind`` and ``trainer.backend`` select (their sections'
 ``build``). With ``engine.kind: fake`` and ``trainer.backend: fake`` no model is loaded at all:
 only the tokenizer, which the chat renderer needs.
+
+Under ``runtime.kind: ray`` each process builds what it runs: the driver only the checks, the tasks
+and the tokenizer (:func:`build_driver_roles`), each rollout replica its engine and envs
+(:func:`build_roles` with ``checked=True``), the trainer actor its trainer
+(:mod:`relax_agent.runtime.ray_trainer`). :func:`build_run_roles` picks for a training run.
 """
 
 from __future__ import annotations
@@ -118,10 +123,13 @@ def start_data_bus(cfg: RelaxConfig) -> bool:
 
 def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: bool = True,
                 on_load: Callable[[str], None] | None = None,
-                on_tasks: Callable[[list[Task], list[Task]], None] | None = None, quiet: bool = False) -> Roles:
+                on_tasks: Callable[[list[Task], list[Task]], None] | None = None, quiet: bool = False,
+                checked: bool = False) -> Roles:
     """Preflight, then load the policy (from ``model_path`` when resuming) and build the roles.
 
-    ``quiet``: print nothing (a Ray rollout replica: the driver already said it).
+    ``quiet``: print nothing (a Ray rollout replica: the driver already said it). ``checked``: the
+    driver ran the checks already (:func:`build_driver_roles`): no preflight, no reward start-up
+    check, no task lists (a replica is handed its tasks), no prompt-budget check.
 
     ``on_tasks(train_tasks, heldout_tasks)`` (e.g. a check against a checkpoint) and then
     ``on_load(path)`` are called right before the policy starts loading.
@@ -133,17 +141,21 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.parsers import build_parser
 
-    device = preflight(cfg)
-    reward = build_checked_reward(cfg)
-    owns_ray = train and start_data_bus(cfg)
-    if cfg.run.num_threads:
-        import torch
+    from relax_agent.preflight import resolve_device
+    from relax_agent.reward_services import build_reward
+    from relax_agent.rollout.rewarding import needs_scoring
 
-        torch.set_num_threads(cfg.run.num_threads)
-    model_cfg = cfg.model if model_path is None else cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
+    device = resolve_device(cfg.run.device) if checked else preflight(cfg)
+    if checked:
+        reward = build_reward(cfg.reward) if needs_scoring(cfg.reward) else None
+    else:
+        reward = build_checked_reward(cfg)
+    owns_ray = train and start_data_bus(cfg)
+    _set_threads(cfg)
+    model_cfg = _model_config(cfg, model_path)
     media = _media_policy(cfg, model_cfg)
-    train_tasks, heldout_tasks = load_tasks(cfg, accepts_media=media)
-    if train:
+    train_tasks, heldout_tasks = ([], []) if checked else load_tasks(cfg, accepts_media=media)
+    if train and not checked:
         check_task_counts(cfg, len(train_tasks))
     if on_tasks is not None:
         on_tasks(train_tasks, heldout_tasks)
@@ -152,17 +164,11 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train, media)
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
                             accepts_media=media)
-    if not media and cfg.rollout.prompt_check_tasks:
-        from relax_agent.preflight import check_prompt_budget
-
-        k = cfg.rollout.prompt_check_tasks
-        check_prompt_budget(make_env_factory(cfg), {"train": train_tasks[:k], "heldout": heldout_tasks[:k]},
-                            renderer, cfg.rollout.max_total_tokens, cfg.run.seed)
-    parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
-    if "auto" in (cfg.rollout.tool_parser, cfg.rollout.tools_in) and not quiet:
-        import sys
-
-        print(f"tools in: {renderer.describe_tools_in()}", file=sys.stderr, flush=True)
+    if not media and not checked:
+        _check_prompts(cfg, renderer, train_tasks, heldout_tasks)
+    parser = build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path, quiet))
+    if not quiet:
+        _say_tools_in(cfg, renderer)
     driver = None
     if media:
         driver = _media_driver(cfg, model_cfg, engine, renderer, parser)
@@ -175,9 +181,90 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
     return Roles(cfg, device, tokenizer, engine, trainer, runner, train_tasks, heldout_tasks, owns_ray)
 
 
-def resolved_parser_name(cfg: RelaxConfig, tokenizer: Any, model_name: str) -> str:
+@dataclass
+class DriverRoles:
+    """What the driver of a ``runtime: ray`` training run holds: no engine, no trainer, no weights.
+
+    The rollout replicas and the trainer actor build their own engine and trainer where they run
+    (:func:`build_roles` with ``checked=True`` in each replica, the trainer actor's own loader);
+    the driver keeps the task splits, the tokenizer (rollout dumps decode responses with it) and
+    the episode limits, from which it makes episode specs.
+
+    Attributes:
+        train_tasks / heldout_tasks: the env's splits.
+        limits: per-episode limits (:func:`rollout_limits`).
+    """
+
+    cfg: RelaxConfig
+    tokenizer: Any
+    train_tasks: list[Task]
+    heldout_tasks: list[Task]
+    limits: Any
+
+    def specs(self, tasks: list[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
+        """Episode specs (:func:`~relax_agent.rollout.runner.episode_specs`) under :attr:`limits`."""
+        from relax_agent.rollout.runner import episode_specs
+
+        return episode_specs(tasks, group_size, prefix, seed, self.limits)
+
+    def close(self) -> None:
+        """Nothing to close: the driver holds no engine, reward client or Ray session of its own."""
+
+
+def build_driver_roles(cfg: RelaxConfig, model_path: str | Path | None = None,
+                       on_tasks: Callable[[list[Task], list[Task]], None] | None = None) -> DriverRoles:
+    """The driver's side of a ``runtime: ray`` training run: every check that needs no weights, run once
+    here (preflight, the reward service's start-up check, the env's prompt against the policy's
+    chat template, the prompt budget, the tool parser's resolution), then the tasks and the
+    tokenizer. No model is loaded in this process.
+
+    Raises:
+        ConfigError, RewardServiceError: see :func:`~relax_agent.preflight.preflight` and
+            :func:`~relax_agent.preflight.build_checked_reward`.
+    """
+    import asyncio
+
+    from relax_agent.models import load_tokenizer
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.parsers import build_parser
+
+    preflight(cfg)
+    reward = build_checked_reward(cfg)  # checked here, once; each replica builds its own client
+    if reward is not None:
+        asyncio.run(reward.aclose())
+    model_cfg = _model_config(cfg, model_path)
+    media = _media_policy(cfg, model_cfg)
+    train_tasks, heldout_tasks = load_tasks(cfg, accepts_media=media)
+    check_task_counts(cfg, len(train_tasks))
+    if on_tasks is not None:
+        on_tasks(train_tasks, heldout_tasks)
+    tokenizer = load_tokenizer(model_cfg)
+    renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
+                            accepts_media=media)
+    if not media:
+        _check_prompts(cfg, renderer, train_tasks, heldout_tasks)
+    build_parser(resolved_parser_name(cfg, tokenizer, model_cfg.path))
+    _say_tools_in(cfg, renderer)
+    return DriverRoles(cfg, tokenizer, train_tasks, heldout_tasks, rollout_limits(cfg))
+
+
+def build_run_roles(cfg: RelaxConfig, model_path: str | Path | None = None,
+                    on_load: Callable[[str], None] | None = None,
+                    on_tasks: Callable[[list[Task], list[Task]], None] | None = None) -> Roles | DriverRoles:
+    """The roles a training run's process builds: :func:`build_driver_roles` under ``runtime.kind: ray``
+    (the actors load the policy), :func:`build_roles` otherwise (``on_load(path)`` before the policy loads).
+
+    Raises:
+        ConfigError, RewardServiceError, ModelLoadError: see :func:`build_roles`.
+    """
+    if cfg.runtime.kind == "ray":
+        return build_driver_roles(cfg, model_path, on_tasks)
+    return build_roles(cfg, model_path, on_load=on_load, on_tasks=on_tasks)
+
+
+def resolved_parser_name(cfg: RelaxConfig, tokenizer: Any, model_name: str, quiet: bool = False) -> str:
     """``rollout.tool_parser``, with ``auto`` resolved from the tokenizer's chat template (or the model name);
-    an ``auto`` choice is printed as one line, ``tool parser: NAME (why)``, on stderr.
+    an ``auto`` choice is printed as one line, ``tool parser: NAME (why)``, on stderr (not when ``quiet``).
 
     Raises:
         ConfigError: ``auto`` cannot tell the format (see
@@ -190,8 +277,42 @@ def resolved_parser_name(cfg: RelaxConfig, tokenizer: Any, model_name: str) -> s
     from relax_agent.rollout.tool_parsers import resolve_tool_parser
 
     name, why = resolve_tool_parser(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, model_name)
-    print(f"tool parser: {name} ({why})", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f"tool parser: {name} ({why})", file=sys.stderr, flush=True)
     return name
+
+
+def _set_threads(cfg: RelaxConfig) -> None:
+    if cfg.run.num_threads:
+        import torch
+
+        torch.set_num_threads(cfg.run.num_threads)
+
+
+def _model_config(cfg: RelaxConfig, model_path: str | Path | None) -> Any:
+    """``cfg.model``, or a copy that loads ``model_path`` (a checkpoint's ``model`` folder, resuming)."""
+    if model_path is None:
+        return cfg.model
+    return cfg.model.model_copy(update={"path": str(model_path), "gguf_file": None})
+
+
+def _check_prompts(cfg: RelaxConfig, renderer: Any, train_tasks: list[Task], heldout_tasks: list[Task]) -> None:
+    """The first ``rollout.prompt_check_tasks`` prompts of each split fit ``rollout.max_total_tokens``."""
+    if not cfg.rollout.prompt_check_tasks:
+        return
+    from relax_agent.preflight import check_prompt_budget
+
+    k = cfg.rollout.prompt_check_tasks
+    check_prompt_budget(make_env_factory(cfg), {"train": train_tasks[:k], "heldout": heldout_tasks[:k]},
+                        renderer, cfg.rollout.max_total_tokens, cfg.run.seed)
+
+
+def _say_tools_in(cfg: RelaxConfig, renderer: Any) -> None:
+    """Print how tools reach the prompt (``tools in: ...``) when ``auto`` chose it."""
+    if "auto" in (cfg.rollout.tool_parser, cfg.rollout.tools_in):
+        import sys
+
+        print(f"tools in: {renderer.describe_tools_in()}", file=sys.stderr, flush=True)
 
 
 def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:

@@ -9,12 +9,13 @@ from relax_agent.control.loop import Controller
 
 
 def build_controller(cfg: RelaxConfig, roles: Any, reporter: Any = None) -> Controller:
-    """A :class:`Controller` for ``roles`` (:func:`relax_agent.roles.build_roles`) with the services of
+    """A :class:`Controller` for ``roles`` (:func:`relax_agent.roles.build_run_roles`) with the services of
     ``runtime.kind``: local (in this process, on the bus of ``cfg.data``) or ray (Ray actors, see
     :func:`relax_agent.runtime.ray.build_ray_runtime`); ``controller.close()`` closes them all.
 
     Raises:
-        ConfigError: the runtime cannot run this config, or Ray could not start.
+        ConfigError: the runtime cannot run this config, or Ray could not start; ``runtime: ray`` with
+            roles that are not the driver's (see :func:`relax_agent.runtime.ray.build_ray_runtime`).
         DataError: the bus could not start (``data.backend``).
         WeightSyncError: the weight sync could not start (``weights.transport``).
         EngineError: ``runtime: ray``: rollout replicas did not become ready.

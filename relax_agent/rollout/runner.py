@@ -25,6 +25,23 @@ class RolloutLimits:
     episode_timeout_s: float = 1800.0
 
 
+def episode_specs(tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int,
+                  limits: RolloutLimits) -> list[EpisodeSpec]:
+    """Episode specs for ``tasks``, ``group_size`` each, under ``limits``; ids are
+    ``{prefix}/g{task index}/{i}``, episode ``i`` of task ``g`` is seeded ``seed + g * group_size + i``.
+    Pure: needs no engine (the driver of a ``runtime: ray`` run makes them without a model)."""
+    out = []
+    for g, task in enumerate(tasks):
+        group_id = f"{prefix}/g{g}"
+        for i in range(group_size):
+            out.append(EpisodeSpec(
+                sample_id=f"{group_id}/{i}", group_id=group_id, task_id=str(task["id"]), task=task,
+                seed=seed + g * group_size + i, max_turns=limits.max_turns, max_total_tokens=limits.max_total_tokens,
+                step_timeout_s=limits.step_timeout_s, episode_timeout_s=limits.episode_timeout_s,
+            ))
+    return out
+
+
 def _env_driver(make_env: Callable[[], Any] | None, engine: InferenceEngine | None, renderer: ChatRenderer | None,
                 parser: ToolCallParser | None) -> EnvDriver:
     """``EnvDriver(make_env, engine, renderer, parser)``; TypeError when one of them is None."""
@@ -64,18 +81,8 @@ class RolloutRunner:
         self.limits = limits
 
     def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[EpisodeSpec]:
-        """Episode specs for ``tasks``, ``group_size`` each; ids are ``{prefix}/g{task index}/{i}``."""
-        out = []
-        for g, task in enumerate(tasks):
-            group_id = f"{prefix}/g{g}"
-            for i in range(group_size):
-                out.append(EpisodeSpec(
-                    sample_id=f"{group_id}/{i}", group_id=group_id, task_id=str(task["id"]), task=task,
-                    seed=seed + g * group_size + i, max_turns=self.limits.max_turns,
-                    max_total_tokens=self.limits.max_total_tokens, step_timeout_s=self.limits.step_timeout_s,
-                    episode_timeout_s=self.limits.episode_timeout_s,
-                ))
-        return out
+        """Episode specs for ``tasks``, ``group_size`` each (see :func:`episode_specs`)."""
+        return episode_specs(tasks, group_size, prefix, seed, self.limits)
 
     async def run(self, specs: Sequence[EpisodeSpec], params: SamplingParams,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:

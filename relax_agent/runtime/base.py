@@ -60,9 +60,11 @@ class GroupDone:
 class RolloutService(Protocol):
     """Plays episodes against the policy; writes each finished group's rows to the data bus."""
 
-    routes: tuple[tuple[int, ...], str] | None
-    """``((layers, top_k), dtype)`` of the MoE routes the engine records for routing replay (the
-    rows then carry the route fields), or None."""
+    @property
+    def routes(self) -> tuple[tuple[int, ...], str] | None:
+        """``((layers, top_k), dtype)`` of the MoE routes the engine records for routing replay (the
+        rows then carry the route fields), or None."""
+        ...
 
     @property
     def policy_version(self) -> int:

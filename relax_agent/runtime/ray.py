@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from relax_agent.errors import ConfigError
 from relax_agent.netaddr import advertised, is_loopback, is_wildcard
 from relax_agent.runtime.base import Runtime
 
@@ -151,11 +152,12 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
     """Start (or join) Ray and the run's actors; returns ``(runtime, bus)``.
 
     Blocks until ``runtime.rollout_replicas`` replicas and the trainer are ready. ``roles`` (the
-    driver's, from :func:`relax_agent.roles.build_roles`) give the task splits, the tokenizer and
-    episode specs; their engine and trainer are not used (each actor builds its own).
+    driver's :class:`~relax_agent.roles.DriverRoles`, from :func:`relax_agent.roles.build_driver_roles`)
+    give the task splits, the tokenizer and episode specs; each actor builds its own engine or trainer.
 
     Raises:
-        ConfigError: see :func:`check_ray_runtime`; Ray could not start or connect.
+        ConfigError: see :func:`check_ray_runtime`; Ray could not start or connect; ``roles`` are not a
+            :class:`~relax_agent.roles.DriverRoles`.
         EngineError: replicas did not become ready (names the last failure).
     """
     from relax_agent.data.ray import RayTransferQueue, start_ray
@@ -168,6 +170,11 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
     from relax_agent.runtime.ray_weights import ActorCoordinator, start_coordinator
     from relax_agent.weights.auth import RunCredential
 
+    from relax_agent.roles import DriverRoles
+
+    if not isinstance(roles, DriverRoles):
+        raise ConfigError(f"runtime.kind='ray' was handed {type(roles).__name__}: the driver's roles are built by "
+                          "relax_agent.roles.build_run_roles (the actors load the policy, the driver does not)")
     check_ray_runtime(cfg)
     data = bus_config(cfg)
     owns_ray = start_ray(data)
@@ -188,20 +195,15 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
         supervisor = Supervisor(cfg, pool, bus, coordinator, health, prefix, ns, watch)
         supervisor.start()
         closers.insert(0, supervisor.stop)
-        trainer = None
-        if roles.trainer is not None:
-            trainer = RayTrainerService(cfg, publisher, health, supervisor, supervisor.trainer_name, ns, None,
-                                        bus)
-            closers.insert(1, trainer.close)
-            roles.trainer = None  # the actor trains; the driver's copy is not needed
+        trainer = RayTrainerService(cfg, publisher, health, supervisor, supervisor.trainer_name, ns, None, bus)
+        closers.insert(1, trainer.close)
         supervisor.wait_ready(cfg.runtime.rollout_replicas, cfg.runtime.replica_start_timeout_s)
         if cfg.runtime.control_port is not None:
             bind, advertise = control_address(cfg)
             control = ControlServer(supervisor, cfg.run.output_dir, host=bind, port=cfg.runtime.control_port,
                                     advertise=advertise)
             closers.insert(0, control.close)
-        rollout = RayRolloutService(pool, roles.runner, coordinator, watchdog_s(cfg),
-                                    getattr(roles.engine, "route_layout", None), supervisor,
+        rollout = RayRolloutService(pool, roles.specs, coordinator, watchdog_s(cfg), supervisor,
                                     cfg.runtime.max_groups_per_replica)
     except BaseException:
         _close_all(closers)

@@ -1,8 +1,9 @@
 """Rollout replicas as Ray actors, and the rollout service that spreads groups over them.
 
 A :class:`RolloutReplica` is one Ray actor process holding an engine, its envs and a
-:class:`~relax_agent.rollout.runner.RolloutRunner` (built by :func:`relax_agent.roles.build_roles`
-from the run's config, so it is exactly the local rollout), a weight subscriber that pulls the
+:class:`~relax_agent.rollout.runner.RolloutRunner` (built where it runs by
+:func:`relax_agent.roles.build_roles` from the run's config, so it is exactly the local rollout;
+the driver loads no model), a weight subscriber that pulls the
 latest version before the replica serves and then follows new ones, and the data bus, into which
 it puts each group it plays. It beats from an asyncio task on the event loop that runs its
 episodes (:mod:`.ray_health`).
@@ -75,8 +76,10 @@ class RolloutReplica:
         self._beats: asyncio.Task | None = None
 
     async def start(self) -> dict[str, Any]:
-        """Load the engine and envs, pull the latest weights, start beating; returns ``pid``,
-        ``node_id``, ``node_ip`` (the node's address), ``subscriber`` and ``policy_version``.
+        """Load the engine and envs here (the driver ran the checks and loads no model), pull the
+        latest weights, start beating; returns ``pid``, ``node_id``, ``node_ip`` (the node's
+        address), ``subscriber``, ``policy_version`` and ``routes`` (the engine's route layout for
+        routing replay, or None).
 
         Raises:
             WeightSyncError: the latest version does not fit the engine.
@@ -84,15 +87,24 @@ class RolloutReplica:
         from relax_agent.roles import build_roles
         from relax_agent.runtime.local import LocalRolloutService
 
-        self._roles = await asyncio.to_thread(lambda: build_roles(self.cfg, None, False, quiet=True))
+        self._roles = await asyncio.to_thread(lambda: build_roles(self.cfg, None, False, quiet=True, checked=True))
         engine = self._roles.engine
         self._service = LocalRolloutService(self._roles.runner, self.bus, PARTITION,
                                             getattr(engine, "route_layout", None))
         self._sub = await asyncio.to_thread(self._subscribe, engine)
         self._beats = asyncio.get_running_loop().create_task(self._beat_forever())
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(),
-                "subscriber": self._sub.id, "policy_version": engine.policy_version}
+                "node_ip": ray.util.get_node_ip_address(), "subscriber": self._sub.id,
+                "policy_version": engine.policy_version, "routes": self._service.routes}
+
+    async def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
+        """The supervised warm-up's fields, rendered here with this replica's envs, renderer and
+        parser (see :meth:`LocalRolloutService.demonstrations`).
+
+        Raises:
+            ConfigError: the env offers no demonstrations.
+        """
+        return await asyncio.to_thread(self._service.demonstrations, tasks, seed)
 
     def _subscribe(self, engine: Any) -> Any:
         from relax_agent.errors import WeightSyncError
@@ -206,6 +218,8 @@ class ReplicaPool:
         self.replicas: list[Replica] = []
         self.fatal: BaseException | None = None
         """Set by the supervisor when replicas cannot be started at all; the service raises it."""
+        self.routes: tuple[tuple[int, ...], str] | None = None
+        """The route layout the replicas' engines record (from the first ready replica), or None."""
         self.events: list[tuple[float, str, str, str]] = []
         """(time, event, replica name, detail): started, ready, failed, removed."""
 
@@ -252,28 +266,30 @@ class RayRolloutService:
 
     Args:
         pool: the replicas (kept by the supervisor).
-        runner: a runner of the driver's roles; only its ``specs`` are used (pure: ids, seeds, limits).
+        specs: makes episode specs (pure: ids, seeds, limits; the driver's
+            :meth:`~relax_agent.roles.DriverRoles.specs`).
         coordinator: the weight coordinator (the latest version, recorded for a replica's first group).
         watchdog_s: longest wait for one group on one replica before the replica is replaced.
-        routes: the engine's route layout for routing replay, or None.
         supervisor: the run's :class:`~relax_agent.runtime.ray_supervisor.Supervisor` (scaling,
             per-role metrics), or None.
         max_groups_per_replica: groups one replica plays at once (``runtime.max_groups_per_replica``).
     """
 
-    def __init__(self, pool: ReplicaPool, runner: Any, coordinator: Any, watchdog_s: float,
-                 routes: Any = None, supervisor: Any = None, max_groups_per_replica: int | None = None) -> None:
+    def __init__(self, pool: ReplicaPool, specs: Callable[..., list[Any]], coordinator: Any, watchdog_s: float,
+                 supervisor: Any = None, max_groups_per_replica: int | None = None) -> None:
         self.max_groups_per_replica = max_groups_per_replica
         self.pool = pool
-        self.runner = runner
-        self.driver = runner.driver
-        """The driver's rollout driver (env factory, renderer, parser): evaluation replays parsed actions on it."""
+        self._specs = specs
         self.coordinator = coordinator
         self.watchdog_s = watchdog_s
-        self.routes = routes
         self.supervisor = supervisor
         self.retried_groups = 0
         """Groups (or evaluation chunks) played again after their replica failed."""
+
+    @property
+    def routes(self) -> tuple[tuple[int, ...], str] | None:
+        """The route layout the replicas' engines record (reported by the first replica that started), or None."""
+        return self.pool.routes
 
     @property
     def policy_version(self) -> int:
@@ -346,14 +362,26 @@ class RayRolloutService:
         return done
 
     def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
-        return self.runner.specs(tasks, group_size, prefix=prefix, seed=seed)
+        return self._specs(tasks, group_size, prefix=prefix, seed=seed)
 
     def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
-        """Rendered in the driver with its runner's env factory, renderer and parser (no engine needed)."""
-        from relax_agent.rollout.demonstrations import demonstration_fields
+        """Rendered on a ready replica (its envs, renderer and parser; played again on another one
+        if it fails). Called by the loop's thread, outside the event loop.
 
-        driver = self.driver
-        return demonstration_fields(driver.make_env, driver.renderer, driver.parser, tasks, seed)
+        Raises:
+            ConfigError: the env offers no demonstrations (raised by the replica).
+        """
+        async def on_a_replica() -> dict[str, list[Any]]:
+            return await self._on_replica(lambda rep, _: rep.handle.demonstrations.remote(list(tasks), seed),
+                                          "demonstrations")
+
+        try:
+            return asyncio.run(on_a_replica())
+        except ray.exceptions.RayTaskError as exc:  # the replica's own error (no demonstrations), without Ray's header
+            cause = exc.cause
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     async def run(self, specs: Sequence[Any], params: SamplingParams,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:

@@ -303,6 +303,8 @@ class Supervisor:
             rep.pid, rep.node_id, rep.subscriber = info["pid"], info["node_id"], info["subscriber"]
             rep.node_ip = info.get("node_ip")
             rep.ready_at = now
+            if self.pool.routes is None and info.get("routes") is not None:
+                self.pool.routes = tuple(info["routes"])  # type: ignore[assignment]
             if rep.state == STARTING:
                 rep.state = READY
         self._failed_starts = 0

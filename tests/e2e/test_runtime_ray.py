@@ -76,12 +76,12 @@ def config(tiny_model_dir, out, *overrides):
 def build(tiny_model_dir, out, name, *overrides):
     """A controller of ``runtime: ray`` (2 replicas unless overridden) with a counting bus."""
     from relax_agent.control import build_controller
-    from relax_agent.roles import build_roles
+    from relax_agent.roles import build_run_roles
 
     cfg = config(tiny_model_dir, out, "runtime.kind=ray", "runtime.rollout_replicas=2", "runtime.trainer_num_cpus=0.25",
                  "runtime.heartbeat_interval_s=0.5", "runtime.heartbeat_timeout_s=10", f"data.ray_actor_name=t-{name}",
                  *overrides)
-    ctrl = build_controller(cfg, build_roles(cfg))
+    ctrl = build_controller(cfg, build_run_roles(cfg))
     ctrl.bus = CountingBus(ctrl.bus)
     return ctrl
 
@@ -98,9 +98,9 @@ from pathlib import Path
 sys.path.insert(0, {repo!r})
 from tests.e2e.test_runtime_ray import config
 from relax_agent.control import build_controller
-from relax_agent.roles import build_roles
+from relax_agent.roles import build_run_roles
 cfg = config(Path({model!r}), Path({out!r}))
-ctrl = build_controller(cfg, build_roles(cfg))
+ctrl = build_controller(cfg, build_run_roles(cfg))
 try:
     summary = ctrl.train()
 finally:
@@ -205,6 +205,44 @@ def test_two_replicas_train_four_steps_within_staleness(ray_session, tiny_model_
                if "rollout/reward" in (m := json.loads(line))]  # step rows (not the evaluation's)
     assert [m["runtime/rollout_replicas"] for m in metrics] == [2.0] * STEPS
     assert all(m["runtime/rollout_restarts"] == 0 for m in metrics)
+
+
+def test_the_driver_loads_no_model_and_the_warm_up_renders_its_demonstrations_on_a_replica(
+        ray_session, tiny_model_dir, tmp_path, monkeypatch):
+    """Each actor builds what it runs: the driver (this process) only checks the config and loads the tasks
+    and the tokenizer, so loading a policy here fails the test; the replica renders the warm-up's
+    demonstrations (the same rows the driver's own env, renderer and parser give), the trainer actor
+    trains on them and the first RL step's groups are sampled with the warm-up's weights."""
+    import relax_agent.models as models
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.demonstrations import demonstration_fields
+    from relax_agent.rollout.parsers import build_parser
+    from relax_agent.roles import DriverRoles, build_run_roles, make_env_factory, resolved_parser_name
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver of a runtime: ray run loaded the policy")
+
+    monkeypatch.setattr(models, "load_policy", refuse)
+    ctrl = build(tiny_model_dir, tmp_path, "nomodel", "env.id=relax/BFCL-simple-v0", "trainer.steps=1",
+                 "runtime.rollout_replicas=1", "trainer.sft_warmup_steps=2", "trainer.sft_batch_size=2",
+                 "trainer.sft_lr=1e-3", "rollout.max_new_tokens=8")
+    try:
+        summary = ctrl.train()
+        cfg, roles = ctrl.cfg, build_run_roles(ctrl.cfg)
+    finally:
+        ctrl.close()
+    assert isinstance(roles, DriverRoles)
+    tok = roles.tokenizer
+    renderer = ChatRenderer(tok, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example)
+    parser = build_parser(resolved_parser_name(cfg, tok, cfg.model.path, quiet=True))
+    local = demonstration_fields(make_env_factory(cfg), renderer, parser, roles.train_tasks, cfg.run.seed)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    warm = next(r for r in rows if "sft/demonstrations" in r)
+    assert warm["sft/demonstrations"] == len(local["task_id"]) > 0 and warm["policy_version"] == 1
+    sft = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert [r["sft/step"] for r in sft] == [1, 2] and all(r["sft/tokens"] > 0 for r in sft)
+    assert {r["sample_version"] for r in dumped(tmp_path)} == {1}  # sampled with the warm-up's weights
+    assert [r["step"] for r in rows if "rollout/reward" in r] == [1] and "rollout/reward" in summary["last"]
 
 
 def replica_in_step(ctrl, step):

@@ -43,10 +43,10 @@ def overrides(tiny_model_dir, out, name, *extra):
 def build(tiny_model_dir, out, name, *extra):
     from relax_agent.config import load_config
     from relax_agent.control import build_controller
-    from relax_agent.roles import build_roles
+    from relax_agent.roles import build_run_roles
 
     cfg = load_config(REPO / "examples/tiny.yaml", overrides(tiny_model_dir, out, name, *extra))
-    return build_controller(cfg, build_roles(cfg))
+    return build_controller(cfg, build_run_roles(cfg))
 
 
 def run_in_thread(fn):

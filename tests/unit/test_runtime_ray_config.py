@@ -213,8 +213,7 @@ def _service(calls, watchdog_s=0.3):
     pool = ReplicaPool()
     for slot, call in enumerate(calls):
         pool.replicas.append(Replica(slot, f"r{slot}", _Handle(call), 0.0, None, state="ready"))
-    runner = type("Runner", (), {"driver": None})()
-    return RayRolloutService(pool, runner, _Coordinator(), watchdog_s), pool
+    return RayRolloutService(pool, lambda *a, **k: [], _Coordinator(), watchdog_s), pool
 
 
 def _job():
