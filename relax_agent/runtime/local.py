@@ -68,8 +68,9 @@ class LocalRolloutService:
         return await self.runner.run(specs, params, on_done)
 
     def metrics(self) -> dict[str, float]:
-        engine_metrics = getattr(self.runner.engine, "metrics", None)  # a user's engine may have none
-        return dict(engine_metrics()) if callable(engine_metrics) else {}
+        from relax_agent.rollout.engines.base import engine_metrics
+
+        return dict(engine_metrics(self.runner.engine))  # a user's engine may report none
 
     def close(self) -> None:
         self.runner.engine.close()
@@ -173,9 +174,10 @@ class LocalTrainerService:
         try:
             self.sync.close()
         finally:
-            close = getattr(self.trainer, "close", None)
-            if callable(close):
-                close()
+            from relax_agent.train.backends.base import HoldsProcesses
+
+            if isinstance(self.trainer, HoldsProcesses):
+                self.trainer.close()
 
 
 def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
@@ -186,7 +188,9 @@ def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
     """
     from relax_agent.weights import build_weight_sync
 
-    routes = getattr(roles.engine, "route_layout", None)
+    from relax_agent.rollout.engines.base import route_layout_of
+
+    routes = route_layout_of(roles.engine)
     rollout = LocalRolloutService(roles.runner, bus, PARTITION, routes)
     trainer = None
     closers: list[Callable[[], None]] = []

@@ -85,12 +85,12 @@ class RolloutReplica:
             WeightSyncError: the latest version does not fit the engine.
         """
         from relax_agent.roles import build_roles
+        from relax_agent.rollout.engines.base import route_layout_of
         from relax_agent.runtime.local import LocalRolloutService
 
         self._roles = await asyncio.to_thread(lambda: build_roles(self.cfg, None, False, quiet=True, checked=True))
         engine = self._roles.engine
-        self._service = LocalRolloutService(self._roles.runner, self.bus, PARTITION,
-                                            getattr(engine, "route_layout", None))
+        self._service = LocalRolloutService(self._roles.runner, self.bus, PARTITION, route_layout_of(engine))
         self._sub = await asyncio.to_thread(self._subscribe, engine)
         self._beats = asyncio.get_running_loop().create_task(self._beat_forever())
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
@@ -342,7 +342,7 @@ class RayRolloutService:
     async def _dead_role(self) -> BaseException | None:
         """The :class:`~relax_agent.errors.RoleDiedError` of a dead bus, coordinator or heartbeat
         table (the supervisor pings them off this event loop), or None."""
-        if self.supervisor is None or not hasattr(self.supervisor, "dead_role"):
+        if self.supervisor is None:
             return None
         return await asyncio.to_thread(self.supervisor.dead_role)
 

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import ray
 
@@ -111,9 +111,10 @@ class TrainerActor:
         if self.service is not None and kept is None:
             self.service.close()
         elif self.service is not None:
-            close = getattr(self.service.trainer, "close", None)
-            if callable(close):
-                close()
+            from relax_agent.train.backends.base import HoldsProcesses
+
+            if isinstance(self.service.trainer, HoldsProcesses):
+                self.service.trainer.close()
         if self.cfg.run.num_threads:
             import torch
 
@@ -243,6 +244,35 @@ def _build_trainer(cfg: Any, model_path: str | None) -> tuple[Any, Any]:
     return trainer, tokenizer
 
 
+class TrainerSupervision(Protocol):
+    """What :class:`RayTrainerService` asks of the run's supervisor
+    (:class:`~relax_agent.runtime.ray_supervisor.Supervisor`)."""
+
+    def allow_trainer_restart(self, reason: str) -> bool:
+        """Count a trainer failure; True while restarts remain."""
+        ...
+
+    def dead_role(self) -> BaseException | None:
+        """The error of a role the run cannot go on without that died (the bus, the coordinator), or None."""
+        ...
+
+    def trainer_beat(self) -> tuple[float, dict[str, Any]] | None:
+        """The trainer's last heartbeat: (age s, payload), or None."""
+        ...
+
+    def note_trainer_call(self, call: str | None) -> None:
+        """A call to the trainer starts (None: it returned)."""
+        ...
+
+    def note_trainer_hung(self, detail: str) -> None:
+        """The call in flight is past ``runtime.trainer_hang_timeout_s``."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Per-role gauges added to each update's metrics."""
+        ...
+
+
 class _TrainerHung(RuntimeServiceError):
     """A trainer call ran past ``runtime.trainer_hang_timeout_s`` (the actor is killed already)."""
 
@@ -269,7 +299,8 @@ class RayTrainerService:
         bus: the run's data bus; the actor reads each update's rows from it.
     """
 
-    def __init__(self, cfg: Any, coordinator: Any, health: Any, supervisor: Any, name: str, namespace: str,
+    def __init__(self, cfg: Any, coordinator: Any, health: Any, supervisor: TrainerSupervision, name: str,
+                 namespace: str,
                  publish_host: str | None, bus: Any) -> None:
         self.cfg, self.coordinator, self.health, self.supervisor = cfg, coordinator, health, supervisor
         self._credential = coordinator.credential
@@ -380,7 +411,7 @@ class RayTrainerService:
             except (*_DIED, _TrainerHung) as exc:
                 self._recover(exc)
             except ray.exceptions.RayTaskError as exc:  # raised inside the actor (e.g. reading its rows)
-                dead = getattr(self.supervisor, "dead_role", lambda: None)()
+                dead = self.supervisor.dead_role()
                 if dead is not None:  # the bus or the coordinator it used died: that is the cause
                     raise dead from exc
                 raise
@@ -390,9 +421,7 @@ class RayTrainerService:
         ``per_op``, the updates a replay re-takes) the hang is reported (console, ``/status``) and the
         actor killed; raises :class:`_TrainerHung`."""
         bound = self.cfg.runtime.trainer_hang_timeout_s
-        note = getattr(self.supervisor, "note_trainer_call", None)
-        if note is not None:
-            note("call")
+        self.supervisor.note_trainer_call("call")
         try:
             if bound is None:
                 return ray.get(ref)
@@ -406,12 +435,11 @@ class RayTrainerService:
                 if running_s > limit:
                     raise self._hung(running_s, limit)
         finally:
-            if note is not None:
-                note(None)
+            self.supervisor.note_trainer_call(None)
 
     def _hung(self, running_s: float, limit: float) -> "_TrainerHung":
         """Say that the call in flight hangs (console, ``/status``), kill the actor; the error to recover from."""
-        beat = getattr(self.supervisor, "trainer_beat", lambda: None)()
+        beat = self.supervisor.trainer_beat()
         age, info = beat if beat is not None and beat[1].get("pid") == self.pid else (None, {})
         doing = f"`{info['doing']}`" if info.get("doing") else "a call"
         beating = age is not None and info.get("busy") and age <= max(3 * self.cfg.runtime.heartbeat_interval_s, 5.0)
@@ -422,9 +450,7 @@ class RayTrainerService:
         detail = (f"the trainer actor (pid {self.pid}) has been in {doing} for {running_s:.0f} s, more than "
                   f"runtime.trainer_hang_timeout_s={limit:g}; {how}")
         log.warning("runtime: %s: killing it", detail)
-        note = getattr(self.supervisor, "note_trainer_hung", None)
-        if note is not None:
-            note(detail)
+        self.supervisor.note_trainer_hung(detail)
         self._kill_actor(sigkill=True)
         return _TrainerHung(detail)
 
@@ -450,7 +476,7 @@ class RayTrainerService:
             RuntimeServiceError: ``runtime.max_trainer_restarts`` restarts are used up.
         """
         while True:
-            dead = getattr(self.supervisor, "dead_role", lambda: None)()
+            dead = self.supervisor.dead_role()
             if dead is not None:
                 raise dead from exc
             hung = isinstance(exc, _TrainerHung)

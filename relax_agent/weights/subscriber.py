@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from relax_agent.errors import VersionGoneError, WeightSyncError
+from relax_agent.rollout.engines.base import DeclaresWeightLayout, TimesWeightLoads
 from relax_agent.weights.base import Receiver
 from relax_agent.weights.coordinator import ApplyReport, CoordinatorApi
 from relax_agent.weights.digest import TensorDigest, expected_digests, tensor_digest
@@ -134,11 +135,10 @@ class EngineSubscriber:
                 message lists every difference.
         """
         names = map_names([t.name for t in meta.tensors], self._name_map)
-        layout_fn = getattr(self.engine, "weight_layout", None)
-        if layout_fn is None:
+        if not isinstance(self.engine, DeclaresWeightLayout):
             return names
         published = meta.layout()
-        diff = layout_diff({names[n]: published[n] for n in names}, layout_fn())
+        diff = layout_diff({names[n]: published[n] for n in names}, self.engine.weight_layout())
         if diff:
             raise WeightSyncError(f"{self.id} refuses version {meta.version}: the published weights do not fit "
                                   f"the engine's layout; {format_diff(diff)}")
@@ -233,9 +233,9 @@ class EngineSubscriber:
         """engine.load_weights (verified with ``verify_samples``); returns the engine's pause in seconds
         (time it could not decode) and the wall seconds the verification added to it (the engine's
         ``stats.weight_verify_s``: its digests, and any wait for the expected ones)."""
-        stats: Any = getattr(self.engine, "stats", None)
-        before = getattr(stats, "weight_load_s", None)
-        verify_before = getattr(stats, "weight_verify_s", 0.0)
+        stats = self.engine.stats if isinstance(self.engine, TimesWeightLoads) else None
+        before = None if stats is None else stats.weight_load_s
+        verify_before = 0.0 if stats is None else stats.weight_verify_s
         mapped = {names[n]: t for n, t in tensors.items() if n in names}
         start = time.perf_counter()
         if self._verify_samples is None:
@@ -243,8 +243,8 @@ class EngineSubscriber:
             verify_s = 0.0
         else:
             if self._layout is None:  # an engine's layout is fixed for its lifetime
-                layout_fn = getattr(self.engine, "weight_layout", None)
-                self._layout = layout_fn() if layout_fn is not None else {}
+                engine = self.engine
+                self._layout = dict(engine.weight_layout()) if isinstance(engine, DeclaresWeightLayout) else {}
             if self._digests is None:
                 self._digests = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix=f"weights-digest-{self._name}")
@@ -252,8 +252,8 @@ class EngineSubscriber:
             # engine waits for them after its copy, inside its own verify time
             expected = self._digests.submit(expected_digests, mapped, self._layout, self._verify_samples)
             self.engine.load_weights(mapped, version, expected_digests=expected)
-            verify_s = getattr(stats, "weight_verify_s", 0.0) - verify_before
-        if before is None:
+            verify_s = (0.0 if stats is None else stats.weight_verify_s) - verify_before
+        if stats is None or before is None:
             return time.perf_counter() - start, verify_s
         return stats.weight_load_s - before, verify_s
 

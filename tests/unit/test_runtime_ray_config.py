@@ -126,6 +126,21 @@ class _Supervisor:
         self.reasons.append(reason)
         return self.allow
 
+    def dead_role(self):
+        return None
+
+    def trainer_beat(self):
+        return None
+
+    def note_trainer_call(self, call):
+        pass
+
+    def note_trainer_hung(self, detail):
+        pass
+
+    def metrics(self):
+        return {}
+
 
 def _trainer_service(tmp_path, allow=True):
     from relax_agent.runtime.ray_trainer import RayTrainerService, _Base

@@ -75,6 +75,60 @@ class InferenceEngine(Protocol):
     def close(self) -> None: ...
 
 
+# -- optional capabilities of an engine (declared, checked with isinstance, never looked up by name) --
+@runtime_checkable
+class RecordsRoutes(Protocol):
+    """An engine that can record MoE routes for routing replay (R3)."""
+
+    @property
+    def route_layout(self) -> tuple[tuple[int, ...], str] | None:
+        """``((layers, top_k), dtype)`` of the routes it records, or None when it records none."""
+        ...
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """An engine with counters of its own (prefix-cache hit rate, batch sizes) for the step row."""
+
+    def metrics(self) -> dict[str, float]:
+        """``engine/<name>`` -> value since the last call (or cumulative, as each engine documents)."""
+        ...
+
+
+@runtime_checkable
+class DeclaresWeightLayout(Protocol):
+    """An engine that declares the tensors it loads (a weight subscriber checks a version against it
+    before loading, and verifies what was loaded per tensor)."""
+
+    def weight_layout(self) -> Mapping[str, tuple[tuple[int, ...], Any]]:
+        """Engine tensor name -> (shape, dtype) of every weight :meth:`InferenceEngine.load_weights` accepts."""
+        ...
+
+
+class WeightLoadStats(Protocol):
+    """Seconds an engine spent applying weights (cumulative)."""
+
+    weight_load_s: float
+    weight_verify_s: float
+
+
+@runtime_checkable
+class TimesWeightLoads(Protocol):
+    """An engine that measures its own pause while weights load (:class:`WeightLoadStats`)."""
+
+    stats: WeightLoadStats
+
+
+def route_layout_of(engine: Any) -> tuple[tuple[int, ...], str] | None:
+    """``engine.route_layout`` for an engine that :class:`RecordsRoutes`, else None."""
+    return engine.route_layout if isinstance(engine, RecordsRoutes) else None
+
+
+def engine_metrics(engine: Any) -> dict[str, float]:
+    """``engine.metrics()`` for an engine that :class:`ReportsMetrics`, else ``{}``."""
+    return engine.metrics() if isinstance(engine, ReportsMetrics) else {}
+
+
 TURN_END_TOKENS = ("<|im_end|>", "<|call|>", "<|return|>", "<|eom_id|>", "<|observation|>", "<|user|>", "<turn|>",
                    "<|tool_response>")
 """Tokens that end an assistant turn in some family whatever the tokenizer's EOS says: ChatML's

@@ -54,3 +54,13 @@ class Trainer(Protocol):
         """Write the policy weights (and its config) to folder ``path`` so that the policy
         loader can load them back."""
         ...
+
+
+@runtime_checkable
+class HoldsProcesses(Protocol):
+    """A trainer that holds processes or other resources beyond its tensors (the Megatron backend's
+    ranks): its service calls :meth:`close` when the run ends."""
+
+    def close(self) -> None:
+        """Stop the processes it started (idempotent)."""
+        ...
