@@ -302,6 +302,27 @@ TRAIN_FIELDS = (TOKEN_IDS, LOSS_MASK, ROLLOUT_LOGPROBS, ADVANTAGE, MEDIA)
 :data:`ROUTED_EXPERTS` / :data:`ROUTES_MASK` for routing replay)."""
 ROUTE_FIELDS = (ROUTED_EXPERTS, ROUTES_MASK)
 
+# per-episode scalars the rollout writes, so that step metrics and overlong shaping read fields, not
+# the pickled trajectory (which only the rollout dump reads)
+STOP_REASON = "stop_reason"
+TURNS = "turns"
+RESPONSE_TOKENS = "response_tokens"
+LONGEST_REPLY = "longest_reply"
+TRUNCATED = "truncated"
+CORRECT = "correct"
+WELL_FORMED = "well_formed"
+FAILED = "failed"
+ERROR = "error"
+CROSSED_UPDATE_TURNS = "crossed_update_turns"
+AUDIO_CLIPS_CUT = "audio_clips_cut"
+
+EPISODE_FIELDS = (REWARD, STOP_REASON, TURNS, RESPONSE_TOKENS, LONGEST_REPLY, TRUNCATED, CORRECT, WELL_FORMED,
+                  FAILED, ERROR, CROSSED_UPDATE_TURNS, AUDIO_CLIPS_CUT)
+"""What the step metrics read of each row (see :func:`episode_fields`)."""
+TRUNCATED_STOPS = (StopReason.LENGTH, StopReason.MAX_TOTAL_TOKENS)
+"""Stop reasons of a sample cut by a length limit (the reply's ``max_new_tokens`` or the episode's
+``max_total_tokens``)."""
+
 
 def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str = "uint8") -> dict[str, FieldSpec]:
     """The fields of a rollout partition, one row per sample (the row's policy version is the
@@ -317,7 +338,14 @@ def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str 
       only with ``route_shape=(layers, top_k)``);
     - ``media``: per-sample processor outputs, a :class:`MediaInputs` (object; None for
       text-only samples);
-    - ``trajectory``: the whole :class:`Trajectory`, dump-only (rollout files and metrics).
+    - the episode's scalars (:func:`episode_fields`): ``stop_reason`` (object: the stop reason's
+      value), ``turns``, ``response_tokens`` (sampled over all turns), ``longest_reply`` (tokens of
+      the longest assistant reply), ``crossed_update_turns`` int32; ``truncated`` (stopped by a
+      length limit) and ``failed`` (not trainable as played: error, failed or non-finite reward)
+      bool; ``correct`` (the env's verdict, 0 for a failed episode), ``well_formed``,
+      ``audio_clips_cut`` float32; ``error`` (object: the episode's error or None);
+    - ``trajectory``: the :class:`Trajectory` as recorded (:meth:`Trajectory.for_records`), read
+      only by the rollout dump, the token record and side-branch training.
     """
     schema = {
         TOKEN_IDS: FieldSpec("int64", ragged=True),
@@ -329,6 +357,17 @@ def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str 
         ADVANTAGE: FieldSpec("float32"),
         MEDIA: FieldSpec("object"),
         TRAJECTORY: FieldSpec("object"),
+        STOP_REASON: FieldSpec("object"),
+        TURNS: FieldSpec("int32"),
+        RESPONSE_TOKENS: FieldSpec("int32"),
+        LONGEST_REPLY: FieldSpec("int32"),
+        TRUNCATED: FieldSpec("bool"),
+        CORRECT: FieldSpec("float32"),
+        WELL_FORMED: FieldSpec("float32"),
+        FAILED: FieldSpec("bool"),
+        ERROR: FieldSpec("object"),
+        CROSSED_UPDATE_TURNS: FieldSpec("int32"),
+        AUDIO_CLIPS_CUT: FieldSpec("float32"),
     }
     if route_shape is not None:
         schema[ROUTED_EXPERTS] = FieldSpec(route_dtype, tuple(route_shape), ragged=True)
@@ -346,6 +385,28 @@ def route_layout(trajs: Sequence[Trajectory]) -> tuple[tuple[int, ...], str] | N
     return None
 
 
+def episode_fields(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """The per-episode scalar fields of ``trajs`` ([B] each; see :func:`rollout_schema`) and ``reward``
+    ([B] float32, 0 for a failed episode): everything the step metrics and overlong shaping need."""
+    return {
+        REWARD: np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32),
+        STOP_REASON: [str(t.stop_reason) for t in trajs],
+        TURNS: np.asarray([len(t.turns) for t in trajs], dtype=np.int32),
+        RESPONSE_TOKENS: np.asarray([sum(len(turn.token_ids) for turn in t.turns) for t in trajs], dtype=np.int32),
+        LONGEST_REPLY: np.asarray([max((len(turn.token_ids) for turn in t.turns), default=0) for t in trajs],
+                                  dtype=np.int32),
+        TRUNCATED: np.asarray([t.stop_reason in TRUNCATED_STOPS for t in trajs], dtype=bool),
+        CORRECT: np.asarray([float(t.metrics.get("correct", 0.0)) if t.trainable else 0.0 for t in trajs],
+                            dtype=np.float32),
+        WELL_FORMED: np.asarray([float(t.metrics.get("well_formed", 0.0)) for t in trajs], dtype=np.float32),
+        FAILED: np.asarray([not t.trainable for t in trajs], dtype=bool),
+        ERROR: [t.error for t in trajs],
+        CROSSED_UPDATE_TURNS: np.asarray([sum(turn.crossed_update for turn in t.turns) for t in trajs], dtype=np.int32),
+        AUDIO_CLIPS_CUT: np.asarray([float(t.metrics.get("media/audio_clips_cut", 0.0)) for t in trajs],
+                                    dtype=np.float32),
+    }
+
+
 def trajectory_fields(trajs: Sequence[Trajectory], routes: tuple[tuple[int, ...], str] | None = None) -> dict[str, Any]:
     """The rollout fields of ``trajs`` (one row each; see :func:`rollout_schema`), without the
     advantage, which a later consumer writes.
@@ -358,11 +419,11 @@ def trajectory_fields(trajs: Sequence[Trajectory], routes: tuple[tuple[int, ...]
         TOKEN_IDS: [np.asarray(t.token_ids, dtype=np.int64) for t in trajs],
         LOSS_MASK: [np.asarray(t.loss_mask, dtype=np.int8) for t in trajs],
         ROLLOUT_LOGPROBS: [np.asarray(t.rollout_logprobs, dtype=np.float32) for t in trajs],
-        REWARD: np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32),
         TRAINABLE: np.asarray([t.trainable for t in trajs], dtype=bool),
         POLICY_TOKENS: np.asarray([t.num_policy_tokens for t in trajs], dtype=np.int32),
         MEDIA: [t.media for t in trajs],
         TRAJECTORY: [t.for_records() for t in trajs],
+        **episode_fields(trajs),
     }
     if routes is not None:
         shape, dtype = routes

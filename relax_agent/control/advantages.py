@@ -8,19 +8,18 @@ samples out of training (mask: their ``trainable`` is rewritten False).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from relax_agent import records as R
 from relax_agent.errors import QueueTimeoutError
-from relax_agent.records import StopReason, Trajectory
+from relax_agent.records import TRUNCATED_STOPS, Trajectory
 
 CONSUMER = "advantage"
 FIELDS = (R.REWARD, R.TRAINABLE, R.POLICY_TOKENS)
-TRUNCATED_STOPS = (StopReason.LENGTH, StopReason.MAX_TOTAL_TOKENS)
-"""Stop reasons of a sample cut by a length limit (the reply's ``max_new_tokens`` or the episode's
-``max_total_tokens``)."""
+OVERLONG_FIELDS = (R.LONGEST_REPLY, R.TRUNCATED)
+"""What overlong shaping reads of each row besides :data:`FIELDS`."""
 
 OVERLONG_TRUNCATED_FRAC = "overlong/truncated_frac"
 OVERLONG_PENALTY_MEAN = "overlong/penalty_mean"
@@ -40,10 +39,19 @@ def is_truncated(traj: Trajectory) -> bool:
 
 def overlong_shaping(trajs: Sequence[Trajectory], rewards: np.ndarray, trainable: np.ndarray, overlong: Any,
                      max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`shape_overlong` of ``trajs`` ([B] samples; their :func:`response_length` and :func:`is_truncated`)."""
+    lengths = np.asarray([response_length(t) for t in trajs], dtype=np.int64)
+    truncated = np.asarray([is_truncated(t) for t in trajs], dtype=bool)
+    return shape_overlong(lengths, truncated, rewards, trainable, overlong, max_new_tokens)
+
+
+def shape_overlong(lengths: np.ndarray, truncated: np.ndarray, rewards: np.ndarray, trainable: np.ndarray,
+                   overlong: Any, max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rewards and trainable flags the advantages are computed from, under ``rollout.overlong``.
 
     Args:
-        trajs: [B] the samples.
+        lengths: [B] int, each sample's :func:`response_length` (the ``longest_reply`` field).
+        truncated: [B] bool, cut by a length limit (the ``truncated`` field).
         rewards: [B] float rewards (the env's).
         trainable: [B] bool.
         overlong: the :class:`~relax_agent.config.OverlongConfig`.
@@ -61,27 +69,35 @@ def overlong_shaping(trajs: Sequence[Trajectory], rewards: np.ndarray, trainable
 
     rewards = np.asarray(rewards, dtype=np.float32).copy()
     trainable = np.asarray(trainable, dtype=bool).copy()
-    penalties = np.zeros(len(trajs), dtype=np.float32)
+    penalties = np.zeros(len(rewards), dtype=np.float32)
     if overlong.mode == "soft":
-        lengths = torch.tensor([response_length(t) for t in trajs], dtype=torch.long)
-        pen = overlong_penalty(lengths, max_new_tokens, overlong.ramp_tokens(max_new_tokens), overlong.penalty).numpy()
+        lengths_t = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+        pen = overlong_penalty(lengths_t, max_new_tokens, overlong.ramp_tokens(max_new_tokens), overlong.penalty).numpy()
         penalties = np.where(trainable, pen, 0.0).astype(np.float32)
         rewards = rewards + penalties
     elif overlong.mode == "mask":
-        trainable &= ~np.asarray([is_truncated(t) for t in trajs], dtype=bool)
+        trainable &= ~np.asarray(truncated, dtype=bool)
     return rewards, trainable, penalties
 
 
 def overlong_metrics(trajs: Sequence[Trajectory], overlong: Any, max_new_tokens: int) -> dict[str, float]:
-    """The step row's overlong metrics for the step's samples: :data:`OVERLONG_TRUNCATED_FRAC`,
-    and :data:`OVERLONG_PENALTY_MEAN` (soft: mean penalty over trainable samples) or
+    """:func:`overlong_field_metrics` of ``trajs``' fields (:func:`relax_agent.records.episode_fields`)."""
+    return overlong_field_metrics(R.episode_fields(trajs), overlong, max_new_tokens)
+
+
+def overlong_field_metrics(fields: Mapping[str, Any], overlong: Any, max_new_tokens: int) -> dict[str, float]:
+    """The step row's overlong metrics for the step's samples, from their fields (``reward``,
+    ``failed``, ``longest_reply``, ``truncated``, [B] each): :data:`OVERLONG_TRUNCATED_FRAC`, and
+    :data:`OVERLONG_PENALTY_MEAN` (soft: mean penalty over trainable samples) or
     :data:`OVERLONG_MASKED` (mask: samples taken out). Empty when ``overlong.mode`` is "none"."""
-    if overlong.mode == "none" or not trajs:
+    truncated = np.asarray(fields[R.TRUNCATED], dtype=bool)
+    if overlong.mode == "none" or not len(truncated):
         return {}
-    out = {OVERLONG_TRUNCATED_FRAC: float(np.mean([is_truncated(t) for t in trajs]))}
-    ok = np.asarray([t.trainable for t in trajs], dtype=bool)
-    rewards = np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32)
-    _, shaped_ok, pen = overlong_shaping(trajs, rewards, ok, overlong, max_new_tokens)
+    out = {OVERLONG_TRUNCATED_FRAC: float(truncated.mean())}
+    ok = ~np.asarray(fields[R.FAILED], dtype=bool)
+    rewards = np.asarray(fields[R.REWARD], dtype=np.float32)
+    _, shaped_ok, pen = shape_overlong(np.asarray(fields[R.LONGEST_REPLY]), truncated, rewards, ok, overlong,
+                                       max_new_tokens)
     if overlong.mode == "soft":
         out[OVERLONG_PENALTY_MEAN] = float(pen[ok].mean()) if ok.any() else 0.0
     else:
@@ -111,7 +127,7 @@ class AdvantageConsumer:
         self.estimator = estimator
         self.overlong = overlong if overlong is not None and overlong.mode != "none" else None
         self.max_new_tokens = max_new_tokens
-        self.fields = FIELDS if self.overlong is None else (*FIELDS, R.TRAJECTORY)
+        self.fields = FIELDS if self.overlong is None else (*FIELDS, *OVERLONG_FIELDS)
         self.groups_done = 0
 
     def process_one(self, timeout_s: float | None = None) -> bool:
@@ -126,8 +142,8 @@ class AdvantageConsumer:
             return False
         fields, out = dict(batch.fields), {}
         if self.overlong is not None:
-            rewards, trainable, _ = overlong_shaping(fields[R.TRAJECTORY], fields[R.REWARD], fields[R.TRAINABLE],
-                                                     self.overlong, self.max_new_tokens)
+            rewards, trainable, _ = shape_overlong(fields[R.LONGEST_REPLY], fields[R.TRUNCATED], fields[R.REWARD],
+                                                   fields[R.TRAINABLE], self.overlong, self.max_new_tokens)
             if not np.array_equal(trainable, np.asarray(fields[R.TRAINABLE], dtype=bool)):
                 out[R.TRAINABLE] = trainable
             fields[R.REWARD], fields[R.TRAINABLE] = rewards, trainable

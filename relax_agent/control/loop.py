@@ -3,14 +3,14 @@
 Every run, whatever its mode, flows the same way. Rollout producers ask the rollout service
 to play GRPO groups; the service writes each finished group's fields into the TransferQueue
 partition ``rollouts`` (token ids, loss mask, rollout log-probs, reward, trainable, routed
-experts for replay, the trajectory as a dump-only field). The advantage consumer reads each
+experts for replay, each episode's scalars, the trajectory for the dump). The advantage consumer reads each
 complete group's rewards and writes its ``advantage`` field. The trainer side takes whole
 groups as they complete (one long-tail episode holds only its own group), drops those that
 would exceed ``max_staleness``, with dynamic sampling (``rollout.dynamic_sampling``) retires
 those whose rewards do not vary and lets the producers draw others in their place, and once it
 has ``rollout.tasks_per_step`` groups names their trainable rows to the trainer service (a
 :class:`~relax_agent.runtime.base.TrainRef`; the loop itself reads only the advantage, the trainable
-flag and the trajectory), which reads them from the bus, trains one step and publishes the new
+flag, the episode scalars its metrics come from, and the trajectory for the rollout dump), which reads them from the bus, trains one step and publishes the new
 weights through the weight sync (the engine applies them between decode batches); then the groups
 are acked. When the trainer service may replay updates after a restart (``runtime: ray``), the rows
 of the updates since the newest checkpoint stay on the bus until a checkpoint covers them.
@@ -44,9 +44,9 @@ from relax_agent import metrics as M
 from relax_agent import records as R
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
-from relax_agent.control.advantages import AdvantageConsumer, overlong_metrics
+from relax_agent.control.advantages import AdvantageConsumer, overlong_field_metrics
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
-from relax_agent.control.reporting import rollout_metrics, write_rollout_dump, write_token_record
+from relax_agent.control.reporting import episode_metrics, write_rollout_dump, write_token_record
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.schedule import (
     DRAWN_GROUPS,
@@ -334,8 +334,9 @@ class _Run:
         """group id -> [start, end] (perf_counter s) of its play, end once it is on the bus."""
         self.failure: BaseException | None = None
         """The first error of a producer (a group the bus refused); ends the run."""
-        self.fields = [R.ADVANTAGE, R.TRAINABLE, R.TRAJECTORY]
-        """What the loop reads of each row (the trainer service reads :attr:`train_fields` itself)."""
+        self.fields = [R.ADVANTAGE, R.TRAINABLE, *R.EPISODE_FIELDS, R.TRAJECTORY]
+        """What the loop reads of each row (the trainer service reads :attr:`train_fields` itself): the
+        step metrics come from the episode fields, the trajectory goes to the rollout dump."""
         self.train_fields = tuple(R.TRAIN_FIELDS)
         if ctrl.runtime.rollout.routes is not None:
             self.train_fields += tuple(R.ROUTE_FIELDS)
@@ -571,9 +572,8 @@ class _Run:
             write_token_record(ctrl.out / "rollouts" / "tokens" / f"step_{ctrl.step:06d}.jsonl.gz", rows,
                                self._placeholder_ids(trajs))
         t_end = time.perf_counter()
-        sampled = trajs + [t for grp in filtered for t in grp.trajs]
-        row = self._row(trajs, sampled, versions, trained_at, train_metrics, wait_s, t_end - t_last,
-                       self._rollout_s(groups + filtered, t_end - t_last))
+        row = self._row(groups, groups + filtered, versions, trained_at, train_metrics, wait_s, t_end - t_last,
+                        self._rollout_s(groups + filtered, t_end - t_last))
         for hook in ctrl.runtime.step_hooks:
             row.update(hook(row))
         ctrl.logger.log(ctrl.step, row)
@@ -622,21 +622,25 @@ class _Run:
                 self._kind_of_token = None
         return self._kind_of_token
 
-    def _row(self, trajs: list[Trajectory], sampled: list[Trajectory], versions: list[int], trained_at: int,
+    def _row(self, groups: list[_Group], sampled: list[_Group], versions: list[int], trained_at: int,
              train_metrics: dict[str, float], wait_s: float, step_s: float, rollout_s: float) -> dict[str, Any]:
-        """The step's metric row. ``trajs``: the step's groups (trained or not), ``versions`` theirs;
-        ``sampled``: those and the groups dynamic sampling filtered (the rollout metrics describe
-        every episode the step's rollouts played, not only the informative ones)."""
+        """The step's metric row, from the rows' episode fields. ``groups``: the step's groups (trained
+        or not), ``versions`` their rows'; ``sampled``: those and the groups dynamic sampling filtered
+        (the rollout metrics describe every episode the step's rollouts played, not only the
+        informative ones)."""
         ctrl = self.ctrl
         live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
-        row = {**rollout_metrics(sampled, rollout_s), **ctrl.runtime.rollout.metrics(), **train_metrics,
-               **overlong_metrics(trajs, ctrl.cfg.rollout.overlong, ctrl.cfg.rollout.max_new_tokens),
+        n = sum(len(grp.sample_ids) for grp in groups)
+        row = {**episode_metrics(_episode_fields(sampled), rollout_s), **ctrl.runtime.rollout.metrics(),
+               **train_metrics,
+               **overlong_field_metrics(_episode_fields(groups), ctrl.cfg.rollout.overlong,
+                                        ctrl.cfg.rollout.max_new_tokens),
                **staleness_metrics([trained_at - v for v in versions], ctrl.s),
-               M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: len(trajs) / max(step_s, 1e-9), M.STEP_TIME: step_s,
+               M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: n / max(step_s, 1e-9), M.STEP_TIME: step_s,
                DROPPED_GROUPS: float(self.dropped_this_step), LIVE_GROUPS: float(live),
                "policy_version": ctrl.version}
         if self.draw_cap is not None:
-            n_groups = len(trajs) // max(ctrl.G, 1)
+            n_groups = n // max(ctrl.G, 1)
             row.update({FILTERED_GROUPS: float(self.filtered_this_step),
                         DRAWN_GROUPS: float(n_groups + self.filtered_this_step + self.dropped_this_step),
                         DS_CAP_REACHED: float(self.cap_reached)})
@@ -660,6 +664,11 @@ class _Run:
         except asyncio.CancelledError:
             concurrent.futures.wait([fut])
             raise
+
+
+def _episode_fields(groups: list[_Group]) -> dict[str, list[Any]]:
+    """The episode fields (:data:`relax_agent.records.EPISODE_FIELDS`) of ``groups``' rows, concatenated in order."""
+    return {name: [v for grp in groups for v in grp.fields[name]] for name in R.EPISODE_FIELDS}
 
 
 def nothing_sampled(trajs: list[Trajectory], step: int, max_total_tokens: int) -> str:

@@ -8,32 +8,41 @@ from collections import Counter
 from pathlib import Path
 from typing import AbstractSet, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from relax_agent import metrics as M
-from relax_agent.evaluation import episode_accuracy
+from relax_agent import records as R
 from relax_agent.records import Trajectory
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], rollout_s: float) -> dict[str, float]:
-    """Step metrics of a batch of trajectories (means over trainable samples)."""
-    ok = [t for t in trajs if t.trainable]
-    n_ok = max(len(ok), 1)
-    generated = sum(len(turn.token_ids) for t in trajs for turn in t.turns)
-    turns = [turn for t in trajs for turn in t.turns]
+    """Step metrics of a batch of trajectories: :func:`episode_metrics` of their fields."""
+    return episode_metrics(R.episode_fields(trajs), rollout_s)
+
+
+def episode_metrics(fields: Mapping[str, Sequence], rollout_s: float) -> dict[str, float]:
+    """Step metrics of a batch of episodes from their scalar fields (:data:`relax_agent.records.EPISODE_FIELDS`,
+    [B] each, as the rollout wrote them to the bus): means over the episodes that did not fail, counts
+    per stop reason, generated tokens per second of ``rollout_s`` (wall seconds of the step's rollouts)."""
+    n = len(fields[R.FAILED])
+    ok = ~np.asarray(fields[R.FAILED], dtype=bool)
+    n_ok = max(int(ok.sum()), 1)
+    generated = int(np.sum(fields[R.RESPONSE_TOKENS]))
     out = {
-        M.REWARD: sum(t.reward for t in ok) / n_ok,
-        M.ACCURACY: sum(episode_accuracy(t) for t in ok) / n_ok,
-        M.FORMAT_RATE: sum(float(t.metrics.get("well_formed", 0.0)) for t in ok) / n_ok,
+        M.REWARD: float(np.asarray(fields[R.REWARD], dtype=np.float64)[ok].sum()) / n_ok,
+        M.ACCURACY: float(np.asarray(fields[R.CORRECT], dtype=np.float64)[ok].sum()) / n_ok,
+        M.FORMAT_RATE: float(np.asarray(fields[R.WELL_FORMED], dtype=np.float64)[ok].sum()) / n_ok,
         M.TOKENS_PER_S: generated / max(rollout_s, 1e-9),
-        "rollout/response_tokens": generated / max(len(trajs), 1),
-        "rollout/failed": float(len(trajs) - len(ok)),
-        "rollout/episodes": float(len(trajs)),
-        M.CROSSED_UPDATE_TURNS: sum(turn.crossed_update for turn in turns) / max(len(turns), 1),
+        "rollout/response_tokens": generated / max(n, 1),
+        "rollout/failed": float(n - int(ok.sum())),
+        "rollout/episodes": float(n),
+        M.CROSSED_UPDATE_TURNS: int(np.sum(fields[R.CROSSED_UPDATE_TURNS])) / max(int(np.sum(fields[R.TURNS])), 1),
         "timing/rollout_s": rollout_s,
     }
-    cut = sum(float(t.metrics.get("media/audio_clips_cut", 0.0)) for t in trajs)
+    cut = float(np.sum(np.asarray(fields[R.AUDIO_CLIPS_CUT], dtype=np.float64)))
     if cut:
         out["rollout/audio_clips_cut"] = cut
-    for reason, count in Counter(str(t.stop_reason) for t in trajs).items():
+    for reason, count in Counter(str(r) for r in fields[R.STOP_REASON]).items():
         out[f"stop/{reason}"] = float(count)
     return out
 
