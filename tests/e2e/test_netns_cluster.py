@@ -14,6 +14,7 @@ Needs root and ``ip``; without them every test skips naming why.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,14 +48,19 @@ def cluster():
         c.down()
 
 
+def run_args(tiny_model_dir, out: Path, steps: int) -> list[str]:
+    """``relax-agent train`` of the tiny Echo run, async over tcp, whatever the runtime."""
+    return [str(Path(sys.executable).with_name("relax-agent")), "train", str(REPO / "examples/tiny.yaml"),
+            f"model.path={tiny_model_dir}", "env.id=examples.custom_env:examples/Echo-v0", "eval.at_start=false",
+            "eval.at_end=false", "logging.tensorboard=false", "logging.plot=false", "checkpoint.every_steps=0",
+            f"run.output_dir={out}", "run.num_threads=1", "engine.max_batch_size=1", "mode=async", "max_staleness=1",
+            "weights.transport=tcp", f"trainer.steps={steps}", f"rollout.tasks_per_step={B}",
+            f"rollout.group_size={G}"]
+
+
 def train(cluster, tiny_model_dir, out: Path, name: str, steps: int, *overrides: str) -> subprocess.Popen:
     """``relax-agent train`` in the head's namespace (the driver), in the background."""
-    cmd = [str(Path(sys.executable).with_name("relax-agent")), "train", str(REPO / "examples/tiny.yaml"),
-           f"model.path={tiny_model_dir}", "env.id=examples.custom_env:examples/Echo-v0", "eval.at_start=false",
-           "eval.at_end=false", "logging.tensorboard=false", "logging.plot=false", "checkpoint.every_steps=0",
-           f"run.output_dir={out}", "run.num_threads=1", "engine.max_batch_size=1", "mode=async", "max_staleness=1",
-           "weights.transport=tcp", f"trainer.steps={steps}", f"rollout.tasks_per_step={B}",
-           f"rollout.group_size={G}", "runtime.kind=ray", "runtime.rollout_replicas=2",
+    cmd = [*run_args(tiny_model_dir, out, steps), "runtime.kind=ray", "runtime.rollout_replicas=2",
            "runtime.trainer_num_cpus=0.25", "runtime.heartbeat_interval_s=0.5", "runtime.heartbeat_timeout_s=10",
            f"data.ray_address={cluster.head_address}", f"data.ray_actor_name=rxt-{name}",
            'runtime.rollout_resources={"rollout_host": 1}', "runtime.rollout_spread=true",
@@ -182,6 +188,25 @@ def test_async_staleness_one_across_three_hosts_and_a_stranger_is_refused(cluste
     metrics = [m for m in jsonl(out / "metrics.jsonl") if "rollout/reward" in m]
     assert all(m["runtime/rollout_restarts"] == 0 and m["runtime/trainer_restarts"] == 0 for m in metrics)
     print(f"\nstranger: {stranger}")
+
+
+def test_staleness_zero_across_hosts_trains_the_same_samples_as_one_host(cluster, tiny_model_dir, tmp_path):
+    """``max_staleness: 0`` with the replicas on two worker hosts and the trainer on the head gives the
+    same sample ids, policy versions and rewards as the same run under ``runtime: local`` in one
+    process on this host (each run in a fresh process with ``OMP_NUM_THREADS=1``, as Ray starts its
+    workers): on-policy stays exactly on-policy across hosts."""
+    steps = 4
+    local = tmp_path / "local"
+    done = subprocess.run([*run_args(tiny_model_dir, local, steps), "max_staleness=0", "--quiet"], cwd=str(REPO),
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "hosts"
+    finish(train(cluster, tiny_model_dir, out, "hosts", steps, "max_staleness=0"), out)
+    key = lambda r: (r["sample_id"], r["sample_version"], r["trained_at_version"], r["reward"])  # noqa: E731
+    across, one = sorted(map(key, dumped(out))), sorted(map(key, dumped(local)))
+    assert len(one) == steps * B * G and across == one
+    assert {r["sample_version"] for r in dumped(out)} == set(range(steps))  # step k sampled with version k
+    assert {p["node_ip"] for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"} == WORKERS
 
 
 def test_a_worker_host_killed_mid_run_loses_no_sample_and_trains_none_twice(cluster, tiny_model_dir, tmp_path):
