@@ -100,6 +100,16 @@ def placement(resources: dict[str, float], spread: bool = False) -> dict[str, An
     return out
 
 
+def replica_env_vars(cfg: Any) -> dict[str, str]:
+    """Environment variables a rollout replica needs from the driver's environment: the bearer token of
+    each remote reward service (``reward.token_env``), which a replica on another host would not have.
+    Names whose variable is unset here are left out (the driver's preflight has already refused them)."""
+    import os
+
+    names = {c.token_env for c in cfg.reward.components if c.source == "remote" and c.token_env}
+    return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
+
+
 PLACEMENT_FILE = "placement.jsonl"
 """In ``run.output_dir``: one JSON line per actor start (trainer or rollout replica): where it runs."""
 

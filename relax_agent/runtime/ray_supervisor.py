@@ -52,7 +52,7 @@ import ray
 
 from relax_agent.errors import ConfigError, EngineError, RuntimeServiceError
 from relax_agent.runtime.base import PARTITION
-from relax_agent.runtime.ray import placement, record_placement
+from relax_agent.runtime.ray import placement, record_placement, replica_env_vars
 from relax_agent.runtime.ray_rollout import (
     DRAINING,
     FAILED,
@@ -358,8 +358,10 @@ class Supervisor:
             used = {r.slot for r in self.pool.in_state(STARTING, READY, DRAINING)}
             slot = next(i for i in itertools.count() if i not in used)
             name = f"{self.prefix}.rollout-{slot}.{next(self._generation)}"
+            env = replica_env_vars(self.cfg)
             handle = self._cls.options(name=name, namespace=self.namespace, num_cpus=self.rt.rollout_num_cpus,
                                        max_restarts=0, max_concurrency=1000,
+                                       **({"runtime_env": {"env_vars": env}} if env else {}),
                                        **placement(self.rt.rollout_resources, self.rt.rollout_spread)).remote(
                 self.cfg, name, self.bus, self.coordinator, self.health)
             rep = Replica(slot, name, handle, time.monotonic(), handle.start.remote())

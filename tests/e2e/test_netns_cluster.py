@@ -58,15 +58,40 @@ def run_args(tiny_model_dir, out: Path, steps: int) -> list[str]:
             f"rollout.group_size={G}"]
 
 
-def train(cluster, tiny_model_dir, out: Path, name: str, steps: int, *overrides: str) -> subprocess.Popen:
-    """``relax-agent train`` in the head's namespace (the driver), in the background."""
+def train(cluster, tiny_model_dir, out: Path, name: str, steps: int, *overrides: str,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``relax-agent train`` in the head's namespace (the driver), in the background (``env``: added to
+    the driver's environment only)."""
     cmd = [*run_args(tiny_model_dir, out, steps), "runtime.kind=ray", "runtime.rollout_replicas=2",
            "runtime.trainer_num_cpus=0.25", "runtime.heartbeat_interval_s=0.5", "runtime.heartbeat_timeout_s=10",
            f"data.ray_address={cluster.head_address}", f"data.ray_actor_name=rxt-{name}",
            'runtime.rollout_resources={"rollout_host": 1}', "runtime.rollout_spread=true",
            'runtime.trainer_resources={"head_host": 0.01}', "runtime.control_host=0.0.0.0", *overrides, "--quiet"]
     log = open(out.parent / f"{name}.log", "w")
-    return cluster.popen(1, cmd, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT)
+    return cluster.popen(1, cmd, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT,
+                         env={**cluster.ray_env(), **(env or {})})
+
+
+REWARD_HOST, REWARD_PORT, REWARD_TOKEN_ENV = 2, 18301, "RXT_REWARD_TOKEN"
+_REWARD = """
+def score(item):
+    # 0.25 or 0.75 by the reply's length: values the Echo env never gives
+    return 0.25 + 0.5 * (len(item.response_text()) % 2)
+"""
+
+
+def serve_reward(cluster, folder: Path, token: str) -> subprocess.Popen:
+    """A reward service on worker host 2 (uvicorn, bound to that host's address, token required); returns
+    once it answers on its port."""
+    (folder / "rxt_reward.py").write_text(_REWARD)
+    log = folder / "reward.log"
+    proc = cluster.popen(REWARD_HOST, [str(Path(sys.executable).with_name("relax-agent")), "serve-reward",
+                                       str(folder / "rxt_reward.py") + ":score", "--host", cluster.ip(REWARD_HOST),
+                                       "--port", str(REWARD_PORT), "--token-env", REWARD_TOKEN_ENV],
+                         cwd=str(folder), env={**cluster.ray_env(), REWARD_TOKEN_ENV: token},
+                         stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_for(lambda: "Uvicorn running" in log.read_text(), 60, "the reward service on host 2", proc)
+    return proc
 
 
 def finish(proc: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
@@ -126,6 +151,8 @@ out["scale_no_token"] = httpx.post(url + "/scale", json={"rollout": 1}, timeout=
 out["scale_wrong_token"] = httpx.post(url + "/scale", json={"rollout": 1}, timeout=10,
                                       headers={"Authorization": "Bearer guess"}).status_code
 out["status_no_token"] = httpx.get(url + "/status", timeout=10).status_code
+# the reward service on a worker host: no token
+out["reward_no_token"] = httpx.post(sys.argv[4] + "/v1/reward", json={"items": []}, timeout=10).status_code
 # the weight server: answer its challenge wrongly, then ask for version 1 from bucket 0
 host, port = weights.rsplit(":", 1)
 with socket.create_connection((host, int(port)), timeout=10) as conn:
@@ -161,7 +188,11 @@ def test_async_staleness_one_across_three_hosts_and_a_stranger_is_refused(cluste
     weight server and Ray, and the run does not notice it."""
     out = tmp_path / "run"
     steps = 8
-    proc = train(cluster, tiny_model_dir, out, "run", steps)
+    token = "rxt-" + os.urandom(8).hex()
+    reward = serve_reward(cluster, tmp_path, token)
+    reward_url = f"http://{cluster.ip(REWARD_HOST)}:{REWARD_PORT}"
+    proc = train(cluster, tiny_model_dir, out, "run", steps, "reward.source=remote", f"reward.url={reward_url}",
+                 f"reward.token_env={REWARD_TOKEN_ENV}", env={REWARD_TOKEN_ENV: token})
     try:
         info = wait_for(lambda: (out / "runtime.json").exists() and json.loads((out / "runtime.json").read_text()),
                         240, "the control endpoint", proc)
@@ -169,14 +200,19 @@ def test_async_staleness_one_across_three_hosts_and_a_stranger_is_refused(cluste
                            "the trainer's placement", proc)[0]
         assert info["url"].startswith(f"http://{HEAD}:")  # 0.0.0.0 bound, the driver's node advertised
         probe = cluster.exec(STRANGER, [sys.executable, "-c", _STRANGER, info["url"], trainer["weights_address"],
-                                        cluster.head_address],
+                                        cluster.head_address, reward_url],
                              env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                              timeout=180)
         assert probe.returncode == 0, probe.stderr[-3000:]
         stranger = json.loads(probe.stdout.strip().splitlines()[-1])
     finally:
-        finish(proc, out)
+        try:
+            finish(proc, out)
+        finally:
+            reward.terminate()
+            reward.wait(30)
     assert stranger["scale_no_token"] == stranger["scale_wrong_token"] == stranger["status_no_token"] == 401
+    assert stranger["reward_no_token"] == 401
     assert stranger["weights_challenge"] == "RLXN" and stranger["weights_bytes_after_wrong_answer"] == 0
     assert stranger["joined_ray"] is False, stranger
     assert_every_sample_trained_once(out, steps)
@@ -187,6 +223,10 @@ def test_async_staleness_one_across_three_hosts_and_a_stranger_is_refused(cluste
     assert len(rollout) == 2 and {p["node_ip"] for p in rollout} == WORKERS, rollout  # one per worker host
     metrics = [m for m in jsonl(out / "metrics.jsonl") if "rollout/reward" in m]
     assert all(m["runtime/rollout_restarts"] == 0 and m["runtime/trainer_restarts"] == 0 for m in metrics)
+    # every episode was scored by the service on host 2, reached from the replicas on hosts 2 and 3 with the
+    # token the driver handed them (their hosts' Ray processes do not have it)
+    rows = dumped(out)
+    assert {r["reward"] for r in rows} <= {0.25, 0.75} and {r["reward_status"] for r in rows} == {"ok"}
     print(f"\nstranger: {stranger}")
 
 

@@ -430,3 +430,16 @@ def test_a_trainer_killed_by_rays_memory_monitor_is_restarted_and_named_with_the
     text = str(err.value)
     assert "restarts are used up" in text and "RAY_memory_usage_threshold" in text and "micro_batch_tokens" in text
     assert "OutOfMemoryError: Task was killed" in svc.supervisor.reasons[0]
+
+
+def test_replicas_get_the_reward_service_tokens_of_the_driver(monkeypatch):
+    """A replica on another host has none of the driver's environment: the token of each remote reward
+    service goes with it (and nothing else of the environment does)."""
+    from relax_agent.runtime.ray import replica_env_vars
+
+    cfg = load_config(None, ["runtime.kind=ray", "reward.source=remote", "reward.url=http://10.0.0.2:8001",
+                             "reward.token_env=RXT_TEST_REWARD_TOKEN"])
+    monkeypatch.setenv("RXT_TEST_REWARD_TOKEN", "s3cret")
+    monkeypatch.setenv("RXT_TEST_OTHER", "not for replicas")
+    assert replica_env_vars(cfg) == {"RXT_TEST_REWARD_TOKEN": "s3cret"}
+    assert replica_env_vars(load_config(None, ["runtime.kind=ray"])) == {}  # the env's own reward: nothing
