@@ -249,6 +249,26 @@ def test_staleness_zero_across_hosts_trains_the_same_samples_as_one_host(cluster
     assert {p["node_ip"] for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"} == WORKERS
 
 
+def test_autoscale_adds_a_replica_on_the_other_worker_host_while_the_trainer_waits(cluster, tiny_model_dir,
+                                                                                     tmp_path):
+    """One replica to start, ``runtime.autoscale`` on (at most 2; s = 0, so the trainer waits for every
+    step's rollouts): after step 2 the autoscaler adds a replica, which Ray spreads to the other worker
+    host; none is added past the bound, and every sample is trained once."""
+    out = tmp_path / "autoscale"
+    steps = 6
+    finish(train(cluster, tiny_model_dir, out, "autoscale", steps, "max_staleness=0", "runtime.rollout_replicas=1",
+                 "runtime.autoscale.enabled=true", "runtime.autoscale.max_replicas=2",
+                 "runtime.autoscale.window_steps=1", "runtime.autoscale.cooldown_steps=0",
+                 "runtime.autoscale.scale_up_above=0.01", "runtime.autoscale.scale_down_below=0.0"), out)
+    assert_every_sample_trained_once(out, steps)
+    metrics = [m for m in jsonl(out / "metrics.jsonl") if "rollout/reward" in m]
+    assert [m["runtime/autoscale"] for m in metrics] == [0.0, 1.0] + [0.0] * (steps - 2)
+    assert [m["runtime/rollout_target"] for m in metrics][2:] == [2.0] * (steps - 2)
+    rollout = [p for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"]
+    assert len(rollout) == 2 and {p["node_ip"] for p in rollout} == WORKERS, rollout
+    assert metrics[-1]["runtime/rollout_replicas"] == 2.0
+
+
 def test_a_worker_host_killed_mid_run_loses_no_sample_and_trains_none_twice(cluster, tiny_model_dir, tmp_path):
     """Every process of host 3 is SIGKILLed after step 2: its replica is replaced on host 2, the run
     ends with every sample id trained exactly once. Runs last: it leaves the cluster one host short."""
