@@ -255,11 +255,16 @@ def test_autoscale_adds_a_replica_on_the_other_worker_host_while_the_trainer_wai
     step's rollouts): after step 2 the autoscaler adds a replica, which Ray spreads to the other worker
     host; none is added past the bound, and every sample is trained once."""
     out = tmp_path / "autoscale"
-    steps = 6
-    finish(train(cluster, tiny_model_dir, out, "autoscale", steps, "max_staleness=0", "runtime.rollout_replicas=1",
+    steps = 40  # ~1 s a step: the run outlives the second replica's start on its host
+    proc = train(cluster, tiny_model_dir, out, "autoscale", steps, "max_staleness=0", "runtime.rollout_replicas=1",
                  "runtime.autoscale.enabled=true", "runtime.autoscale.max_replicas=2",
                  "runtime.autoscale.window_steps=1", "runtime.autoscale.cooldown_steps=0",
-                 "runtime.autoscale.scale_up_above=0.01", "runtime.autoscale.scale_down_below=0.0"), out)
+                 "runtime.autoscale.scale_up_above=0.01", "runtime.autoscale.scale_down_below=0.0")
+    try:
+        wait_for(lambda: len([p for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"]) == 2, 300,
+                 "the autoscaled second replica", proc)
+    finally:
+        finish(proc, out)
     assert_every_sample_trained_once(out, steps)
     metrics = [m for m in jsonl(out / "metrics.jsonl") if "rollout/reward" in m]
     assert [m["runtime/autoscale"] for m in metrics] == [0.0, 1.0] + [0.0] * (steps - 2)
