@@ -159,7 +159,8 @@ def assert_every_sample_once(out: Path, bus: CountingBus, steps: int = STEPS) ->
     loop_acks = {k for k in bus.acked if not k.startswith("checkpoint:")}
     assert loop_acks == {f"{c}:{i}" for c in ("trainer", "advantage") for i in ids}
     assert set(bus.acked.values()) == {1}
-    assert bus.fields["trainer"] == {R.ADVANTAGE, R.TRAINABLE, R.TRAJECTORY}
+    assert bus.fields["trainer"] == {R.ADVANTAGE, R.TRAINABLE, R.TRAJECTORY, *R.EPISODE_FIELDS}  # scalars only
+    assert not bus.fields["trainer"] & {R.TOKEN_IDS, R.LOSS_MASK, R.ROLLOUT_LOGPROBS, R.MEDIA, *R.ROUTE_FIELDS}
     assert bus.fields["advantage"] == {R.REWARD, R.TRAINABLE, R.POLICY_TOKENS}
     logged = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, steps + 1))
