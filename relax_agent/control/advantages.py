@@ -14,7 +14,7 @@ import numpy as np
 
 from relax_agent import records as R
 from relax_agent.errors import QueueTimeoutError
-from relax_agent.records import TRUNCATED_STOPS, Trajectory
+from relax_agent.records import Trajectory
 
 CONSUMER = "advantage"
 FIELDS = (R.REWARD, R.TRAINABLE, R.POLICY_TOKENS)
@@ -26,23 +26,12 @@ OVERLONG_PENALTY_MEAN = "overlong/penalty_mean"
 OVERLONG_MASKED = "overlong/masked"
 
 
-def response_length(traj: Trajectory) -> int:
-    """The sample's length for overlong shaping: its longest assistant reply, in tokens (the
-    quantity ``rollout.max_new_tokens`` limits; the whole response of a single-turn episode)."""
-    return max((len(turn.token_ids) for turn in traj.turns), default=0)
-
-
-def is_truncated(traj: Trajectory) -> bool:
-    """True when the episode was cut by a length limit (:data:`TRUNCATED_STOPS`)."""
-    return traj.stop_reason in TRUNCATED_STOPS
-
-
 def overlong_shaping(trajs: Sequence[Trajectory], rewards: np.ndarray, trainable: np.ndarray, overlong: Any,
                      max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`shape_overlong` of ``trajs`` ([B] samples; their :func:`response_length` and :func:`is_truncated`)."""
-    lengths = np.asarray([response_length(t) for t in trajs], dtype=np.int64)
-    truncated = np.asarray([is_truncated(t) for t in trajs], dtype=bool)
-    return shape_overlong(lengths, truncated, rewards, trainable, overlong, max_new_tokens)
+    """:func:`shape_overlong` of ``trajs`` ([B] samples; their ``longest_reply`` and ``truncated``
+    fields, :func:`relax_agent.records.episode_fields`)."""
+    fields = R.episode_fields(trajs)
+    return shape_overlong(fields[R.LONGEST_REPLY], fields[R.TRUNCATED], rewards, trainable, overlong, max_new_tokens)
 
 
 def shape_overlong(lengths: np.ndarray, truncated: np.ndarray, rewards: np.ndarray, trainable: np.ndarray,
@@ -50,7 +39,7 @@ def shape_overlong(lengths: np.ndarray, truncated: np.ndarray, rewards: np.ndarr
     """The rewards and trainable flags the advantages are computed from, under ``rollout.overlong``.
 
     Args:
-        lengths: [B] int, each sample's :func:`response_length` (the ``longest_reply`` field).
+        lengths: [B] int, each sample's longest assistant reply in tokens (the ``longest_reply`` field).
         truncated: [B] bool, cut by a length limit (the ``truncated`` field).
         rewards: [B] float rewards (the env's).
         trainable: [B] bool.
@@ -59,7 +48,7 @@ def shape_overlong(lengths: np.ndarray, truncated: np.ndarray, rewards: np.ndarr
 
     Returns:
         ``(rewards [B] float32, trainable [B] bool, penalties [B] float32)``: "soft" adds
-        :func:`~relax_agent.train.algorithms.overlong_penalty` of :func:`response_length` to the
+        :func:`~relax_agent.train.algorithms.overlong_penalty` of ``lengths`` to the
         trainable samples' rewards; "mask" clears ``trainable`` of the truncated samples; "none"
         returns the inputs. ``penalties`` are the soft penalties (0 elsewhere).
     """
