@@ -24,9 +24,10 @@ import re
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from relax_agent.records import Trajectory
+from relax_agent.rollout.driver import PlaysEnv
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.runner import RolloutRunner
 
@@ -61,6 +62,15 @@ class EpisodeRunner(Protocol):
 
     async def run(self, specs: Sequence[Any], params: SamplingParams,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]: ...
+
+
+@runtime_checkable
+class ReplaysEpisodes(Protocol):
+    """An :class:`EpisodeRunner` whose episodes :func:`replay_reason` can replay on a fresh env."""
+
+    def env_player(self) -> PlaysEnv | None:
+        """The driver's env factory, renderer and parser; None when its driver plays no env itself."""
+        ...
 
 
 def evaluate(runner: EpisodeRunner, tasks: Sequence[dict[str, Any]], seeds: Sequence[int],
@@ -104,13 +114,14 @@ def evaluate(runner: EpisodeRunner, tasks: Sequence[dict[str, Any]], seeds: Sequ
 def replay_reason(runner: EpisodeRunner, task: dict[str, Any], seed: int, traj: Trajectory) -> str | None:
     """The env's ``info["reason"]`` at the end of ``traj``, by replaying its parsed actions on a fresh env.
 
-    Returns None when the runner's driver has no env factory and parser (a custom driver), the
-    episode failed, or the env gives no reason; a replay that raises gives ``"replay failed: ..."``.
+    Returns None when the runner cannot replay (not :class:`ReplaysEpisodes`, or its driver plays no
+    env itself), the episode failed, or the env gives no reason; a replay that raises gives
+    ``"replay failed: ..."``.
     """
-    driver = getattr(runner, "driver", None)
-    make_env, parser = getattr(driver, "make_env", None), getattr(driver, "parser", None)
-    if make_env is None or parser is None or traj.error is not None:
+    player = runner.env_player() if isinstance(runner, ReplaysEpisodes) else None
+    if player is None or traj.error is not None:
         return None
+    make_env, parser = player.make_env, player.parser
     actions = [parser.parse(m.get("content") or "").message() for m in traj.messages if _sampled(m)]
     reason = None
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Awaitable, Callable, Protocol, TypeVar, runtime_checkable
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
@@ -70,6 +70,24 @@ class RolloutDriver(Protocol):
             ``spec.episode_timeout_s`` (plus the time to release its resources).
         """
         ...
+
+
+@runtime_checkable
+class PlaysEnv(Protocol):
+    """A driver that plays a gymnasium env with a renderer and a tool-call parser
+    (:class:`~relax_agent.rollout.env_driver.EnvDriver`,
+    :class:`~relax_agent.rollout.agent_driver.AgentDriver`): what the warm-up renders
+    demonstrations with and what evaluation replays an episode's actions with.
+
+    Attributes:
+        make_env: builds a fresh env (one per episode).
+        renderer: the chat renderer of the policy.
+        parser: the tool-call parser (:class:`~relax_agent.rollout.parsers.ToolCallParser`).
+    """
+
+    make_env: Callable[[], Any]
+    renderer: Any
+    parser: Any
 
 
 class EpisodeTimeout(TimeoutError):

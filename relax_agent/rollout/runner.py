@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from relax_agent.records import Trajectory
 from relax_agent.rollout import rewarding
 from relax_agent.rollout.chat import ChatRenderer
-from relax_agent.rollout.driver import EpisodeSpec, RolloutDriver
+from relax_agent.rollout.driver import EpisodeSpec, PlaysEnv, RolloutDriver
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import ToolCallParser
@@ -79,6 +79,11 @@ class RolloutRunner:
         self.reward = reward
         self.env_id = env_id
         self.limits = limits
+
+    def env_player(self) -> PlaysEnv | None:
+        """The driver when it plays an env with a renderer and parser (:class:`PlaysEnv`); None for a
+        driver of its own kind."""
+        return self.driver if isinstance(self.driver, PlaysEnv) else None
 
     def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[EpisodeSpec]:
         """Episode specs for ``tasks``, ``group_size`` each (see :func:`episode_specs`)."""

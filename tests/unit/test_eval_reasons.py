@@ -31,3 +31,45 @@ def test_an_evaluation_during_training_records_the_envs_reasons(tmp_path):
     # the fake engine echoes prompt tokens: never a call; BFCL's own reason, not the generic fallback
     assert all(not r.startswith("not correct") for r in reasons), reasons
     assert result["eval/failure_reasons"][0][1] == 3
+
+
+class _ReasonEnv:
+    """Gives the reason ``"saw <the action's content>"``; ends after one step."""
+
+    def reset(self, seed=None, options=None):
+        return "", {}
+
+    def step(self, action):
+        return "", 0.0, True, False, {"reason": f"saw {action['content']}"}
+
+    def close(self):
+        pass
+
+
+class _OwnDriver:
+    """A driver of its own kind: plays no env, has no parser."""
+
+    engine = None
+
+    async def play(self, spec, params):
+        raise AssertionError("not played here")
+
+
+def test_replay_reason_replays_the_parsed_actions_only_through_a_driver_that_plays_an_env():
+    from types import SimpleNamespace
+
+    from relax_agent.evaluation import replay_reason
+    from relax_agent.rollout.engines.fake import FakeEngine
+    from relax_agent.rollout.parsers import build_parser
+    from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
+
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "the answer", "tool_calls": []}]
+    traj = SimpleNamespace(error=None, messages=messages)
+    runner = RolloutRunner(_ReasonEnv, FakeEngine(["x"]), object(), build_parser("hermes"), RolloutLimits())
+    assert runner.env_player() is runner.driver
+    assert replay_reason(runner, {}, 0, traj) == "saw the answer"
+    assert replay_reason(runner, {}, 0, SimpleNamespace(error="boom", messages=messages)) is None
+    own = RolloutRunner(None, None, None, None, RolloutLimits(), driver=_OwnDriver())
+    assert own.env_player() is None
+    assert replay_reason(own, {}, 0, traj) is None
