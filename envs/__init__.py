@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import gymnasium
 
-from relax_agent.envs.base import TextEnv
+from relax_agent.envs.base import DeclaresTools, DescribesReward, HasTasks, TextEnv
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
 from relax_agent.envs.tool_env import ToolEnv, tool_schema
 
@@ -78,12 +78,12 @@ def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": env_id, "entry_point": spec.entry_point if isinstance(spec.entry_point, str) else repr(spec.entry_point),
             "kwargs": spec.kwargs, "max_episode_steps": spec.max_episode_steps,
-            "reward": getattr(inner, "reward_description", "") or "(not described)",
+            "reward": (inner.reward_description if isinstance(inner, DescribesReward) else "") or "(not described)",
         }
-        if callable(getattr(inner, "tasks", None)):
+        if isinstance(inner, HasTasks):
             out["tasks"] = {split: len(inner.tasks(split)) for split in ("train", "heldout")}
         try:
-            schemas = getattr(inner, "tool_schemas", None)
+            schemas = inner.tool_schemas if isinstance(inner, DeclaresTools) else None
             out["tools"] = list(schemas) if schemas is not None else env.reset(seed=0)[1].get("tools", [])
         except Exception as exc:  # noqa: BLE001 - e.g. a sandbox backend that is not running here
             out["tools_error"] = f"{type(exc).__name__}: {exc}"
@@ -143,5 +143,5 @@ def load_plugins() -> list[str]:
 register_envs()
 load_plugins()
 
-__all__ = ["ConversationSpace", "MessageSpace", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "register",
+__all__ = ["ConversationSpace", "DeclaresTools", "DescribesReward", "HasTasks", "MessageSpace", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "register",
            "register_envs", "tool_schema"]

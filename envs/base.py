@@ -12,11 +12,42 @@ env with :mod:`relax_agent.envs.testing`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import gymnasium as gym
 
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
+
+
+@runtime_checkable
+class HasTasks(Protocol):
+    """An env (its ``unwrapped``) that lists its dataset: what the trainer samples tasks from."""
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """The task dicts of ``split`` ("train" or "heldout"), each with a unique ``"id"``."""
+        ...
+
+
+@runtime_checkable
+class DescribesReward(Protocol):
+    """An env that says in words how it scores (``relax-agent envs describe`` prints it).
+
+    Attributes:
+        reward_description: one or two sentences; empty when not described.
+    """
+
+    reward_description: str
+
+
+@runtime_checkable
+class DeclaresTools(Protocol):
+    """An env whose tools are known before a reset (:class:`~relax_agent.envs.ToolEnv`).
+
+    Attributes:
+        tool_schemas: the OpenAI function schemas the policy is offered.
+    """
+
+    tool_schemas: list[dict[str, Any]]
 
 
 class TextEnv(gym.Env):

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import gymnasium
 
+from relax_agent.envs.base import HasTasks
 from relax_agent.envs.spaces import is_message
 
 Factory = Callable[[], gymnasium.Env]
@@ -178,9 +179,9 @@ def check_reset(make_env: Factory) -> None:
 def check_tasks(make_env: Factory) -> None:
     """train/heldout task lists: dicts with unique ids, disjoint; reset(options={"task": t}) takes them."""
     with _Opened(make_env) as env:
-        tasks = getattr(env.unwrapped, "tasks", None)
-        _expect(callable(tasks), "env.unwrapped.tasks(split) is missing (the trainer samples tasks from it)")
-        train, heldout = tasks("train"), tasks("heldout")
+        inner = env.unwrapped
+        _expect(isinstance(inner, HasTasks), "env.unwrapped.tasks(split) is missing (the trainer samples tasks from it)")
+        train, heldout = inner.tasks("train"), inner.tasks("heldout")
         for name, split in (("train", train), ("heldout", heldout)):
             _expect(isinstance(split, list) and all(isinstance(t, dict) and "id" in t for t in split),
                     f"tasks({name!r}) must be a list of dicts with an 'id'")

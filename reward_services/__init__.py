@@ -25,7 +25,7 @@ _EXPORTS = {
     "env_reward": ("ENV_REWARD_KEY", "EnvReward"),
     "fake": ("FakeReward",),
     "local": ("LocalReward", "load_target"),
-    "protocol": ("API_VERSION", "HEALTH_PATH", "REWARD_PATH", "RewardFunction", "RewardItem", "RewardRequest",
+    "protocol": ("API_VERSION", "HEALTH_PATH", "REWARD_PATH", "ChecksAtStart", "ReportsHealth", "RewardFunction", "RewardItem", "RewardRequest",
                  "RewardResponse", "RewardResult", "RewardStatus", "reward_metrics", "rewards_and_mask"),
     "server": ("create_app",),
 }
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
         API_VERSION,
         HEALTH_PATH,
         REWARD_PATH,
+        ChecksAtStart,
+        ReportsHealth,
         RewardFunction,
         RewardItem,
         RewardRequest,
@@ -70,6 +72,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "API_VERSION",
+    "ChecksAtStart",
     "CombinedReward",
     "Component",
     "ENV_REWARD_KEY",
@@ -78,6 +81,7 @@ __all__ = [
     "HEALTH_PATH",
     "LocalReward",
     "REWARD_PATH",
+    "ReportsHealth",
     "RetryPolicy",
     "RewardClient",
     "RewardComponentConfig",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from relax_agent.errors import ConfigError
 from relax_agent.reward_services.protocol import (
     ERROR_KEY,
+    ChecksAtStart,
     RewardFunction,
     RewardItem,
     RewardResult,
@@ -99,6 +100,5 @@ async def check_reward(reward: RewardFunction) -> None:
     Raises:
         AuthError, RewardServiceError: see :meth:`RewardClient.check`.
     """
-    check = getattr(reward, "check", None)
-    if check is not None:
-        await check()
+    if isinstance(reward, ChecksAtStart):
+        await reward.check()

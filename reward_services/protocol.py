@@ -220,6 +220,26 @@ class RewardFunction(Protocol):
     async def aclose(self) -> None: ...
 
 
+@runtime_checkable
+class ChecksAtStart(Protocol):
+    """A :class:`RewardFunction` with a start-up check (remote clients, combinations): the run calls
+    it before the first episode, so a wrong address or token fails the run at once."""
+
+    async def check(self) -> None:
+        """Raises :class:`~relax_agent.errors.AuthError` or :class:`~relax_agent.errors.RewardServiceError`
+        when the reward cannot score."""
+        ...
+
+
+@runtime_checkable
+class ReportsHealth(Protocol):
+    """A :class:`RewardFunction` that knows when it cannot take work (a local function's worker pool)."""
+
+    def health(self) -> str | None:
+        """None while the reward can score; otherwise why not (the service answers 503 with it)."""
+        ...
+
+
 def rewards_and_mask(results: list[RewardResult]) -> tuple[list[float], list[bool]]:
     """Split results into rewards and a policy-gradient mask.
 

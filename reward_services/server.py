@@ -30,6 +30,7 @@ from relax_agent.reward_services.protocol import (
     HEALTH_PATH,
     REWARD_PATH,
     HealthResponse,
+    ReportsHealth,
     RewardFunction,
     RewardRequest,
     RewardResponse,
@@ -71,7 +72,7 @@ def create_app(reward: RewardFunction, *, token: str | None = None, max_items: i
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     auth = _bearer_auth(token)
-    health = getattr(reward, "health", None)
+    health = reward.health if isinstance(reward, ReportsHealth) else None
 
     @app.get(HEALTH_PATH, response_model=HealthResponse, responses={503: {"description": "cannot take work now"}})
     async def healthz() -> Any:

@@ -130,6 +130,21 @@ class Sandbox(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class ReportsState(Protocol):
+    """A :class:`Sandbox` that says when it can no longer be used (every :class:`BaseSandbox`): a
+    pool replaces a closed or broken one instead of resetting it for the next episode.
+
+    Attributes:
+        closed: ``close`` was called.
+        broken: why the sandbox cannot run commands any more (its container is gone, it expired,
+            a command would not die); None while it can.
+    """
+
+    closed: bool
+    broken: str | None
+
+
 class SandboxBackend(Protocol):
     """Makes sandboxes of one kind (holds shared runtime state such as a Docker client)."""
 

@@ -32,7 +32,15 @@ from typing import Any
 
 from relax_agent.errors import SandboxError, SandboxTimeoutError
 from relax_agent.sandboxes import reaper
-from relax_agent.sandboxes.base import PoolConfig, Sandbox, SandboxBackend, SandboxConfig, portal_loop, run_sync
+from relax_agent.sandboxes.base import (
+    PoolConfig,
+    ReportsState,
+    Sandbox,
+    SandboxBackend,
+    SandboxConfig,
+    portal_loop,
+    run_sync,
+)
 
 
 @dataclass
@@ -253,7 +261,7 @@ class SandboxPool:
         entry.uses += 1
         sb = entry.sandbox
         keep = not (discard or self._closed or self.config.on_release == "replace" or self._stale(entry)
-                    or getattr(sb, "closed", False) or getattr(sb, "broken", None))
+                    or (isinstance(sb, ReportsState) and bool(sb.closed or sb.broken)))
         if keep:
             try:
                 await sb.reset()

@@ -14,7 +14,7 @@ expanded exactly as in an episode and each row carries its ``media``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -22,6 +22,17 @@ from relax_agent import records as R
 from relax_agent.errors import ConfigError
 from relax_agent.rollout.engines.base import default_stop_ids
 from relax_agent.rollout.parsers import format_message
+
+
+@runtime_checkable
+class HasDemonstrations(Protocol):
+    """An env (its ``unwrapped``) that can show a correct episode for a task: what the SFT warm-up
+    (``trainer.sft_warmup_steps``) trains on."""
+
+    def demonstration(self, task: dict[str, Any]) -> Any:
+        """The assistant reply (or list of replies, one per turn) that solves ``task``, as chat
+        message dicts; None when the task has none."""
+        ...
 
 
 def demonstration_fields(make_env: Callable[[], Any], renderer: Any, parser: Any,
@@ -42,7 +53,7 @@ def demonstration_fields(make_env: Callable[[], Any], renderer: Any, parser: Any
     env = make_env()
     try:
         inner = env.unwrapped
-        if not callable(getattr(inner, "demonstration", None)):
+        if not isinstance(inner, HasDemonstrations):
             raise ConfigError(f"trainer.sft_warmup_steps > 0 needs demonstrations, and {type(inner).__name__} has no "
                               "demonstration(task) method; set trainer.sft_warmup_steps=0")
         stop = _stop_token(renderer)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from relax_agent.errors import ConfigError
 
@@ -63,15 +63,47 @@ class ToolCallParser(Protocol):
     A parser whose family marks calls with special tokens (``[TOOL_CALLS]``, harmony's
     ``<|channel|>``) sets a class attribute ``keeps_special_tokens = True``: the rollout drivers
     then decode the sampled ids with special tokens kept (the turn's closing token included,
-    which such a parser drops). Without the attribute they are skipped.
+    which such a parser drops; see :class:`ReadsSpecialTokens`). Without the attribute they are skipped.
     """
 
     def parse(self, text: str) -> ParsedAction: ...
 
 
+@runtime_checkable
+class ReadsSpecialTokens(Protocol):
+    """A :class:`ToolCallParser` that says whether its family's calls are marked by special tokens.
+
+    Attributes:
+        keeps_special_tokens: True when the parser needs the sampled text decoded with special
+            tokens kept (``[TOOL_CALLS]``, ``<|channel|>``, the turn's closing token).
+    """
+
+    keeps_special_tokens: bool
+
+
+@runtime_checkable
+class SplitsReasoning(Protocol):
+    """A :class:`ToolCallParser` whose family writes its reasoning between two markers.
+
+    Attributes:
+        THINK: ``(open, close)`` markers of the reasoning span (``("<think>", "</think>")``).
+    """
+
+    THINK: tuple[str, str]
+
+
 def decodes_special_tokens(parser: Any) -> bool:
-    """True when ``parser`` reads special tokens: decode its text with ``skip_special_tokens=False``."""
-    return bool(getattr(parser, "keeps_special_tokens", False))
+    """True when ``parser`` reads special tokens (:class:`ReadsSpecialTokens`): decode its text with
+    ``skip_special_tokens=False``."""
+    return isinstance(parser, ReadsSpecialTokens) and bool(parser.keeps_special_tokens)
+
+
+def reasoning_markers(parser: Any) -> tuple[str, str] | None:
+    """``parser``'s reasoning markers (:class:`SplitsReasoning`); None for a family without them."""
+    if not isinstance(parser, SplitsReasoning):
+        return None
+    opener, closer = parser.THINK
+    return opener, closer
 
 
 def _plain_calls(message: dict[str, Any]) -> list[dict[str, Any]]:

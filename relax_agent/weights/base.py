@@ -27,6 +27,12 @@ class Sender(Protocol):
         """Where subscribers fetch bytes ("host:port"), or None when nothing is served."""
         ...
 
+    @property
+    def secret(self) -> str | None:
+        """The run's subscriber secret that a receiver answers the sender's challenge with (tcp);
+        None for a transport that serves no bytes over a socket (inproc, nccl)."""
+        ...
+
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
         """Make ``version`` fetchable; returns its metadata. Raises ``WeightSyncError``."""
         ...

@@ -30,6 +30,11 @@ class InprocSender:
     def address(self) -> str | None:
         return None
 
+    @property
+    def secret(self) -> str | None:
+        """None: this transport serves no bytes over a socket."""
+        return None
+
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
         tensors, total = plan_layout(state_dict)
         self._previous = (self._state, self._version)

@@ -95,6 +95,11 @@ class NcclSender:
     def address(self) -> str:
         return f"{self._cfg.host}:{self._cfg.nccl_init_port}"
 
+    @property
+    def secret(self) -> str | None:
+        """None: this transport serves no bytes over a socket."""
+        return None
+
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
         tensors, total = plan_layout(state_dict)
         if self._buffer is None or self._buffer.numel() != total:

@@ -127,7 +127,7 @@ class WeightSync:
     def credential(self) -> str | None:
         """The run's subscriber secret (tcp: what a receiver answers the weight server's challenge
         with); None for transports that serve no bytes."""
-        return getattr(self._sender, "secret", None)
+        return self._sender.secret
 
     @property
     def subscribers(self) -> list[EngineSubscriber]:

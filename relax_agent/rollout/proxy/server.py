@@ -49,7 +49,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relax_agent.errors import EngineError
-from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
+from relax_agent.rollout.parsers import (
+    FencedJsonParser,
+    HermesParser,
+    JsonParser,
+    ToolCallParser,
+    reasoning_markers,
+)
 from relax_agent.rollout.tool_parsers._common import split_reasoning
 from relax_agent.rollout.proxy.openai_api import Answer, ChatCompletionsApi, ChatRequest, RequestError
 from relax_agent.rollout.proxy.session import AgentSession
@@ -374,7 +380,7 @@ class ContentStreamer:
         self.stops = tuple(stops)
         self.openers = _openers(parser) if parse else ()
         self.strict_json = parse and isinstance(parser, JsonParser) and parser.strict
-        self.think: tuple[str, str] | None = getattr(parser, "THINK", None) if parse else None
+        self.think = reasoning_markers(parser) if parse else None
         self.sent = ""
 
     def safe(self, text: str) -> str:
