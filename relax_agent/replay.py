@@ -239,7 +239,9 @@ def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergen
     if is_media and (rec.get("media") or {}).get("digests") is None:
         return None, ("media episode whose record keeps no media digests (written before they were kept, or arrays "
                       "of a layout the record does not split)"), None
-    if is_media and getattr(renderer, "processor", None) is None:
+    from relax_agent.multimodal.render import MediaRenderer
+
+    if is_media and not isinstance(renderer, MediaRenderer):
         return None, "media episode replayed with a text renderer (the policy's config is not multimodal)", None
     if len(turns) < 2 and not is_media:
         return None, None, None

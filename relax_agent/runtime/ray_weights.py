@@ -61,9 +61,9 @@ class CoordinatorActor:
 
     def _require(self, method: str, given: Any, publisher: bool) -> None:
         """Raise WeightSyncError (and log it) unless ``given`` is a credential good for ``method``."""
-        secret = getattr(given, "publisher" if publisher else "subscriber", None)
         if isinstance(given, RunCredential) and same_secret(
-                self._credential.publisher if publisher else self._credential.subscriber, secret):
+                self._credential.publisher if publisher else self._credential.subscriber,
+                given.publisher if publisher else given.subscriber):
             return
         with self._lock:
             self.refused += 1

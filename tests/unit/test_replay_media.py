@@ -152,3 +152,12 @@ def test_a_dropped_prompt_image_and_other_pixels_are_found(records, policy):
     (rep,) = replay_records([rec], renderer, {0: model}.get, 1.0, 2e-3)
     assert (rep.divergence.check, rep.divergence.turn, rep.divergence.token) == (MEDIA, None, first)
     assert LOGPROBS not in rep.skipped or "media" in rep.skipped[LOGPROBS]
+
+
+def test_a_media_episode_replayed_with_a_text_renderer_is_skipped_with_the_reason(policy):
+    _, tok, _ = policy
+    rec = {"turns": [{}, {}], "media_kinds": ["image"], "media": {"digests": ["d0"]}}
+    text_renderer = ChatRenderer(tok)
+    divergence, reason, media = check_deltas_and_media(rec, text_renderer)
+    assert (divergence, media) == (None, None)
+    assert reason == "media episode replayed with a text renderer (the policy's config is not multimodal)"
