@@ -1,6 +1,6 @@
 """Base class for text/tool environments: a real ``gymnasium.Env`` over chat messages.
 
-Contract (docs/architecture.md): ``reset(seed, options={"task": task})`` returns the opening messages and
+Contract (docs/design/index.md): ``reset(seed, options={"task": task})`` returns the opening messages and
 ``info["tools"]`` (JSON schemas); ``step(action)`` takes one assistant message (``content``
 plus parsed ``tool_calls``) and returns ``(new_messages, reward, terminated, truncated, info)``.
 Tasks come from :meth:`TextEnv.tasks`; the trainer samples them and passes one per reset.

@@ -4,7 +4,7 @@ A run in progress is being appended to while it is read: a JSONL file's last lin
 written. :func:`read_jsonl` skips it (and counts it) instead of failing; a broken line anywhere
 else is skipped and counted too, so one bad line never hides the rest of a run.
 
-Files read (see README "The two commands"): ``summary.json``, ``metrics.jsonl``, ``sft.jsonl``,
+Files read (see docs/getting-started.md): ``summary.json``, ``metrics.jsonl``, ``sft.jsonl``,
 ``rollouts/step_NNNNNN.jsonl``, the token record ``rollouts/tokens/step_NNNNNN.jsonl.gz`` (token ids,
 loss mask, rollout log-probs, turns, messages; ``logging.token_record``), ``eval/*.samples.jsonl`` (and
 ``*.samples.jsonl`` at the top, as ``relax-agent eval`` writes without ``--output``), ``plots/curves.png``,

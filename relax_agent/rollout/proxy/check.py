@@ -208,7 +208,7 @@ def _rows(runs: list[Any]) -> list[CheckRow]:
         "Anthropic() reads ANTHROPIC_BASE_URL / ANTHROPIC_API_KEY)",
         ok=f"{requests} requests over {n} tasks")
     row("accepted", [f"{t.id}: {r[0]}" for t, _, _, r, *_ in runs if r],
-        "send only what the endpoint honours (the message names the field); see 'Bring your own agent' in the README")
+        "send only what the endpoint honours (the message names the field); see docs/guides/agents.md")
     row("tools sent", [f"{t.id}: request {i} offered {len(q.tools)} of the task's {len(t.tools)} tools"
                        for t, s, *_ in runs if t.tools for i, q in enumerate(s.seen) if len(q.tools) < len(t.tools)][:1],
         "pass tools=task['tools'] (from RELAX_TASK_FILE) in every request")

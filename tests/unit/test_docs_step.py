@@ -1,6 +1,6 @@
-"""README's "How a step works" names the function behind each step: every dotted name it cites
-(``Class.method``, ``module.function``) is defined in the package, so a rename that leaves the
-README behind fails here."""
+"""The docs page "How a step works" (``docs/concepts/step.md``) names the function behind each
+step: every dotted name it cites (``Class.method``, ``module.function``) is defined in the package,
+so a rename that leaves the page behind fails here."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def section(title: str) -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index(f"## {title}")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+PAGE = REPO / "docs" / "concepts" / "step.md"
 
 
 def definitions() -> tuple[dict[str, set[str]], set[str]]:
@@ -37,7 +33,7 @@ def test_every_function_the_step_walkthrough_names_exists():
     from relax_agent.config import RelaxConfig
 
     classes, functions = definitions()
-    cited = set(re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`", section("How a step works")))
+    cited = set(re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`", PAGE.read_text()))
     sections = set(RelaxConfig.model_fields)
     cited = {c for c in cited if c.split(".")[0] not in sections}  # config keys (trainer.loss, ...)
     assert len(cited) >= 15, cited  # the walkthrough names its functions
@@ -53,4 +49,4 @@ def test_every_function_the_step_walkthrough_names_exists():
             ok = name in functions or any(f.endswith("." + name) for f in functions)
         if not ok:
             missing.append(name)
-    assert missing == [], f"README 'How a step works' cites names the code does not define: {missing}"
+    assert missing == [], f"{PAGE.relative_to(REPO)} cites names the code does not define: {missing}"
