@@ -8,8 +8,8 @@ import relax_agent.reward_services as rs
 
 def test_public_names_are_pinned():
     assert sorted(rs.__all__) == sorted([
-        "API_VERSION", "CombinedReward", "Component", "ENV_REWARD_KEY", "EnvReward", "FakeReward", "HEALTH_PATH",
-        "LocalReward", "REWARD_PATH", "RetryPolicy", "RewardClient", "RewardComponentConfig", "RewardConfig",
+        "API_VERSION", "ChecksAtStart", "CombinedReward", "Component", "ENV_REWARD_KEY", "EnvReward", "FakeReward", "HEALTH_PATH",
+        "LocalReward", "REWARD_PATH", "ReportsHealth", "RetryPolicy", "RewardClient", "RewardComponentConfig", "RewardConfig",
         "RewardFunction", "RewardItem", "RewardRequest", "RewardResponse", "RewardResult", "RewardStatus",
         "build_reward", "check_reward", "create_app", "load_target", "reward_metrics", "rewards_and_mask",
     ])

@@ -18,8 +18,8 @@ from relax_agent.sandboxes.base import OutputCap, signal_exit_code
 
 def test_public_api_is_pinned():
     assert sorted(sandboxes.__all__) == [
-        "BaseSandbox", "ExecResult", "FakeBackend", "FakeSandbox", "PoolConfig", "PoolStats", "Sandbox",
-        "SandboxBackend", "SandboxConfig", "SandboxPool", "portal_loop", "reap", "run_sync", "shared_pool",
+        "BaseSandbox", "ExecResult", "FakeBackend", "FakeSandbox", "PoolConfig", "PoolStats", "ReportsState",
+        "Sandbox", "SandboxBackend", "SandboxConfig", "SandboxPool", "portal_loop", "reap", "run_sync", "shared_pool",
     ]
 
 
