@@ -34,9 +34,9 @@ import torch
 from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.moe import ROUTE_FLIP_FRAC
+from relax_agent.records import Trajectory, Turn
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.records import Trajectory, Turn
 from relax_agent.train.algorithms import (
     MISMATCH_ABS_DIFF_MAX,
     MISMATCH_ABS_DIFF_MEAN,

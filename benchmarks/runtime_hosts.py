@@ -30,7 +30,6 @@ import os
 import pickle
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -135,9 +134,8 @@ def autoscaled(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any
 
 def failover(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
     """Kill worker host 3 ``args.kills`` times while training (it joins again after each)."""
-    from tests.e2e.netns_cluster import NetnsCluster
-
     from relax_agent.runtime.ray_rollout import READY
+    from tests.e2e.netns_cluster import NetnsCluster
 
     cluster = NetnsCluster(prefix=PREFIX, subnet=SUBNET, hosts=3, num_cpus=1, worker_resources={"rollout_host": 2},
                            env={"PYTHONPATH": os.pathsep.join([str(REPO), str(BENCH)]), "OMP_NUM_THREADS": "1"},

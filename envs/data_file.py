@@ -73,7 +73,7 @@ def _make_task(rng: random.Random) -> dict[str, Any]:
             "question": question, "answer": _answer(kind, nums, k)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_tasks(split: str) -> list[dict[str, Any]]:
     """The deterministic task list of ``split`` (cached; do not mutate); splits are disjoint by file content.
 

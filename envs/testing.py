@@ -37,7 +37,8 @@ import math
 import os
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import gymnasium
 

@@ -23,8 +23,9 @@ import json
 import re
 import statistics
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
@@ -206,9 +207,9 @@ def bfcl_env_ids() -> dict[str, str]:
 
 def _env_kwargs(env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The subset of ``kwargs`` that ``env_id``'s constructor accepts (``category`` never)."""
-    import gymnasium
-
     import importlib
+
+    import gymnasium
 
     module, _, name = str(gymnasium.spec(env_id).entry_point).partition(":")
     params = inspect.signature(getattr(importlib.import_module(module), name)).parameters

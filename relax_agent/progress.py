@@ -63,7 +63,7 @@ class ConsoleReporter:
         self.steps = self.progress.add_task("steps", total=total_steps, completed=start_step)
         self.episodes = self.progress.add_task("episodes", total=1, visible=False)
 
-    def __enter__(self) -> "ConsoleReporter":
+    def __enter__(self) -> ConsoleReporter:
         self.progress.start()
         return self
 

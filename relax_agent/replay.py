@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from relax_agent.errors import ConfigError
 

@@ -29,8 +29,9 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import httpx
 
@@ -155,7 +156,7 @@ class RewardClient:
         self._pool: LoopBound[_LoopState] = LoopBound(self._open_state, _LoopState.aclose)
         self._counts = dict.fromkeys((REQUESTS, RETRIES, ITEMS_SENT, ITEMS_OK, ITEMS_ERROR, ITEMS_TIMEOUT, UNEXPECTED_RESULTS), 0)
 
-    def _open_state(self) -> "_LoopState":
+    def _open_state(self) -> _LoopState:
         http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
                                  limits=self._limits, transport=self._transport)
         batcher = (_MicroBatcher(self._send, self.max_batch_items, self._batch_wait_s, self._max_concurrency)
@@ -311,7 +312,7 @@ class _LoopState:
 
     http: httpx.AsyncClient
     sem: asyncio.Semaphore
-    batcher: "_MicroBatcher | None"
+    batcher: _MicroBatcher | None
 
     async def aclose(self) -> None:
         if self.batcher is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus
 

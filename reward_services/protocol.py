@@ -153,7 +153,7 @@ class RewardResult(BaseModel):
         return None if value is None else check_number(value, "reward")
 
     @model_validator(mode="after")
-    def _reward_matches_status(self) -> "RewardResult":
+    def _reward_matches_status(self) -> RewardResult:
         if self.status is RewardStatus.OK:
             if self.reward is None:
                 raise ValueError("reward must be a finite number when status is 'ok', got None")
@@ -167,7 +167,7 @@ class RewardResult(BaseModel):
         return self.status is RewardStatus.OK
 
     @classmethod
-    def failed(cls, id: str, status: RewardStatus, cause: str, **extra: Any) -> "RewardResult":
+    def failed(cls, id: str, status: RewardStatus, cause: str, **extra: Any) -> RewardResult:
         """An error/timeout result with ``extra["error"] = cause``."""
         assert status is not RewardStatus.OK
         return cls(id=id, reward=None, status=status, extra={ERROR_KEY: cause, **extra})

@@ -73,7 +73,7 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         """Start the process and wait until it is healthy.
 
         Raises:
@@ -109,7 +109,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -132,7 +132,7 @@ class ThreadServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:

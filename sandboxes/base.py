@@ -103,7 +103,7 @@ class Sandbox(Protocol):
     fails, times out or runs out of memory is *not* an error (see :class:`ExecResult`).
     """
 
-    config: "SandboxConfig"
+    config: SandboxConfig
     id: str
     workdir: str
 
@@ -133,7 +133,7 @@ class Sandbox(Protocol):
 class SandboxBackend(Protocol):
     """Makes sandboxes of one kind (holds shared runtime state such as a Docker client)."""
 
-    config: "SandboxConfig"
+    config: SandboxConfig
 
     async def create(self) -> Sandbox: ...
 
@@ -155,7 +155,7 @@ class PoolConfig(Section):
     """Episodes one sandbox serves before it is replaced."""
 
     @model_validator(mode="after")
-    def _check(self) -> "PoolConfig":
+    def _check(self) -> PoolConfig:
         if self.size > self.max_size:
             raise ValueError(f"pool.size={self.size} exceeds pool.max_size={self.max_size}")
         return self
@@ -217,7 +217,7 @@ class SandboxConfig(Section):
     pool: PoolConfig = Field(default_factory=PoolConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "SandboxConfig":
+    def _check(self) -> SandboxConfig:
         if self.backend == "subprocess" and not self.unsafe:
             raise ValueError(
                 "sandbox backend 'subprocess' runs commands on the host without isolation; "

@@ -77,7 +77,7 @@ class FakeBackend:
         self.fail_creates = fail_creates
         self.created: list[FakeSandbox] = []
 
-    async def create(self) -> "FakeSandbox":
+    async def create(self) -> FakeSandbox:
         """A new fake sandbox (after ``create_delay_s``; the first ``fail_creates`` calls raise).
 
         Raises:

@@ -30,8 +30,9 @@ judged first in its process.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
 

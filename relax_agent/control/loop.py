@@ -34,9 +34,10 @@ import concurrent.futures
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,14 +45,14 @@ from relax_agent import metrics as M
 from relax_agent import records as R
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
-from relax_agent.control.advantages import AdvantageConsumer, overlong_field_metrics
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
+from relax_agent.control.advantages import AdvantageConsumer, overlong_field_metrics
 from relax_agent.control.reporting import episode_metrics, write_rollout_dump, write_token_record
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.schedule import (
     DRAWN_GROUPS,
-    DS_CAP_REACHED,
     DROPPED_GROUPS,
+    DS_CAP_REACHED,
     FILTERED_GROUPS,
     LIVE_GROUPS,
     STALENESS_HIST,

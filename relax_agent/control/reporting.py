@@ -5,8 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import AbstractSet, Callable, Iterable, Mapping, Sequence
+from typing import AbstractSet
 
 import numpy as np
 

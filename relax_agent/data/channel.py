@@ -15,9 +15,10 @@ import os
 import pickle
 import tempfile
 import threading
+from collections.abc import Callable, Coroutine
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from relax_agent.errors import DataError
 

@@ -15,8 +15,9 @@ or says "not yet" (``None``), in which case ``get`` keeps waiting for more rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from relax_agent.errors import DataError
 

@@ -14,8 +14,9 @@ put of a field) and returns it with each row's length along the ragged dimension
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

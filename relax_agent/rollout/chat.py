@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from relax_agent.errors import ConfigError, EnvError
 from relax_agent.rollout.engines.base import default_stop_ids

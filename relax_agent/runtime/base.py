@@ -9,8 +9,9 @@ or Serve deployments elsewhere) implements both.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams

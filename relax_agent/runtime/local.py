@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from relax_agent.records import Trajectory, trajectory_fields
 from relax_agent.rollout.engines.base import SamplingParams
@@ -186,9 +187,8 @@ def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
     Weights go through ``weights.transport`` in async mode and through ``inproc`` in colocate
     mode (the engine shares the trainer's device and process).
     """
-    from relax_agent.weights import build_weight_sync
-
     from relax_agent.rollout.engines.base import route_layout_of
+    from relax_agent.weights import build_weight_sync
 
     routes = route_layout_of(roles.engine)
     rollout = LocalRolloutService(roles.runner, bus, PARTITION, routes)

@@ -33,9 +33,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import ray
 
@@ -55,7 +56,7 @@ def _run_only(method: Callable[..., Any]) -> Callable[..., Any]:
     the actor is named, so any process joined to the run's Ray could otherwise read the policy
     (``state_dict``), train it on its own rows or publish."""
 
-    def guarded(self: "TrainerActor", *args: Any, credential: Any = None, **kwargs: Any) -> Any:
+    def guarded(self: TrainerActor, *args: Any, credential: Any = None, **kwargs: Any) -> Any:
         if not same_secret(self.coordinator.credential.publisher, getattr(credential, "publisher", None)):
             log.warning("trainer actor: refused %s: the caller does not hold the run's publisher credential",
                         method.__name__)
@@ -437,7 +438,7 @@ class RayTrainerService:
         finally:
             self.supervisor.note_trainer_call(None)
 
-    def _hung(self, running_s: float, limit: float) -> "_TrainerHung":
+    def _hung(self, running_s: float, limit: float) -> _TrainerHung:
         """Say that the call in flight hangs (console, ``/status``), kill the actor; the error to recover from."""
         beat = self.supervisor.trainer_beat()
         age, info = beat if beat is not None and beat[1].get("pid") == self.pid else (None, {})

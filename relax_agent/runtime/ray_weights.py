@@ -143,7 +143,7 @@ class ActorCoordinator:
         self.handle = handle
         self.credential = credential
 
-    def for_subscribers(self) -> "ActorCoordinator":
+    def for_subscribers(self) -> ActorCoordinator:
         """This coordinator with a subscriber-only credential (for replicas and the driver)."""
         return ActorCoordinator(self.handle, self.credential.subscriber_only())
 

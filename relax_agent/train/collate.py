@@ -6,7 +6,8 @@ The trainer never sees a :class:`~relax_agent.records.Trajectory`: it reads the 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

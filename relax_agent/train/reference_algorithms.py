@@ -34,7 +34,6 @@ from typing import cast
 
 import torch
 
-
 # -- advantages ---------------------------------------------------------------------------------------
 
 def advantages(estimator: str, rewards: list[float], groups: list, valid: list[bool],

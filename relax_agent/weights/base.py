@@ -12,7 +12,8 @@ A version goes through three calls:
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 

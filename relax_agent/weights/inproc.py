@@ -9,7 +9,7 @@ train step changes them (``WeightSync.publish`` applies to every engine before i
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class VersionMeta:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "VersionMeta":
+    def from_json(cls, data: Mapping[str, Any]) -> VersionMeta:
         """The inverse of :meth:`to_json`.
 
         Raises:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -160,7 +160,7 @@ class CoordinatorService:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="weights-coordinator", daemon=True)
 
-    def start(self) -> "CoordinatorService":
+    def start(self) -> CoordinatorService:
         """Start serving; returns once the server accepts requests.
 
         Raises:

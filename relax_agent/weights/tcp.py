@@ -31,8 +31,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
 
 import torch
 

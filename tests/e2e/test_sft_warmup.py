@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demonstrations_are_the_prompt_an_episode_renders_plus_the_parsed_reference_reply(tiny_model_dir):
-    from relax_agent.models import load_tokenizer
     from relax_agent.config import ModelConfig
+    from relax_agent.models import load_tokenizer
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.demonstrations import demonstration_fields
     from relax_agent.rollout.parsers import build_parser

@@ -3,7 +3,6 @@ trainer): what reaches the trainer is the reference's advantages of the step's s
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from pathlib import Path

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
-import json
 
 import httpx
 import openai

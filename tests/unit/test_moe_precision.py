@@ -14,9 +14,9 @@ from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig, load_co
 from relax_agent.errors import ConfigError
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.moe import ROUTE_FLIP_FRAC
+from relax_agent.records import Trajectory, Turn
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.records import Trajectory, Turn
 from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MEAN, MISMATCH_K3_KL
 from relax_agent.train.backends.torch_backend import LOSS_SCALE, TorchTrainer
 from relax_agent.train.batch import collate

@@ -15,9 +15,9 @@ from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig, load_co
 from relax_agent.errors import ConfigError, DataError
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.moe import ROUTE_FLIP_FRAC, find_routers, replay_weights, route_dtype
+from relax_agent.records import Trajectory, Turn
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.records import Trajectory, Turn
 from relax_agent.train.algorithms import (
     MISMATCH_ABS_DIFF_MAX,
     MISMATCH_ABS_DIFF_MEAN,

@@ -18,11 +18,18 @@ from relax_agent.models import load_media_processor, load_policy, make_tiny_medi
 from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part
-from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.multimodal.record import split_items
+from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.records import MediaInputs
-from relax_agent.replay import (DELTA, LOGPROBS, MEDIA, check_deltas_and_media, check_logprobs, load_token_record,
-                                replay_records)
+from relax_agent.replay import (
+    DELTA,
+    LOGPROBS,
+    MEDIA,
+    check_deltas_and_media,
+    check_logprobs,
+    load_token_record,
+    replay_records,
+)
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams

@@ -17,12 +17,12 @@ from relax_agent import metrics as M
 from relax_agent.config import validate_config
 from relax_agent.control import build_controller
 from relax_agent.control.schedule import DROPPED_GROUPS, STALENESS_MAX, StalenessGate
+from relax_agent.records import Trajectory, Turn
 from relax_agent.roles import Roles
 from relax_agent.rollout.engines.fake import FakeEngine
-from relax_agent.train.backends.fake import FakeTrainer
 from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
-from relax_agent.records import Trajectory, Turn
 from relax_agent.sampler import TaskSampler
+from relax_agent.train.backends.fake import FakeTrainer
 
 PROMPT = [1, 3, 4]
 

@@ -14,8 +14,9 @@ predict them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from relax_agent.errors import EngineError
 from relax_agent.rollout.engines.base import Generation, SamplingParams

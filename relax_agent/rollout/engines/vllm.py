@@ -59,9 +59,10 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import httpx
 import numpy as np
@@ -478,7 +479,7 @@ class VLLMEngine:
         self._io.join(_STOP_JOIN_S)
         self._finalizer()
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

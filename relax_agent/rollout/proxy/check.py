@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from relax_agent.errors import RelaxError
 from relax_agent.rollout.chat import ChatRenderer

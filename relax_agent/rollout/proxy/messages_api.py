@@ -66,7 +66,7 @@ class MessagesApi:
                 "stop_reason": stop_reason(c), "stop_sequence": c.stop_string,
                 "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens}}
 
-    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "MessagesStreamWriter":
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> MessagesStreamWriter:
         return MessagesStreamWriter(model)
 
     def error(self, exc: RequestError) -> dict[str, Any]:

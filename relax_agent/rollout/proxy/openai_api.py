@@ -387,7 +387,7 @@ class ChatCompletionsApi:
     def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
         return answer.completion()
 
-    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "ChatStreamWriter":
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> ChatStreamWriter:
         return ChatStreamWriter(req, model)
 
     def error(self, exc: RequestError) -> dict[str, Any]:

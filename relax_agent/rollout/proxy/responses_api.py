@@ -76,7 +76,7 @@ class ResponsesApi:
         out = _Response(req, body, req.model or answer.model)
         return out.body(answer, output_items(answer))
 
-    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "ResponsesStreamWriter":
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> ResponsesStreamWriter:
         return ResponsesStreamWriter(_Response(req, body, model))
 
     def error(self, exc: RequestError) -> dict[str, Any]:

@@ -11,7 +11,14 @@ import re
 from typing import Any
 
 from relax_agent.rollout.parsers import ParsedAction
-from relax_agent.rollout.tool_parsers._common import call, only_space, split_reasoning, strip_end_tokens, typed_value, value_text
+from relax_agent.rollout.tool_parsers._common import (
+    call,
+    only_space,
+    split_reasoning,
+    strip_end_tokens,
+    typed_value,
+    value_text,
+)
 
 
 class Glm45Parser:

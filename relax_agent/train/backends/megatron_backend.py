@@ -280,7 +280,7 @@ class MegatronTrainer:
         """Stop the rank processes and remove the weights folder (idempotent)."""
         self._finalizer()
 
-    def __enter__(self) -> "MegatronTrainer":
+    def __enter__(self) -> MegatronTrainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

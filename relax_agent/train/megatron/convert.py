@@ -24,8 +24,9 @@ the vocabulary padding, so ``ranks_to_hf(hf_to_rank(sd, ...) for every rank) == 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F

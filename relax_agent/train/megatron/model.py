@@ -17,8 +17,9 @@ weights come from the router's scores at those experts, so the router still lear
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,7 +100,10 @@ def tag_sharded_weights(gpt: nn.Module) -> None:
     Column-parallel and vocab-parallel weights are split along dim 0, row-parallel along dim 1.
     """
     from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
     )
 
     for module in gpt.modules():
