@@ -93,7 +93,7 @@ def rollout(model: Any, tokenizer: Any, dtype: str, prompts: list[list[int]], ma
         gens = engine.generate_many(prompts, params)
         seconds = time.process_time() - start
     trajs = []
-    for i, (p, g) in enumerate(zip(prompts, gens)):
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         turn = Turn(len(p), g.token_ids, g.logprobs, g.policy_version, g.finish_reason, g.routed_experts)
         trajs.append(Trajectory(f"s{i}", f"g{i}", "t", (*p, *g.token_ids), (0,) * len(p) + (1,) * len(g.token_ids),
                                 (0.0,) * len(p) + g.logprobs, len(p), (turn,), 1.0))

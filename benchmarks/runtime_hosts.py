@@ -180,7 +180,7 @@ def failover(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
                 before = {r.name for r in pool.replicas}
                 cluster.kill_host(3)
                 t0 = time.monotonic()
-                wait(lambda: any(r.name not in before and r.state == READY for r in pool.replicas), "replacement")
+                wait(lambda before=before: any(r.name not in before and r.state == READY for r in pool.replicas), "replacement")
                 ready_s.append(time.monotonic() - t0)
                 print(f"kill {k + 1}: replacement ready {ready_s[-1]:.1f} s after host 3 died", flush=True)
                 if k + 1 < args.kills:

@@ -158,7 +158,7 @@ class DataFileEnv(PythonExecEnv):
         compute = _READ.format(name=task["file"]) + _KINDS[task["kind"]][1].format(k=task["k"])
         calls = [_call(0, LIST_CODE), _call(1, compute)]
         out: list[dict[str, Any]] = []
-        for call, result in zip(calls, (listing, str(task["answer"]))):
+        for call, result in zip(calls, (listing, str(task["answer"])), strict=True):
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             out.append({"role": "tool", "tool_call_id": call["id"], "name": TOOL_NAME, "content": result})
         out.append({"role": "assistant", "content": f"Answer: {task['answer']}"})

@@ -63,7 +63,7 @@ def _scene(seed: int, level: Level) -> tuple[list[tuple[str, str, int, int, int]
     r = level.size // 12
     cells = [(x, y) for x in range(r + 2, level.size - r - 2, 2 * r + 3) for y in range(r + 2, level.size - r - 2, 2 * r + 3)]
     spots = rng.sample(cells, len(shapes))
-    return [(s, c, x, y, r) for (s, c), (x, y) in zip(shapes, spots)], kind, target
+    return [(s, c, x, y, r) for (s, c), (x, y) in zip(shapes, spots, strict=True)], kind, target
 
 
 def draw(shapes: list[tuple[str, str, int, int, int]], size: int) -> Any:

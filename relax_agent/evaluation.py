@@ -78,12 +78,12 @@ def evaluate(runner: EpisodeRunner, tasks: Sequence[dict[str, Any]], seeds: Sequ
     records: list[dict[str, Any]] = []
     for seed in seeds:
         specs = runner.specs(tasks, 1, prefix=f"eval-s{seed}", seed=seed * 100_003)
-        trajs = run(lambda: runner.run(specs, params, on_done))
+        trajs = run(functools.partial(runner.run, specs, params, on_done))
         per_seed.append(summarize(trajs))
         if samples_path is not None:
             records += [sample_record(t, spec.task, seed, t.env_reason if t.env_reason is not None
                                       else replay_reason(runner, spec.task, spec.seed, t))
-                        for spec, t in zip(specs, trajs)]
+                        for spec, t in zip(specs, trajs, strict=True)]
     out: dict[str, Any] = {"eval/num_tasks": len(tasks), "eval/seeds": list(seeds)}
     for key in per_seed[0]:
         vals = [r[key] for r in per_seed]

@@ -34,6 +34,7 @@ media record written before media items were kept, a media part that cannot be p
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,8 +194,8 @@ def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Mess
     messages, turns = rec["messages"], rec["turns"]
     idx = [t.get("message") for t in turns]
     if idx and None not in idx and all(0 <= i < len(messages) and messages[i].get("role") == "assistant" for i in idx) \
-            and all(a < b for a, b in zip(idx, idx[1:])):
-        return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in zip(idx, idx[1:])],
+            and all(a < b for a, b in itertools.pairwise(idx)):
+        return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in itertools.pairwise(idx)],
                 [dict(messages[i]) for i in idx[:-1]])
     for skip in (True, False):  # the driver keeps special tokens in the text for parsers that read them
         replies = [decode(t["token_ids"], skip_special_tokens=skip) for t in turns]
@@ -310,7 +311,7 @@ def _compare_items(rec: dict[str, Any], items: Sequence[Any], starts: Sequence[i
     from relax_agent.multimodal.record import item_digest
 
     r = rec["media"]
-    for j, (item, at) in enumerate(zip(items, starts)):
+    for j, (item, at) in enumerate(zip(items, starts, strict=True)):
         want = _media_desc(item.kinds[0], item.num_tokens[0], item_digest(item))
         q = first + j
         got = _media_desc(r["kinds"][q], r["num_tokens"][q], r["digests"][q]) if q < len(r["kinds"]) else None

@@ -450,7 +450,7 @@ class _MicroBatcher:
         if not live:
             return
         results = await self._send([item for item, _ in live])
-        for (_, fut), result in zip(live, results):
+        for (_, fut), result in zip(live, results, strict=True):
             if not fut.done():
                 fut.set_result(result)
 

@@ -163,7 +163,7 @@ def _call_plan(fn: Callable[..., Any], name: str) -> tuple[bool, tuple[str, ...]
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 -- not a callable check: an object whose __call__ is async
 
 
 def to_result(item_id: str, value: Any) -> RewardResult:
@@ -302,7 +302,7 @@ class LocalReward:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             cause = f"batched reward {self.name} returned {got} for {len(items)} items"
             return [RewardResult.failed(i.id, RewardStatus.ERROR, cause) for i in items]
-        return [self._batch_value(item, value) for item, value in zip(items, values)]
+        return [self._batch_value(item, value) for item, value in zip(items, values, strict=True)]
 
     @staticmethod
     def _batch_value(item: RewardItem, value: Any) -> RewardResult:

@@ -421,7 +421,7 @@ class _Run:
         t_last = time.perf_counter()
         while ctrl.step < cfg.trainer.steps:
             groups, wait_s = await self._collect()
-            t_last = await self._in_trainer(lambda: self._step(groups, wait_s, t_last))
+            t_last = await self._in_trainer(functools.partial(self._step, groups, wait_s, t_last))
             if ctrl._due(cfg.checkpoint.every_steps):
                 await self._in_trainer(ctrl.save)
                 await self._in_trainer(self._release_kept)
@@ -564,7 +564,7 @@ class _Run:
         ctrl.sampler.load_state_dict(self.draws.state_dict())
         dropped, self.dropped = self.dropped, []
         filtered, self.filtered = self.filtered, []
-        rows = list(zip(trajs, versions)) + [(t, grp.version) for grp in dropped + filtered for t in grp.trajs]
+        rows = list(zip(trajs, versions, strict=True)) + [(t, grp.version) for grp in dropped + filtered for t in grp.trajs]
         write_rollout_dump(ctrl.out / "rollouts" / f"step_{ctrl.step:06d}.jsonl", rows, trained_at, kept,
                            {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode,
                            filtered={t.sample_id for grp in filtered for t in grp.trajs},
@@ -725,4 +725,4 @@ def _batch_normalized(groups: list[_Group]) -> tuple[dict[tuple[int, int], float
     total = float(n.sum())
     mean = float((n * pre).sum()) / max(total, 1.0)
     std = (float((n * (pre - mean) ** 2).sum()) / max(total - 1.0, 1.0)) ** 0.5
-    return dict(zip(keys, final.tolist())), {ADV_BATCH_MEAN: mean, ADV_BATCH_STD: std}
+    return dict(zip(keys, final.tolist(), strict=True)), {ADV_BATCH_MEAN: mean, ADV_BATCH_STD: std}

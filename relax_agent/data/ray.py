@@ -306,7 +306,7 @@ def _check_picklable(partition: str, sample_ids: list[str], fields: dict[str, An
         try:
             pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            for sid, value in zip(sample_ids, values):
+            for sid, value in zip(sample_ids, values, strict=True):
                 try:
                     pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception as exc:
@@ -503,7 +503,7 @@ def _unpack(partition: str, ids: list[str], pieces: dict[str, list[tuple[Any, in
                         f"({type(exc).__name__}: {exc}); {then} (put values whose classes "
                         "every process of the cluster can import)") from exc
     try:
-        resolved = dict(zip(refs, ray.get(refs)))
+        resolved = dict(zip(refs, ray.get(refs), strict=True))
     except _LOST as exc:
         raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
                         f"({type(exc).__name__}); {then}; clear the partition") from exc

@@ -217,7 +217,7 @@ def make_chunk(
         raise DataError(
             f"field {field!r} of sample {sample_ids[0]!r}: dtype {values.dtype.name} does not match the partition's {spec}"
         )
-    rows = [_convert_row(v, spec, field, sid) for v, sid in zip(values, sample_ids)]
+    rows = [_convert_row(v, spec, field, sid) for v, sid in zip(values, sample_ids, strict=True)]
     if spec.stacks:
         return Chunk(_readonly(np.stack(rows) if rows[0].ndim else np.asarray(rows, dtype=spec.dtype)), spec, [1] * n)
     return Chunk(rows, spec, [len(r) for r in rows])

@@ -256,7 +256,7 @@ class Store:
         chunks = {name: self._chunk(part, name, values, ids) for name, values in fields.items()}
         if not overwrite:
             for name in chunks:
-                for sid, is_new in zip(ids, new):
+                for sid, is_new in zip(ids, new, strict=True):
                     if not is_new and name in part.rows[sid].values:
                         raise DataError(f"partition {partition!r}: field {name!r} of sample {sid!r} is already "
                                         "written (pass overwrite=True to replace it)")
@@ -293,7 +293,7 @@ class Store:
         policy version: a surplus row could never be handed out by the group sampler, and a group
         of mixed versions has no single version to train on."""
         live = {gid: part.groups[gid] for gid in group_ids if gid in part.groups}
-        for gid, version in zip(group_ids, versions):
+        for gid, version in zip(group_ids, versions, strict=True):
             have, count = live.get(gid, (version, 0))
             if have != version:
                 raise DataError(f"partition {part.name!r}: group {gid!r} holds rows of policy version {have}; "
@@ -319,7 +319,7 @@ class Store:
         assert part.capacity_rows - len(part.rows) >= plan.new_rows
         for name, (_, spec, _) in plan.chunks.items():
             part.schema.setdefault(name, spec)
-        for i, (sid, is_new) in enumerate(zip(plan.sample_ids, plan.new)):
+        for i, (sid, is_new) in enumerate(zip(plan.sample_ids, plan.new, strict=True)):
             if is_new:
                 assert plan.group_ids is not None and plan.versions is not None  # _check_ids requires both for new rows
                 row = _Row(len(part.order), str(plan.group_ids[i]), int(plan.versions[i]))
@@ -418,7 +418,7 @@ class Store:
             raise DataError(f"read from partition {partition!r}: {len(gone)} of {len(ids)} rows are not live "
                             f"({len(retired)} retired, {len(gone) - len(retired)} never put), e.g. {gone[:3]}")
         rows = [part.rows[sid] for sid in ids]
-        lacking = {name: [sid for sid, row in zip(ids, rows) if name not in row.values] for name in fields}
+        lacking = {name: [sid for sid, row in zip(ids, rows, strict=True) if name not in row.values] for name in fields}
         lacking = {name: bad for name, bad in lacking.items() if bad}
         if lacking:
             name, bad = next(iter(lacking.items()))
@@ -611,7 +611,7 @@ def _check_ref(partition: str, name: str, ref: RefField, ids: list[str],
                         f"match the partition's {spec}")
     if not spec.numeric:
         return spec, [1] * len(ids)
-    for sid, shape in zip(ids, ref.row_shapes):
+    for sid, shape in zip(ids, ref.row_shapes, strict=True):
         if not spec.row_shape_ok(tuple(shape)):
             raise DataError(f"partition {partition!r}: field {name!r} of sample {sid!r}: shape {list(shape)} does "
                             f"not match the partition's {spec}")

@@ -46,7 +46,7 @@ class MediaTrainBatch(TrainBatch):
     def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list[MediaTrainBatch]:
         """:meth:`TrainBatch.split` keeping each micro-batch's rows' media."""
         out: list[MediaTrainBatch] = []
-        for rows, micro in zip(self.micro_slices(micro_batch_size, max_tokens), super().split(micro_batch_size, max_tokens)):
+        for rows, micro in zip(self.micro_slices(micro_batch_size, max_tokens), super().split(micro_batch_size, max_tokens), strict=True):
             parts = {f.name: getattr(micro, f.name) for f in fields(TrainBatch)}
             out.append(MediaTrainBatch(**parts, media=self.media[rows]))
         return out

@@ -168,7 +168,7 @@ class MediaEngine:
         n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
         tokens = tokens[:n]
         logprobs = [float(torch.log_softmax(step[0].float() / params.temperature, -1)[t])
-                    for step, t in zip(out.logits, tokens)]
+                    for step, t in zip(out.logits, tokens, strict=False)]  # tokens: cut at the stop token
         self.stats.sequences += 1
         self.stats.new_tokens += len(tokens)
         self.stats.media_items += 0 if media is None else len(media)

@@ -330,7 +330,7 @@ def check_media_inputs(media: MediaInputs, family: MediaFamily, where: str = "me
     seen = {"image": 0, "video": 0, "audio": 0}
     grids = {"image": media.arrays.get("image_grid_thw"), "video": media.arrays.get("video_grid_thw")}
     rows = {"image": 0, "video": 0}
-    for i, (kind, n) in enumerate(zip(media.kinds, media.num_tokens)):
+    for i, (kind, n) in enumerate(zip(media.kinds, media.num_tokens, strict=True)):
         j = seen[kind]
         seen[kind] += 1
         if kind == "audio":
@@ -365,7 +365,7 @@ def check_placeholders(token_ids: Any, media: MediaInputs | None, family: MediaF
     expect = {k: 0 for k in family.token_ids}
     if media is not None:
         check_media_inputs(media, family, where)
-        for kind, n in zip(media.kinds, media.num_tokens):
+        for kind, n in zip(media.kinds, media.num_tokens, strict=True):
             expect[kind] = expect.get(kind, 0) + n
     for kind, n in counts.items():
         if n != expect.get(kind, 0):

@@ -45,7 +45,7 @@ def split_items(media: MediaInputs) -> list[MediaInputs]:
     seen = {"image": 0, "video": 0, "audio": 0}
     patch = {"image": 0, "video": 0}
     out = []
-    for kind, n in zip(media.kinds, media.num_tokens):
+    for kind, n in zip(media.kinds, media.num_tokens, strict=True):
         j = seen[kind]
         seen[kind] += 1
         arrays: dict[str, np.ndarray] = {}
@@ -83,7 +83,7 @@ def item_starts(token_ids: Sequence[int], kinds: Sequence[str], num_tokens: Sequ
             positions.setdefault(kind, []).append(i)
     used = {k: 0 for k in positions}
     out = []
-    for kind, n in zip(kinds, num_tokens):
+    for kind, n in zip(kinds, num_tokens, strict=True):
         at = used.get(kind, 0)
         if at + n > len(positions.get(kind, ())):
             return None

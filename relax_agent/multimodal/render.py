@@ -165,7 +165,7 @@ class MediaRenderer:
         if not parts:
             return ids, None
         queues: dict[str, list[tuple[MediaInputs, Any]]] = {}
-        for item, part in zip(items, parts):
+        for item, part in zip(items, parts, strict=True):
             queues.setdefault(item.kinds[0], []).append((item, part))
         f = self.family
         out: list[int] = []

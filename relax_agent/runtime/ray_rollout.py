@@ -395,7 +395,7 @@ class RayRolloutService:
         async def one(indices: list[int]) -> None:
             chunk = [specs[i] for i in indices]
             trajs = await self._on_replica(lambda rep, _: rep.handle.run.remote(chunk, params), "evaluation")
-            for i, traj in zip(indices, trajs):
+            for i, traj in zip(indices, trajs, strict=True):
                 out[i] = traj
                 if on_done is not None:
                     on_done(traj)

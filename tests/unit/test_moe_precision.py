@@ -57,7 +57,7 @@ def rollout_batch(model_dir, dtype: str):
     with HFEngine(model, tok, EngineConfig(max_batch_size=4), record_routes=True) as engine:
         gens = engine.generate_many(prompts, [SamplingParams(max_new_tokens=24, seed=s) for s in range(3)])
     trajs = []
-    for i, (p, g) in enumerate(zip(prompts, gens)):
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         assert all(math.isfinite(lp) for lp in g.logprobs) and g.routed_experts.dtype == np.uint8
         turn = Turn(len(p), g.token_ids, g.logprobs, 0, g.finish_reason, g.routed_experts)
         trajs.append(Trajectory(f"s{i}", "g", "t", (*p, *g.token_ids), (0,) * len(p) + (1,) * len(g.token_ids),

@@ -101,7 +101,7 @@ def test_the_record_keeps_each_media_item_where_it_sits(records, policy):
     for rec in records:
         m = rec["media"]
         assert m["kinds"] == ["image"] * 3 and len(set(m["digests"])) == 3
-        for start, n in zip(m["starts"], m["num_tokens"]):
+        for start, n in zip(m["starts"], m["num_tokens"], strict=True):
             assert n == 4 and rec["token_ids"][start - 1:start + n + 1] == \
                 [renderer.family.vision_start_id, *[pad] * n, renderer.family.vision_end_id]
         assert rec["messages"][-1]["content"][1]["image"].startswith("data:image/png;base64,")  # an array, kept as PNG

@@ -157,7 +157,7 @@ def test_async_s0_draws_the_same_tasks_and_versions_as_colocate(tmp_path):
     assert async_ctrl.sampler.state_dict() == colo.sampler.state_dict()
     a, c = async_ctrl.runtime.trainer.trainer.batches, colo.runtime.trainer.trainer.batches
     assert len(a) == len(c) == 3
-    assert all(torch.equal(x.advantages, y.advantages) and torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
+    assert all(torch.equal(x.advantages, y.advantages) and torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c, strict=True))
 
 
 def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):

@@ -97,7 +97,7 @@ class FakeEngine:
                       params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         """Blocking variant: one generation per prompt, in order."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        return [self._finish(self._next_reply(list(p), sp), sp) for p, sp in zip(prompts, per_prompt)]
+        return [self._finish(self._next_reply(list(p), sp), sp) for p, sp in zip(prompts, per_prompt, strict=True)]
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         self.loaded.append((version, state_dict))

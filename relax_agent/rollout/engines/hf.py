@@ -236,7 +236,7 @@ class HFEngine:
         if len(per_prompt) != len(prompts):
             raise ConfigError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} SamplingParams")
         futures = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p in zip(prompts, per_prompt, strict=True):
             fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
             futures.append(fut)
             self._submit(list(prompt), p, functools.partial(_resolve, fut))
@@ -551,7 +551,7 @@ class HFEngine:
                  routes: Any = None) -> list[int]:
         """Append each row's token; deliver rows that finished; return indices of rows still going."""
         keep = []
-        for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs)):
+        for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs, strict=True)):
             req.token_ids.append(tok)
             req.logprobs.append(lp)
             if req.on_token is not None:
@@ -866,7 +866,7 @@ def _assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
         buffers = []
         for side in (0, 1):
             buf = ref.new_empty((len(rows_kv), ref.shape[0], width + _SPARE_COLUMNS, ref.shape[2]))
-            for j, (row, n) in enumerate(zip(rows_kv, lengths)):
+            for j, (row, n) in enumerate(zip(rows_kv, lengths, strict=True)):
                 buf[j, :, :width - n].zero_()
                 buf[j, :, width - n:width] = row[layer][side]
             buffers.append(buf)

@@ -373,7 +373,7 @@ class VLLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ConfigError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        bodies = [self._request_body(list(p), sp) for p, sp in zip(prompts, per_prompt)]
+        bodies = [self._request_body(list(p), sp) for p, sp in zip(prompts, per_prompt, strict=True)]
         futures = [self._submit(self._post_generate(b)) for b in bodies]
         return [f.result() for f in futures]
 

@@ -236,7 +236,7 @@ def _rows(runs: list[Any]) -> list[CheckRow]:
         "replies the agent does not build on are recorded but never trained; avoid side calls, or write the "
         "answer to RELAX_OUTPUT_FILE", warn=True)
     finals = []
-    for t, s, e, _, reward, score_error in runs:
+    for t, s, e, _, _reward, score_error in runs:
         final = s.final_reply()
         if e is None and s.seen and (final is None or final.content != FINAL_ANSWER):
             finals.append(f"{t.id}: the trained chain ends at {final.content[:60]!r}, not at the final answer"

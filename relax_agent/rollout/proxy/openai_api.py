@@ -300,7 +300,7 @@ class Choice:
     def logprobs_body(self) -> dict[str, Any]:
         raw = self.token_bytes or tuple(t.encode() for t in self.tokens)
         return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
-                            for t, lp, b in zip(self.tokens, self.logprobs, raw)], "refusal": None}
+                            for t, lp, b in zip(self.tokens, self.logprobs, raw, strict=True)], "refusal": None}
 
 
 @dataclass(frozen=True)

@@ -833,7 +833,7 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 _BYTE_DECODER = _byte_decoder()
@@ -844,7 +844,7 @@ def token_bytes(tokenizer: Any, ids: Sequence[int]) -> tuple[bytes, ...]:
     decoded text cannot show): byte-level BPE pieces mapped back through GPT-2's byte alphabet,
     SentencePiece byte pieces (``<0xE2>``) as that byte, other pieces as their decoded text's UTF-8."""
     out = []
-    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids)), strict=True):
         if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             try:
                 out.append(bytes([int(piece[3:5], 16)]))

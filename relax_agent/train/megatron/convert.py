@@ -388,7 +388,7 @@ def ranks_to_hf(ranks: Iterable[tuple[Parallel, Mapping[str, torch.Tensor]]], sp
         elif rule == COL:
             out[hf] = torch.cat(pieces, dim=1)
         elif rule == QKV:
-            for h, x in zip(hf, _qkv_split(spec, torch.cat(pieces))):
+            for h, x in zip(hf, _qkv_split(spec, torch.cat(pieces)), strict=True):
                 out[h] = x
         else:
             assert rule == GATE_UP, rule

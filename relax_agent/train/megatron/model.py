@@ -47,7 +47,7 @@ class RMSNorm(nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))  # Megatron's parameter tag
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))  # noqa: B010 -- Megatron's parameter tag, an attribute torch's Parameter type does not declare
 
 
 class QKNorm(nn.RMSNorm):
@@ -56,7 +56,7 @@ class QKNorm(nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "tp_partial_grad", True)
+        setattr(self.weight, "tp_partial_grad", True)  # noqa: B010 -- our tag, an attribute torch's Parameter type does not declare
 
 
 def build_gpt_model(spec: ModelSpec, tp: int, ep: int, sequence_parallel: bool, routing_replay: bool) -> nn.Module:
