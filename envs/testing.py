@@ -307,6 +307,8 @@ class EnvContract:
         raise NotImplementedError
 
     def test_contract(self, env_contract_check: str) -> None:
+        """Run one contract check (parametrized by the ``env_contract_check`` fixture) on :meth:`make_env`;
+        skipped when the check is in ``skip_checks``."""
         if env_contract_check in self.skip_checks:
             import pytest
 

@@ -58,10 +58,14 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
 class EpisodeRunner(Protocol):
     """What :func:`evaluate` plays episodes with: a :class:`RolloutRunner` or a runtime's rollout service."""
 
-    def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[Any]: ...
+    def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[Any]:
+        """One :class:`EpisodeSpec` per task and group member; ids start with ``prefix``, seeds derive
+        from ``seed``."""
 
     async def run(self, specs: Sequence[Any], params: SamplingParams,
-                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]: ...
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Play ``specs`` with ``params``; returns their trajectories in the order of ``specs`` (``on_done``
+        is called as each one finishes)."""
 
 
 def evaluate(runner: EpisodeRunner, tasks: Sequence[dict[str, Any]], seeds: Sequence[int],

@@ -69,6 +69,7 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer (idempotent)."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -252,10 +252,12 @@ class Trajectory:
 
     @property
     def num_policy_tokens(self) -> int:
+        """Tokens the policy sampled (the ones ``loss_mask`` marks)."""
         return sum(self.loss_mask)
 
     @property
     def policy_versions(self) -> tuple[int, ...]:
+        """The policy version of each turn, in order."""
         return tuple(t.policy_version for t in self.turns)
 
     @property

@@ -68,6 +68,8 @@ class Divergence:
     recorded: Any
 
     def describe(self, decode: Callable[[Sequence[int]], str] | None = None) -> str:
+        """One line naming the check, the turn and token, and the expected vs recorded value (with
+        ``decode``, token ids of the token checks also as text)."""
         where = f"turn {self.turn}, token {self.token}" if self.turn is not None else f"token {self.token}"
         exp, rec = self.expected, self.recorded
         if decode is not None and self.check in (TURN_TOKENS, DELTA):
@@ -89,6 +91,7 @@ class EpisodeReport:
 
 
 def token_record_path(run_dir: str | Path, step: int) -> Path:
+    """The token record of ``step``: ``<run_dir>/rollouts/tokens/step_<step:06d>.jsonl.gz``."""
     return Path(run_dir) / "rollouts" / "tokens" / f"step_{step:06d}.jsonl.gz"
 
 

@@ -342,6 +342,12 @@ class LoopBound(Generic[T]):
         self._guard: AsyncIterator[None] | None = None
 
     async def get(self) -> T:
+        """The resource of the running event loop, made on first use in that loop (and closed when it shuts
+        down).
+
+        Raises:
+            RewardServiceError: the resource belongs to another event loop that is still open.
+        """
         loop = asyncio.get_running_loop()
         if self._value is not None and loop is self._loop:
             return self._value

@@ -53,6 +53,8 @@ class CombinedReward:
         self.components = list(components)
 
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """Score ``items`` with every component concurrently; per item, the weighted sum of the
+        components' rewards (an error when a component failed for it, see :meth:`_combine`)."""
         per_component = await asyncio.gather(*(c.reward.score(items) for c in self.components))
         for c, results in zip(self.components, per_component, strict=True):
             assert [r.id for r in results] == [i.id for i in items], f"component {c.name} broke result order"
@@ -86,6 +88,7 @@ class CombinedReward:
         await asyncio.gather(*(check_reward(c.reward) for c in self.components))
 
     async def aclose(self) -> None:
+        """Close each distinct component reward function once."""
         seen: set[int] = set()
         for c in self.components:
             if id(c.reward) not in seen:

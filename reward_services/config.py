@@ -118,6 +118,7 @@ class RewardComponentConfig(Section):
         return self.source
 
     def retry_policy(self) -> RetryPolicy:
+        """The component's retry settings as a :class:`RetryPolicy`."""
         return RetryPolicy(max_attempts=self.max_attempts, backoff_initial_s=self.backoff_initial_s,
                            backoff_max_s=self.backoff_max_s, max_elapsed_s=self.retry_max_elapsed_s)
 

@@ -215,9 +215,15 @@ class RewardFunction(Protocol):
     every later call fail too (a refused token: :class:`~relax_agent.errors.AuthError`).
     """
 
-    async def score(self, items: list[RewardItem]) -> list[RewardResult]: ...
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """One result per item, in item order (a failure of one item is its result, not an exception).
 
-    async def aclose(self) -> None: ...
+        Raises:
+            AuthError: the service refused the token (every later call would fail too).
+        """
+
+    async def aclose(self) -> None:
+        """Release connections and workers; the function is not used after."""
 
 
 def rewards_and_mask(results: list[RewardResult]) -> tuple[list[float], list[bool]]:

@@ -130,6 +130,8 @@ class BodyLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Pass non-HTTP scopes through; refuse an HTTP request with 413 when its declared length, or
+        the body it streams, exceeds ``max_bytes``."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

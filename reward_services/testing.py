@@ -71,6 +71,7 @@ class ServiceProcess:
 
     @property
     def url(self) -> str:
+        """``http://127.0.0.1:<port>`` of the service."""
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServiceProcess:
@@ -130,6 +131,7 @@ class ThreadServer:
 
     @property
     def url(self) -> str:
+        """``http://127.0.0.1:<port>`` of the server."""
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> ThreadServer:

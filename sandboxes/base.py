@@ -108,14 +108,31 @@ class Sandbox(Protocol):
     workdir: str
 
     async def exec(self, cmd: Command, timeout_s: float | None = None, stdin: bytes | str | None = None,
-                   env: Mapping[str, str] | None = None, cwd: str | None = None) -> ExecResult: ...
+                   env: Mapping[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        """Run ``cmd`` (a shell string or an argv list) in the sandbox (see :meth:`BaseSandbox.exec`).
+
+        Raises:
+            SandboxError: the sandbox is closed or broken, or an argument is invalid.
+        """
 
     async def run_python(self, code: str, timeout_s: float | None = None,
-                         stdin: bytes | str | None = None) -> ExecResult: ...
+                         stdin: bytes | str | None = None) -> ExecResult:
+        """Run Python source ``code`` with ``config.python`` in the work directory."""
 
-    async def write_file(self, path: str, data: bytes | str) -> None: ...
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        """Write ``data`` to ``path`` (relative to ``workdir``), creating parent folders.
 
-    async def read_file(self, path: str) -> bytes: ...
+        Raises:
+            SandboxError: the file could not be written.
+        """
+
+    async def read_file(self, path: str) -> bytes:
+        """The bytes of ``path`` (relative to ``workdir``).
+
+        Raises:
+            SandboxError: the file is missing, not a regular file, unreadable, or over
+                ``config.max_file_bytes``.
+        """
 
     async def reset(self) -> None:
         """Kill every process the sandbox's commands started and empty the work directory and /tmp.
@@ -125,9 +142,11 @@ class Sandbox(Protocol):
         """
         raise NotImplementedError
 
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """True when the sandbox answers a trivial command in time."""
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release everything the sandbox holds (idempotent)."""
 
 
 class SandboxBackend(Protocol):
@@ -135,7 +154,12 @@ class SandboxBackend(Protocol):
 
     config: SandboxConfig
 
-    async def create(self) -> Sandbox: ...
+    async def create(self) -> Sandbox:
+        """Start one sandbox and return it.
+
+        Raises:
+            SandboxError: the sandbox could not be started.
+        """
 
 
 class PoolConfig(Section):

@@ -64,6 +64,7 @@ class SubprocessSandbox(BaseSandbox):
         reaper.install_sigterm_handler()
 
     def base_env(self) -> dict[str, str]:
+        """The base environment with ``TMPDIR`` set to the work directory (temporary files stay in it)."""
         return {**super().base_env(), "TMPDIR": self.workdir}
 
     def _remove_dir(self) -> None:

@@ -59,10 +59,12 @@ class TaskVerdict:
 
     @property
     def judged(self) -> int:
+        """Turns that got a verdict (None marks a turn not judged)."""
         return sum(v is not None for v in self.turns)
 
     @property
     def turns_correct(self) -> int:
+        """Turns judged correct."""
         return sum(v is not None and v.correct for v in self.turns)
 
     @property

@@ -161,6 +161,7 @@ class Controller:
 
     # -- the run ----------------------------------------------------------------------------
     def params(self, temperature: float | None = None) -> SamplingParams:
+        """Sampling parameters of ``rollout`` (``temperature`` overrides the configured one when given)."""
         r = self.cfg.rollout
         return SamplingParams(r.max_new_tokens, temperature or r.temperature, r.top_p)
 
@@ -284,6 +285,7 @@ class Controller:
         return result
 
     def plot(self) -> Path:
+        """Draw the run's curves from ``metrics.jsonl`` to ``plots/curves.png``; returns that path."""
         return M.plot_curves(self.logger.path, self.out / "plots" / "curves.png")
 
     def _report(self, event: str, data: dict[str, Any]) -> None:

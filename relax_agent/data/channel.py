@@ -80,6 +80,7 @@ class ChannelServer:
                     return
 
     def close(self) -> None:
+        """Stop accepting connections and remove the socket and its folder."""
         self._listener.close()  # also removes the socket file
         try:
             os.rmdir(self._dir)

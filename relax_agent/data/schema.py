@@ -64,6 +64,7 @@ class FieldSpec:
 
     @property
     def numeric(self) -> bool:
+        """Whether the field is stored as a numpy array (any dtype but ``object``)."""
         return self.dtype != OBJECT
 
     @property
@@ -72,6 +73,7 @@ class FieldSpec:
         return self.numeric and not self.ragged
 
     def row_shape_ok(self, shape: tuple[int, ...]) -> bool:
+        """Whether one row's array ``shape`` fits: ``shape`` itself, or ``[n, *shape]`` for a ragged field."""
         if self.ragged:
             return len(shape) == len(self.shape) + 1 and shape[1:] == self.shape
         return shape == self.shape

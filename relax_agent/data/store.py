@@ -220,6 +220,7 @@ class Store:
         self._partitions[partition] = fresh
 
     def free_rows(self, partition: str) -> int:
+        """Rows ``partition`` can still take before it reaches ``capacity_rows``."""
         part = self._partition(partition)
         return part.capacity_rows - len(part.rows)
 
@@ -335,6 +336,11 @@ class Store:
     # -- get ----------------------------------------------------------------------------------
 
     def check_fields(self, partition: str, fields: Sequence[str]) -> None:
+        """Check the ``fields`` a get asks of ``partition``.
+
+        Raises:
+            DataError: no field is named, or (fixed schema) a field is not in the schema.
+        """
         part = self._partition(partition)
         if not fields:
             raise DataError(f"partition {partition!r}: get needs at least one field")
@@ -480,6 +486,7 @@ class Store:
         return len(expired)
 
     def next_deadline(self) -> float | None:
+        """The earliest lease deadline (``time.monotonic()`` seconds), or None without a lease."""
         return min((lease.deadline for lease in self._leases.values()), default=None)
 
     def _finished_state(self, lease_id: str) -> tuple[str, Lease]:

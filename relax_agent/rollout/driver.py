@@ -93,6 +93,7 @@ class Deadline:
 
     @property
     def remaining_s(self) -> float:
+        """Seconds left until the deadline (negative once it has passed)."""
         return self.at - time.monotonic()
 
     async def call(self, awaitable: Awaitable[T], what: str, limit_s: float | None = None,

@@ -105,7 +105,8 @@ class RolloutService(Protocol):
         under Ray, replicas, restarts and heartbeats), merged into each step's row."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the engine(s) and anything else the service started."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ class TrainerService(Protocol):
         """Write the policy (weights and tokenizer) to folder ``path``."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the trainer (and its process, under Ray)."""
 
 
 @dataclass

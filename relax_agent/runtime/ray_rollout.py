@@ -225,6 +225,7 @@ class ReplicaPool:
         """(time, event, replica name, detail): started, ready, failed, removed."""
 
     def log(self, event: str, rep: Replica, detail: str = "") -> None:
+        """Record ``event`` (``detail``: free text) about replica ``rep`` with the wall-clock time."""
         with self.lock:
             self.events.append((time.time(), event, rep.name, detail))
 
@@ -234,6 +235,7 @@ class ReplicaPool:
             return [r for r in self.replicas if r.state in (STARTING, READY)]
 
     def in_state(self, *states: str) -> list[Replica]:
+        """The replicas now in one of ``states``."""
         with self.lock:
             return [r for r in self.replicas if r.state in states]
 
@@ -250,6 +252,7 @@ class ReplicaPool:
             return rep
 
     def release(self, rep: Replica, done: bool) -> None:
+        """End one call on ``rep``: one fewer in flight, one more group done when ``done``."""
         with self.lock:
             rep.in_flight -= 1
             rep.groups_done += int(done)
@@ -348,6 +351,8 @@ class RayRolloutService:
         return await asyncio.to_thread(self.supervisor.dead_role)
 
     async def play_group(self, job: GroupJob, params: SamplingParams) -> GroupDone:
+        """Play ``job`` on a replica (another one if the replica dies; see :meth:`_on_replica`) and
+        record each replica's first group (the version it played and the latest one then)."""
         first: dict[str, Any] = {}
 
         def call(rep: Replica, attempt: int) -> Any:
@@ -363,6 +368,7 @@ class RayRolloutService:
         return done
 
     def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
+        """Episode specs of ``tasks`` as the replicas' runners make them (evaluation plays these)."""
         return self._specs(tasks, group_size, prefix=prefix, seed=seed)
 
     def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:

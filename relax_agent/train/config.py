@@ -74,6 +74,7 @@ class LoraConfig(Section):
 
     @property
     def enabled(self) -> bool:
+        """Whether LoRA is on (``rank > 0``)."""
         return self.rank > 0
 
 

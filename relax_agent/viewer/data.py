@@ -270,6 +270,7 @@ class RunReader:
 
     @property
     def curves_png(self) -> Path:
+        """Where the run's curves are drawn: ``plots/curves.png`` in the run folder."""
         return self.dir / "plots" / "curves.png"
 
     def step_files(self) -> dict[int, Path]:

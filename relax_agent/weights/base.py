@@ -40,7 +40,8 @@ class Sender(Protocol):
         """``version`` was refused: serve the version staged before it again (pull transports)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the transport's buffers, sockets and process group."""
 
 
 class Receiver(Protocol):
@@ -56,4 +57,5 @@ class Receiver(Protocol):
         (a collective transport still takes part in the broadcast)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the transport's buffers, sockets and process group."""

@@ -42,9 +42,11 @@ class TensorEngine:
 
     @property
     def policy_version(self) -> int:
+        """The version of the last applied update (0 before any)."""
         return self._version
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor the engine holds."""
         return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
@@ -89,4 +91,5 @@ class TensorEngine:
             return self._version, {k: v.clone() for k, v in self.tensors.items()}
 
     def close(self) -> None:
+        """Nothing to release."""
         pass

@@ -105,6 +105,7 @@ class VersionMeta:
 
     @property
     def num_buckets(self) -> int:
+        """Buckets the flat byte buffer is sent in: ``ceil(total_bytes / bucket_bytes)``."""
         return -(-self.total_bytes // self.bucket_bytes)
 
     def bucket(self, index: int) -> tuple[int, int]:
@@ -117,6 +118,7 @@ class VersionMeta:
         return {t.name: (t.shape, to_dtype(t.dtype)) for t in self.tensors}
 
     def to_json(self) -> dict[str, Any]:
+        """The metadata as a JSON-ready dict (:meth:`from_json` reads it back)."""
         return asdict(self)
 
     @classmethod

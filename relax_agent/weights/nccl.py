@@ -94,9 +94,12 @@ class NcclSender:
 
     @property
     def address(self) -> str:
+        """``host:nccl_init_port``: where receivers join the process group."""
         return f"{self._cfg.host}:{self._cfg.nccl_init_port}"
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
+        """Copy ``state_dict`` into the flat device buffer (reused while the size stays) as ``version``;
+        returns its metadata."""
         tensors, total = plan_layout(state_dict)
         if self._buffer is None or self._buffer.numel() != total:
             self._buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
@@ -114,6 +117,7 @@ class NcclSender:
         """Nothing to withdraw: a broadcast version is not kept for later receivers."""
 
     def close(self) -> None:
+        """Drop the process group and the buffer."""
         self._group = None
         self._buffer = None
 
@@ -140,6 +144,8 @@ class NcclReceiver:
         return self._buffer
 
     def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
+        """Join the broadcast of ``meta.version``; returns views of the received buffer (valid until the
+        next call) and stats."""
         start = time.perf_counter()
         buffer = self._join(meta)
         stats = {"receive_s": time.perf_counter() - start, "bytes": float(meta.total_bytes), "resumes": 0.0}
@@ -150,5 +156,6 @@ class NcclReceiver:
         self._join(meta)
 
     def close(self) -> None:
+        """Drop the process group and the buffer."""
         self._group = None
         self._buffer = None

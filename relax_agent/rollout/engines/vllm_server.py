@@ -399,6 +399,7 @@ class RouteCapture:
                    f"which vllm {self.version} does not have ({exc}); use engine.kind=hf for routing replay")
 
     def start_step(self) -> None:
+        """Forget the routes of the previous forward pass (called before each model step)."""
         self._latest = {}
 
     def step_routes(self) -> tuple[dict[str, int], Any]:

@@ -93,6 +93,8 @@ class ScriptedPolicy:
         self.eos = eos[0] if isinstance(eos, list) else eos
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, on_token: Any = None) -> Generation:
+        """The tokens of :attr:`text` then end of sequence (at most ``max_new_tokens``), log-prob -1 each,
+        streamed to ``on_token``."""
         ids = list(self.tokenizer(self.text, add_special_tokens=False)["input_ids"]) + [self.eos]
         ids = ids[:params.max_new_tokens]
         for t in ids:
@@ -102,9 +104,11 @@ class ScriptedPolicy:
         return Generation(tuple(ids), tuple(-1.0 for _ in ids), "stop" if ids[-1] == self.eos else "length", 0)
 
     def load_weights(self, state_dict: Any, version: int) -> None:
+        """Nothing: the scripted policy has no weights."""
         pass
 
     def close(self) -> None:
+        """Nothing to release."""
         pass
 
 
@@ -133,6 +137,8 @@ class CheckSession(AgentSession):
 
     async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: Any = None,
                      notes: dict[str, str] | None = None, info: dict[str, int] | None = None) -> asyncio.Future:
+        """Keep ``req`` and script the reply before submitting it: a call of the first allowed tool
+        while tools are offered and none has answered yet, else the final answer."""
         self.seen.append(req)
         assert isinstance(self.engine, ScriptedPolicy)
         answered = any(m["role"] == "tool" for m in req.messages)

@@ -45,6 +45,8 @@ class Glm45Parser:
             + "\n" + self.CLOSE for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
+        """Reasoning (``<think>``), the ``<tool_call>`` blocks as calls (a malformed block as an error)
+        and the text around them as content; end tokens are stripped."""
         reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
         calls: list[dict[str, Any]] = []
         errors: list[str] = []

@@ -136,6 +136,7 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
+        """Whether the model has routed experts (``num_experts > 0``)."""
         return self.num_experts > 0
 
     def padded_vocab(self, tp: int) -> int:
@@ -143,6 +144,7 @@ class ModelSpec:
         return -(-self.vocab_size // tp) * tp
 
     def table(self) -> dict[str, tuple[Any, str]]:
+        """The per-layer conversion table of this model family (:data:`LAYER_TABLES`)."""
         return LAYER_TABLES[self.family]
 
 

@@ -138,6 +138,7 @@ class MegatronCausalLM(nn.Module):
         self.replay: MaskedRouterReplay | None = None
 
     def get_input_embeddings(self) -> nn.Module:
+        """The word-embedding module (Hugging Face's accessor; LoRA and tied-weight code look it up)."""
         return self.gpt.embedding.word_embeddings
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool = False) -> Output:
