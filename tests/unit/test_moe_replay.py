@@ -70,7 +70,7 @@ def rollouts(moe_dir):
         first = engine.generate_many(prompts, [SamplingParams(max_new_tokens=10, seed=s) for s in range(3)])
         ctx = prompts[2] + list(first[2].token_ids) + OBSERVATION
         second = engine.generate_many([ctx], SamplingParams(max_new_tokens=8, seed=9))[0]
-    trajs = [make_trajectory(f"s{i}", p, [turn_of(len(p), g)], []) for i, (p, g) in enumerate(zip(prompts[:2], first, strict=True))]
+    trajs = [make_trajectory(f"s{i}", p, [turn_of(len(p), g)], []) for i, (p, g) in enumerate(zip(prompts[:2], first[:2], strict=True))]
     p = prompts[2]
     trajs.append(make_trajectory("s2", p, [turn_of(len(p), first[2]), turn_of(len(ctx), second)], OBSERVATION))
     return trajs
