@@ -37,7 +37,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for examples/
 
 from examples.custom_env import EchoEnv  # noqa: E402
-
 from relax_agent.envs import register  # noqa: E402
 
 ENV_ID = "bench/SlowToolEcho-v0"

@@ -34,9 +34,9 @@ import torch
 from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.moe import ROUTE_FLIP_FRAC
+from relax_agent.records import Trajectory, Turn
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.records import Trajectory, Turn
 from relax_agent.train.algorithms import (
     MISMATCH_ABS_DIFF_MAX,
     MISMATCH_ABS_DIFF_MEAN,
@@ -93,7 +93,7 @@ def rollout(model: Any, tokenizer: Any, dtype: str, prompts: list[list[int]], ma
         gens = engine.generate_many(prompts, params)
         seconds = time.process_time() - start
     trajs = []
-    for i, (p, g) in enumerate(zip(prompts, gens)):
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         turn = Turn(len(p), g.token_ids, g.logprobs, g.policy_version, g.finish_reason, g.routed_experts)
         trajs.append(Trajectory(f"s{i}", f"g{i}", "t", (*p, *g.token_ids), (0,) * len(p) + (1,) * len(g.token_ids),
                                 (0.0,) * len(p) + g.logprobs, len(p), (turn,), 1.0))

@@ -23,7 +23,7 @@ import asyncio
 import os
 import statistics
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 

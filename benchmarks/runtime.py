@@ -116,10 +116,10 @@ def failover(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
                 victim = next(r for r in pool.in_state(READY) if r.pid)
                 os.kill(victim.pid, signal.SIGKILL)
                 t0 = time.monotonic()
-                wait(lambda: any(r.name not in before and r.state == READY for r in pool.replicas))
+                wait(lambda before=before: any(r.name not in before and r.state == READY for r in pool.replicas))
                 ready_s.append(time.monotonic() - t0)
                 new = next(r for r in pool.replicas if r.name not in before)
-                wait(lambda: new.groups_done > 0)
+                wait(lambda new=new: new.groups_done > 0)
                 serving_s.append(time.monotonic() - t0)
                 print(f"kill {len(ready_s)}: replacement ready after {ready_s[-1]:.1f} s, first group done after "
                       f"{serving_s[-1]:.1f} s", flush=True)

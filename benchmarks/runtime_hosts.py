@@ -30,7 +30,6 @@ import os
 import pickle
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -135,9 +134,8 @@ def autoscaled(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any
 
 def failover(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
     """Kill worker host 3 ``args.kills`` times while training (it joins again after each)."""
-    from tests.e2e.netns_cluster import NetnsCluster
-
     from relax_agent.runtime.ray_rollout import READY
+    from tests.e2e.netns_cluster import NetnsCluster
 
     cluster = NetnsCluster(prefix=PREFIX, subnet=SUBNET, hosts=3, num_cpus=1, worker_resources={"rollout_host": 2},
                            env={"PYTHONPATH": os.pathsep.join([str(REPO), str(BENCH)]), "OMP_NUM_THREADS": "1"},
@@ -182,7 +180,7 @@ def failover(args: argparse.Namespace, model: str, out: Path) -> dict[str, Any]:
                 before = {r.name for r in pool.replicas}
                 cluster.kill_host(3)
                 t0 = time.monotonic()
-                wait(lambda: any(r.name not in before and r.state == READY for r in pool.replicas), "replacement")
+                wait(lambda before=before: any(r.name not in before and r.state == READY for r in pool.replicas), "replacement")
                 ready_s.append(time.monotonic() - t0)
                 print(f"kill {k + 1}: replacement ready {ready_s[-1]:.1f} s after host 3 died", flush=True)
                 if k + 1 < args.kills:

@@ -33,7 +33,8 @@ import signal
 import statistics
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray

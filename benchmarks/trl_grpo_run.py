@@ -31,7 +31,7 @@ def main(job_path: str) -> None:
     def reward(prompts, completions, task, **_):
         t0 = time.perf_counter()
         out = []
-        for text, t in zip(completions, task):
+        for text, t in zip(completions, task, strict=True):
             scorer.stdin.write(json.dumps({"task": t, "completion": text}) + "\n")
             out.append(float(json.loads(scorer.stdout.readline())["reward"]))
         counts["completions"] += len(completions)

@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

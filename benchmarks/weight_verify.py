@@ -64,7 +64,8 @@ def main() -> None:
     n_params = sum(t.numel() for t in state.values())
     syncs = {True: build_weight_sync(WeightSyncConfig(transport=transport, verify=True, verify_samples=args.samples)),
              False: build_weight_sync(WeightSyncConfig(transport=transport, verify=False))}
-    subs = {on: sync.attach(engine, name=f"verify-{on}") for on, sync in syncs.items()}
+    for on, sync in syncs.items():  # each WeightSync keeps its subscriber until close()
+        sync.attach(engine, name=f"verify-{on}")
     seconds: dict[bool, list[float]] = {True: [], False: []}
     verify, full, served = [], [], []
     try:
@@ -81,7 +82,7 @@ def main() -> None:
                         served.append(engine.server_stats()["last_load"]["served_verify_s"])
             full.append(full_pass_s(state))
     finally:
-        for on, sync in syncs.items():
+        for sync in syncs.values():
             sync.close()
         engine.close()
     off_s, on_s, verify_s = (statistics.median(seconds[False]), statistics.median(seconds[True]),

@@ -12,13 +12,15 @@ Importing this package also loads third-party packages' ``gymnasium.envs`` entry
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import gymnasium
 
 from relax_agent.envs.base import DeclaresTools, DescribesReward, HasTasks, TextEnv
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
 from relax_agent.envs.tool_env import ToolEnv, tool_schema
+
 
 def register(id: str, entry_point: str | Callable[..., gymnasium.Env], **kwargs: Any) -> None:
     """Register an environment in gymnasium's own registry (same arguments as ``gymnasium.register``).
@@ -94,8 +96,17 @@ def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
 
 def register_envs() -> None:
     """Register every built-in environment (gymnasium's ``gymnasium.envs`` entry point)."""
-    from relax_agent.envs import bfcl, calculator, data_file, dataset_tools, python_exec, reasoning_gym
-    from relax_agent.envs import audio, video, visual
+    from relax_agent.envs import (
+        audio,
+        bfcl,
+        calculator,
+        data_file,
+        dataset_tools,
+        python_exec,
+        reasoning_gym,
+        video,
+        visual,
+    )
 
     bfcl.register_all()
     dataset_tools.register()

@@ -93,15 +93,23 @@ class AudioTonesEnv(MediaToolEnv):
         super().__init__((), difficulty, num_tasks, seed, split, heldout_fraction)
 
     def make_tasks(self) -> list[dict[str, Any]]:
+        """The ``num_tasks`` clips of this env's difficulty and seed (one task dict each)."""
         return list(make_tasks(self.difficulty, self.num_tasks, self.seed))
 
     def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The user message: the question and the synthesised clip as an audio part.
+
+        Raises:
+            DataError: the task lacks ``clip_seed``, ``question`` or ``answer``.
+        """
         require(task, ("clip_seed", "question", "answer"), "AudioTones")
         clip = synthesise(task, LEVELS[int(task.get("difficulty", self.difficulty))])
         return [{"role": "user", "content": [{"type": "text", "text": f"{task['question']} End with 'Answer: <n>'."},
                                              audio_part(clip)]}]
 
     def score(self, message: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """Reward 1.0 when the reply's integer (:func:`parse_answer`) equals the task's answer; info ``correct``
+        and ``answered``."""
         got = parse_answer(message.get("content") or "")
         correct = got is not None and got == int(self.task["answer"])
         return float(correct), {"correct": float(correct), "answered": float(got is not None)}

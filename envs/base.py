@@ -78,6 +78,11 @@ class TextEnv(gym.Env):
         raise NotImplementedError
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start an episode on ``options["task"]``, or on a task of ``split`` drawn with ``seed``.
+
+        Returns:
+            (observation, info) of :meth:`_reset_task`: the opening messages and the task's info.
+        """
         super().reset(seed=seed)
         task = (options or {}).get("task")
         if task is None:

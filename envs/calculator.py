@@ -190,11 +190,18 @@ class CalculatorEnv(ToolEnv):
         return split_tasks(list(make_tasks(self.difficulty, self.num_tasks, self.seed)), split, self.heldout_fraction)
 
     def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The user message: the question and the tool-use instruction.
+
+        Raises:
+            DataError: the task lacks ``question`` or ``answer``.
+        """
         if "question" not in task or "answer" not in task:
             raise DataError(f"Calculator task needs 'question' and 'answer', got keys {sorted(task)}")
         return [{"role": "user", "content": f"{task['question']}\n{INSTRUCTION}"}]
 
     def score(self, message: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """Reward 1.0 when the reply's integer (:func:`parse_answer`) equals the task's answer; info ``correct``
+        and ``answered``."""
         answer = parse_answer(message.get("content") or "")
         correct = answer is not None and answer == int(self.task["answer"])
         return float(correct), {"correct": float(correct), "answered": float(answer is not None)}

@@ -73,7 +73,7 @@ def _make_task(rng: random.Random) -> dict[str, Any]:
             "question": question, "answer": _answer(kind, nums, k)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_tasks(split: str) -> list[dict[str, Any]]:
     """The deterministic task list of ``split`` (cached; do not mutate); splits are disjoint by file content.
 
@@ -158,7 +158,7 @@ class DataFileEnv(PythonExecEnv):
         compute = _READ.format(name=task["file"]) + _KINDS[task["kind"]][1].format(k=task["k"])
         calls = [_call(0, LIST_CODE), _call(1, compute)]
         out: list[dict[str, Any]] = []
-        for call, result in zip(calls, (listing, str(task["answer"]))):
+        for call, result in zip(calls, (listing, str(task["answer"])), strict=True):
             out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             out.append({"role": "tool", "tool_call_id": call["id"], "name": TOOL_NAME, "content": result})
         out.append({"role": "assistant", "content": f"Answer: {task['answer']}"})

@@ -41,8 +41,9 @@ import importlib
 import json
 import math
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import check_split_args, split_tasks

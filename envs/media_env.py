@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from relax_agent.envs.bfcl.data import check_split_args, split_tasks
 from relax_agent.envs.spaces import is_message

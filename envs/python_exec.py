@@ -105,7 +105,7 @@ def _make_task(rng: random.Random) -> tuple[str, str, int]:
     return kind, f"Starting from {n}, how many steps of the Collatz map (n/2 if even, 3n+1 if odd) reach 1?", steps
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_tasks(split: str) -> list[dict[str, Any]]:
     """The deterministic task list of ``split`` (cached; do not mutate); splits are disjoint by question text.
 

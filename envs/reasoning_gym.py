@@ -104,11 +104,18 @@ class ReasoningGymEnv(ToolEnv):
         return split_tasks(self._tasks, split, self.heldout_fraction)
 
     def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The user message: the dataset entry's question and the answer-format instruction.
+
+        Raises:
+            DataError: the task's ``index`` is missing or outside the dataset.
+        """
         if not isinstance(task.get("index"), int) or not 0 <= task["index"] < len(self.dataset):
             raise DataError(f"ReasoningGym task needs an 'index' into the {len(self.dataset)}-entry dataset, got {task.get('index')!r}")
         return [{"role": "user", "content": f"{task['question']}\n\n{INSTRUCTION}"}]
 
     def score(self, message: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """The dataset's own score of the extracted answer (0.0 when not finite); info ``correct`` (score 1.0)
+        and ``answered``."""
         answer = extract_answer(message.get("content") or "")
         score = float(self.dataset.score_answer(answer, self.dataset[self.task["index"]]))
         score = score if math.isfinite(score) else 0.0

@@ -64,14 +64,17 @@ class MessageSpace(spaces.Space):
 
     @property
     def is_np_flattenable(self) -> bool:
+        """False: a message is a dict of text, not a fixed-size array."""
         return False
 
     def sample(self, mask: Any = None, probability: Any = None) -> dict[str, Any]:
+        """A random assistant message of 1-15 lowercase letters (``mask`` and ``probability`` are ignored)."""
         n = int(self.np_random.integers(1, 16))
         text = "".join(chr(int(c)) for c in self.np_random.integers(97, 123, size=n))
         return {"role": "assistant", "content": text}
 
     def contains(self, x: Any) -> bool:
+        """Whether ``x`` is a well-formed chat message (:func:`is_message`)."""
         return is_message(x)
 
     def __repr__(self) -> str:
@@ -90,12 +93,15 @@ class ConversationSpace(spaces.Space):
 
     @property
     def is_np_flattenable(self) -> bool:
+        """False: a conversation is a list of dicts, not a fixed-size array."""
         return False
 
     def sample(self, mask: Any = None, probability: Any = None) -> list[dict[str, Any]]:
+        """A one-message conversation (``mask`` and ``probability`` are ignored)."""
         return [{"role": "user", "content": "hello"}]
 
     def contains(self, x: Any) -> bool:
+        """Whether ``x`` is a list or tuple of at most ``max_messages`` well-formed chat messages."""
         return isinstance(x, (list, tuple)) and len(x) <= self.max_messages and all(is_message(m) for m in x)
 
     def __repr__(self) -> str:

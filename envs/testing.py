@@ -37,7 +37,8 @@ import math
 import os
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import gymnasium
 
@@ -106,7 +107,7 @@ def _equivalent(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     if isinstance(a, (tuple, list)) and type(a) is type(b) and len(a) == len(b):
-        return all(_equivalent(x, y) for x, y in zip(a, b))
+        return all(_equivalent(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
         return all(_equivalent(a[k], b[k]) for k in a)
     return data_equivalence(a, b)
@@ -208,7 +209,7 @@ def check_determinism(make_env: Factory) -> None:
     """Same seed, same actions -> same observations, rewards, flags and infos (two fresh envs)."""
     for seed in (0, 1):
         first, second = _play(make_env, seed), _play(make_env, seed)
-        for i, (a, b) in enumerate(zip(first, second)):
+        for i, (a, b) in enumerate(zip(first, second, strict=True)):
             _expect(_equivalent(a, b), f"seed {seed}, call {i}: two envs differ:\n{str(a)[:300]}\n{str(b)[:300]}")
         _expect(_equivalent(first[0], first[1]), f"seed {seed}: reset(seed) twice on one env gave different openings")
 
@@ -307,6 +308,8 @@ class EnvContract:
         raise NotImplementedError
 
     def test_contract(self, env_contract_check: str) -> None:
+        """Run one contract check (parametrized by the ``env_contract_check`` fixture) on :meth:`make_env`;
+        skipped when the check is in ``skip_checks``."""
         if env_contract_check in self.skip_checks:
             import pytest
 

@@ -40,7 +40,8 @@ import asyncio
 import inspect
 import json
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from relax_agent.envs.base import TextEnv
 from relax_agent.errors import ConfigError, EnvError

@@ -87,14 +87,21 @@ class VideoMotionEnv(MediaToolEnv):
         super().__init__((), difficulty, num_tasks, seed, split, heldout_fraction)
 
     def make_tasks(self) -> list[dict[str, Any]]:
+        """The ``num_tasks`` clips of this env's difficulty and seed (one task dict each)."""
         return list(make_tasks(self.difficulty, self.num_tasks, self.seed))
 
     def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The user message: the question and the clip's frames as a video part.
+
+        Raises:
+            DataError: the task lacks ``clip_seed``, ``question`` or ``answer``.
+        """
         require(task, ("clip_seed", "question", "answer"), "VideoMotion")
         frames = frames_of(task, LEVELS[int(task.get("difficulty", self.difficulty))])
         return [{"role": "user", "content": [{"type": "text", "text": task["question"]}, video_part(frames)]}]
 
     def score(self, message: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """Reward 1.0 when the last direction word equals the task's answer; info ``correct`` and ``answered``."""
         got = last_word(message.get("content") or "", list(STEP))
         correct = got == self.task["answer"]
         return float(correct), {"correct": float(correct), "answered": float(got is not None)}

@@ -63,7 +63,7 @@ def _scene(seed: int, level: Level) -> tuple[list[tuple[str, str, int, int, int]
     r = level.size // 12
     cells = [(x, y) for x in range(r + 2, level.size - r - 2, 2 * r + 3) for y in range(r + 2, level.size - r - 2, 2 * r + 3)]
     spots = rng.sample(cells, len(shapes))
-    return [(s, c, x, y, r) for (s, c), (x, y) in zip(shapes, spots)], kind, target
+    return [(s, c, x, y, r) for (s, c), (x, y) in zip(shapes, spots, strict=True)], kind, target
 
 
 def draw(shapes: list[tuple[str, str, int, int, int]], size: int) -> Any:
@@ -139,9 +139,16 @@ class VisualCountEnv(MediaToolEnv):
         self._image: Any = None
 
     def make_tasks(self) -> list[dict[str, Any]]:
+        """The ``num_tasks`` scenes of this env's difficulty and seed (one task dict each)."""
         return list(make_tasks(self.difficulty, self.num_tasks, self.seed))
 
     def prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The user message: the question (with the ``zoom`` hint when the tool is on) and the scene's image;
+        keeps the image for ``zoom``.
+
+        Raises:
+            DataError: the task lacks ``scene_seed``, ``question`` or ``answer``.
+        """
         require(task, ("scene_seed", "question", "answer"), "VisualCount")
         level = LEVELS[int(task.get("difficulty", self.difficulty))]
         self._image = draw(_scene(int(task["scene_seed"]), level)[0], level.size)
@@ -164,6 +171,8 @@ class VisualCountEnv(MediaToolEnv):
         return [{"type": "text", "text": f"The {quadrant} quarter:"}, image_part(crop)]
 
     def score(self, message: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+        """Reward 1.0 when the reply's answer (its integer, or its last colour / side word) equals the task's;
+        info ``correct`` and ``answered``."""
         text = message.get("content") or ""
         if self.task["answer_kind"] == "int":
             got: Any = parse_answer(text)

@@ -16,9 +16,9 @@ from relax_agent.errors import (
     RewardServiceError,
     SandboxError,
 )
+from relax_agent.records import RewardStatus, StopReason, Trajectory, Turn
 from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ParsedAction, ToolCallParser, build_parser, register_parser
-from relax_agent.records import RewardStatus, StopReason, Trajectory, Turn
 
 __version__ = "0.1.0"
 

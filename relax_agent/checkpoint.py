@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import re
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

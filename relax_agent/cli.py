@@ -6,7 +6,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -65,12 +65,12 @@ def _unwrapped(exc: BaseException) -> BaseException:
     return exc
 
 
-def _resume_command(config: Path, overrides: Optional[list[str]]) -> str:
+def _resume_command(config: Path, overrides: list[str] | None) -> str:
     """``relax-agent train CONFIG OVERRIDES... --resume``, quoted for a shell."""
     return shlex.join(["relax-agent", "train", str(config), *(overrides or []), "--resume"])
 
 
-def _load(config: Path, overrides: Optional[list[str]]) -> Any:
+def _load(config: Path, overrides: list[str] | None) -> Any:
     from relax_agent.config import load_config
     from relax_agent.preflight import preflight
 
@@ -79,7 +79,7 @@ def _load(config: Path, overrides: Optional[list[str]]) -> Any:
     return cfg
 
 
-def _checkpoint_to_resume(cfg: Any, resume: bool) -> Optional[Path]:
+def _checkpoint_to_resume(cfg: Any, resume: bool) -> Path | None:
     from relax_agent.checkpoint import CheckpointManager
 
     latest = CheckpointManager(cfg.run.output_dir).latest()
@@ -96,7 +96,7 @@ def _checkpoint_to_resume(cfg: Any, resume: bool) -> Optional[Path]:
 @app.command()
 def train(
     config: Path = typer.Argument(..., help="YAML run config (see examples/)."),
-    overrides: Optional[list[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     resume: bool = typer.Option(False, "--resume", is_flag=True, help="Continue from the latest checkpoint in run.output_dir."),
     quiet: bool = typer.Option(False, "--quiet", is_flag=True, help="No progress bars."),
 ) -> None:
@@ -174,9 +174,9 @@ def _write_summary(path: Path, summary: dict[str, Any]) -> None:
 @app.command("eval")
 def eval_cmd(
     config: Path = typer.Argument(..., help="YAML run config."),
-    overrides: Optional[list[str]] = OVERRIDES,
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint or run folder; default: the untrained policy."),
-    output: Optional[Path] = typer.Option(None, "--output", help="Write the results as JSON here."),
+    overrides: list[str] | None = OVERRIDES,
+    checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Checkpoint or run folder; default: the untrained policy."),
+    output: Path | None = typer.Option(None, "--output", help="Write the results as JSON here."),
     bfcl: bool = typer.Option(False, "--bfcl", is_flag=True,
                               help="Evaluate every registered BFCL category (eval.num_tasks held-out tasks each) "
                                    "and report the leaderboard's groups."),
@@ -235,9 +235,9 @@ def eval_cmd(
 @app.command()
 def replay(
     config: Path = typer.Argument(..., help="The run's YAML config."),
-    overrides: Optional[list[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     step: int = typer.Option(..., "--step", help="Training step to replay (its token record must exist)."),
-    run_dir: Optional[Path] = typer.Option(None, "--run", help="Run folder; default: run.output_dir."),
+    run_dir: Path | None = typer.Option(None, "--run", help="Run folder; default: run.output_dir."),
     logprobs: bool = typer.Option(True, "--logprobs/--no-logprobs", help="Recompute log-probs with the weights of each sample's version."),
     atol: float = typer.Option(2e-3, "--atol", help="Largest |recomputed - recorded| log-prob accepted."),
 ) -> None:
@@ -306,8 +306,8 @@ def view(
     """Browse a run in a local web page: steps, groups, episodes, evaluation samples, curves."""
     from pydantic import ValidationError
 
-    from relax_agent.viewer import ViewerConfig, build
     from relax_agent.netaddr import is_loopback
+    from relax_agent.viewer import ViewerConfig, build
 
     try:
         try:
@@ -342,7 +342,7 @@ def envs_show(
     env_id: str = typer.Argument(..., help="Environment id, e.g. relax/Calculator-v0 (or module:ns/Name-v0)."),
     kwargs: str = typer.Option("{}", "--kwargs", help='Constructor kwargs as JSON, e.g. \'{"difficulty": 3}\'.'),
     as_json: bool = typer.Option(False, "--json", is_flag=True, help="Print the description as JSON."),
-    model: Optional[str] = typer.Option(None, "--model", help="A policy (model.path): also print the tool-call parser "
+    model: str | None = typer.Option(None, "--model", help="A policy (model.path): also print the tool-call parser "
                                         "and tools rendering it gets (its tokenizer only is loaded)."),
     tool_parser: str = typer.Option("auto", "--tool-parser", help="rollout.tool_parser to resolve for --model."),
     tools_in: str = typer.Option("auto", "--tools-in", help="rollout.tools_in for --model (auto, template, system)."),
@@ -413,11 +413,11 @@ def _policy_tool_format(model: str, tool_parser: str, tools_in: str) -> dict[str
 @agent_app.command("check")
 def agent_check(
     target: Path = typer.Argument(..., help="A config with rollout.agent.command (.yaml), or the agent program itself."),
-    overrides: Optional[list[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     tasks: int = typer.Option(2, "--tasks", min=1, help="Episodes to play (tasks of the config's env, or a built-in one)."),
     model: str = typer.Option("embedded:smollm2-135m-instruct", "--model",
                               help="Tokenizer (chat template) to use for a program; a config uses model.path."),
-    timeout_s: Optional[float] = typer.Option(None, "--timeout-s", help="Seconds per episode; default rollout.agent.timeout_s."),
+    timeout_s: float | None = typer.Option(None, "--timeout-s", help="Seconds per episode; default rollout.agent.timeout_s."),
 ) -> None:
     """Run an agent program against a scripted policy on 127.0.0.1 and print what it does that training
     cannot use (pass/warn/fail per check, with the fix); exits 1 when a check fails. Loads no weights."""
@@ -440,7 +440,7 @@ def agent_check(
         raise typer.Exit(1)
 
 
-def _check_setup(target: Path, overrides: Optional[list[str]], num_tasks: int, model: str) -> tuple[Any, Any, Any, Any]:
+def _check_setup(target: Path, overrides: list[str] | None, num_tasks: int, model: str) -> tuple[Any, Any, Any, Any]:
     """(rollout.agent config, tasks, renderer, parser) of ``relax-agent agent check``."""
     from relax_agent.config import AgentConfig, ModelConfig
     from relax_agent.models import load_tokenizer

@@ -14,8 +14,9 @@ import copy
 import difflib
 import os
 import re
+from collections.abc import Hashable
 from pathlib import Path
-from typing import Annotated, Any, Hashable, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -28,7 +29,6 @@ from relax_agent.reward_services.config import RewardConfig
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.train.config import TrainerConfig
 from relax_agent.weights.config import WeightSyncConfig
-
 
 
 class RunConfig(Section):
@@ -255,7 +255,7 @@ class RolloutConfig(Section):
     """Show one worked tool call as a demonstration exchange before the request (helps small models)."""
 
     @model_validator(mode="after")
-    def _check_agent(self) -> "RolloutConfig":
+    def _check_agent(self) -> RolloutConfig:
         if self.driver == "agent" and not self.agent.command:
             raise ValueError("rollout.driver=agent needs rollout.agent.command (the agent's argv, e.g. "
                              "[\"{python}\", \"examples/agents/openai_sdk_agent.py\"])")
@@ -341,7 +341,7 @@ class AutoscaleConfig(Section):
     """Steps after a change that are not judged (the new replica's start, the drained one's exit)."""
 
     @model_validator(mode="after")
-    def _bounds_in_order(self) -> "AutoscaleConfig":
+    def _bounds_in_order(self) -> AutoscaleConfig:
         if self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError(f"runtime.autoscale.min_replicas={self.min_replicas} is more than "
                              f"runtime.autoscale.max_replicas={self.max_replicas}")
@@ -426,7 +426,7 @@ class RuntimeConfig(Section):
         return {"kind": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _replicas_within_bound(self) -> "RuntimeConfig":
+    def _replicas_within_bound(self) -> RuntimeConfig:
         if self.rollout_replicas > self.max_rollout_replicas:
             raise ValueError(f"runtime.rollout_replicas={self.rollout_replicas} is more than "
                              f"runtime.max_rollout_replicas={self.max_rollout_replicas}; raise the bound to run more")
@@ -466,7 +466,7 @@ class RelaxConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "RelaxConfig":
+    def _check_combinations(self) -> RelaxConfig:
         if self.trainer.clip_eps_high < self.trainer.clip_eps_low:
             raise ValueError(
                 f"trainer.clip_eps_high={self.trainer.clip_eps_high} is below "

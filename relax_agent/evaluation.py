@@ -23,8 +23,9 @@ import json
 import re
 import statistics
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.driver import PlaysEnv
@@ -58,10 +59,14 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, float]:
 class EpisodeRunner(Protocol):
     """What :func:`evaluate` plays episodes with: a :class:`RolloutRunner` or a runtime's rollout service."""
 
-    def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[Any]: ...
+    def specs(self, tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int) -> list[Any]:
+        """One :class:`EpisodeSpec` per task and group member; ids start with ``prefix``, seeds derive
+        from ``seed``."""
 
     async def run(self, specs: Sequence[Any], params: SamplingParams,
-                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]: ...
+                  on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Play ``specs`` with ``params``; returns their trajectories in the order of ``specs`` (``on_done``
+        is called as each one finishes)."""
 
 
 @runtime_checkable
@@ -87,12 +92,12 @@ def evaluate(runner: EpisodeRunner, tasks: Sequence[dict[str, Any]], seeds: Sequ
     records: list[dict[str, Any]] = []
     for seed in seeds:
         specs = runner.specs(tasks, 1, prefix=f"eval-s{seed}", seed=seed * 100_003)
-        trajs = run(lambda: runner.run(specs, params, on_done))
+        trajs = run(functools.partial(runner.run, specs, params, on_done))
         per_seed.append(summarize(trajs))
         if samples_path is not None:
             records += [sample_record(t, spec.task, seed, t.env_reason if t.env_reason is not None
                                       else replay_reason(runner, spec.task, spec.seed, t))
-                        for spec, t in zip(specs, trajs)]
+                        for spec, t in zip(specs, trajs, strict=True)]
     out: dict[str, Any] = {"eval/num_tasks": len(tasks), "eval/seeds": list(seeds)}
     for key in per_seed[0]:
         vals = [r[key] for r in per_seed]
@@ -217,9 +222,9 @@ def bfcl_env_ids() -> dict[str, str]:
 
 def _env_kwargs(env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The subset of ``kwargs`` that ``env_id``'s constructor accepts (``category`` never)."""
-    import gymnasium
-
     import importlib
+
+    import gymnasium
 
     module, _, name = str(gymnasium.spec(env_id).entry_point).partition(":")
     params = inspect.signature(getattr(importlib.import_module(module), name)).parameters

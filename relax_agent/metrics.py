@@ -69,6 +69,7 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
+        """Flush and close the TensorBoard writer (idempotent)."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
@@ -122,22 +123,22 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
     for key, label in ((REWARD, "reward"), (ACCURACY, "accuracy"), (FORMAT_RATE, "well-formed calls")):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
-            axes[0].plot(*zip(*pts), marker=".", label=label, color=colors[label])
+            axes[0].plot(*zip(*pts, strict=True), marker=".", label=label, color=colors[label])
     axes[0].set_title("training rollouts")
     for key, label in ((EVAL_REWARD, "reward"), (EVAL_ACCURACY, "accuracy"), (EVAL_FORMAT_RATE, "well-formed calls")):
         with_std = [(r["step"], r[key], r.get(key + "_std") or 0.0) for r in rows if r.get(key) is not None]
         if with_std:
-            s, m, e = zip(*with_std)
+            s, m, e = zip(*with_std, strict=True)
             axes[1].errorbar(s, m, yerr=e, marker="o", capsize=3, label=label, color=colors[label])
     warm = [(r["step"], r["eval_warmup/accuracy"], r.get("eval_warmup/accuracy_std") or 0.0)
             for r in rows if r.get("eval_warmup/accuracy") is not None]
     if warm:  # the supervised warm-up's own share, evaluated before RL
-        s, m, e = zip(*warm)
+        s, m, e = zip(*warm, strict=True)
         axes[1].errorbar(s, m, yerr=e, marker="x", capsize=3, linestyle="none", color="black",
                          label="accuracy after warm-up")
     axes[1].set_title("held-out evaluation (mean ± std over seeds)")
     if stale:  # async mode: how many policy versions the trained samples lagged
-        s, mean, high = zip(*stale)
+        s, mean, high = zip(*stale, strict=True)
         axes[2].plot(s, mean, marker=".", label="mean", color="tab:purple")
         axes[2].plot(s, high, marker=".", label="max", color="tab:red")
         axes[2].set_title("staleness of trained samples (versions)")
@@ -149,7 +150,7 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
                                          ("runtime/trainer_restarts", "trainer restarts", "tab:purple", "-")):
             pts = [(r["step"], r[key]) for r in roles if r.get(key) is not None]
             if pts:
-                ax.step(*zip(*pts), where="post", marker=".", label=label, color=color, linestyle=style)
+                ax.step(*zip(*pts, strict=True), where="post", marker=".", label=label, color=color, linestyle=style)
         ax.set_title("runtime: replicas and restarts")
     last = max((r["step"] for r in rows), default=1)
     for ax in axes:

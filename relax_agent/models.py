@@ -26,9 +26,10 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -622,19 +623,31 @@ def _check_media_overrides(kind: str, text: dict[str, Any], vision: dict[str, An
     VisionConfig: type[PretrainedConfig]
     if kind == "tiny-vl":
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
-            Qwen2_5_VLTextConfig as TextConfig, Qwen2_5_VLVisionConfig as VisionConfig,
+            Qwen2_5_VLTextConfig as TextConfig,
+        )
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+            Qwen2_5_VLVisionConfig as VisionConfig,
         )
     elif kind == "tiny-vl3":
         from transformers.models.qwen3_vl.configuration_qwen3_vl import (
-            Qwen3VLTextConfig as TextConfig, Qwen3VLVisionConfig as VisionConfig,
+            Qwen3VLTextConfig as TextConfig,
+        )
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import (
+            Qwen3VLVisionConfig as VisionConfig,
         )
     elif kind == "tiny-vl3-moe":
         from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
-            Qwen3VLMoeTextConfig as TextConfig, Qwen3VLMoeVisionConfig as VisionConfig,
+            Qwen3VLMoeTextConfig as TextConfig,
+        )
+        from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+            Qwen3VLMoeVisionConfig as VisionConfig,
         )
     else:
         from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
-            Qwen2_5OmniTextConfig as TextConfig, Qwen2_5OmniVisionEncoderConfig as VisionConfig,
+            Qwen2_5OmniTextConfig as TextConfig,
+        )
+        from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+            Qwen2_5OmniVisionEncoderConfig as VisionConfig,
         )
     for what, overrides, default in (("text", text, TextConfig()), ("vision", vision, VisionConfig())):
         unknown = sorted(k for k in overrides if not hasattr(default, k))

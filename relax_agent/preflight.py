@@ -260,7 +260,7 @@ def check_dtypes(device: str, engine_dtype: str, trainer_dtype: str) -> None:
                               + ("" if dtype == "bf16" else " or bf16"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dtype_problem(device: str, dtype: str, training: bool) -> str | None:
     if dtype == "fp32":
         return None

@@ -63,7 +63,7 @@ class ConsoleReporter:
         self.steps = self.progress.add_task("steps", total=total_steps, completed=start_step)
         self.episodes = self.progress.add_task("episodes", total=1, visible=False)
 
-    def __enter__(self) -> "ConsoleReporter":
+    def __enter__(self) -> ConsoleReporter:
         self.progress.start()
         return self
 
@@ -71,6 +71,8 @@ class ConsoleReporter:
         self.progress.stop()
 
     def __call__(self, event: str, step: int, data: dict[str, Any]) -> None:
+        """Draw one controller ``event`` of ``step``: progress bars for rollout, evaluation and SFT
+        warm-up episodes, a printed line for each finished step or evaluation."""
         if event in ("rollout_start", "eval_start"):
             label = "rollout" if event == "rollout_start" else "eval"
             self.progress.reset(self.episodes, total=data["total"], description=f"  {label} episodes", visible=True)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -148,7 +149,7 @@ class MediaInputs:
     def __len__(self) -> int:
         return len(self.kinds)
 
-    def summary(self) -> "MediaInputs":
+    def summary(self) -> MediaInputs:
         """The items without their arrays: kinds, token counts and each item's digest (what the run's
         records keep; the arrays travel to the trainer in the bus's ``media`` field)."""
         from relax_agent.errors import DataError
@@ -161,7 +162,7 @@ class MediaInputs:
         return MediaInputs(self.kinds, self.num_tokens, {}, digests)
 
     @staticmethod
-    def concat(parts: Sequence["MediaInputs | None"]) -> "MediaInputs | None":
+    def concat(parts: Sequence[MediaInputs | None]) -> MediaInputs | None:
         """The items of ``parts`` in order (None and empty parts skipped); None when no item is left."""
         kept = [p for p in parts if p is not None and len(p)]
         if not kept:
@@ -225,7 +226,7 @@ class Trajectory:
     error: str | None = None
     media: MediaInputs | None = None
     env_reason: str | None = None
-    side_segments: tuple["Trajectory", ...] = ()
+    side_segments: tuple[Trajectory, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reward_status", RewardStatus(self.reward_status))
@@ -234,7 +235,7 @@ class Trajectory:
         assert len(self.loss_mask) == n and len(self.rollout_logprobs) == n, "ragged trajectory"
         assert self.prompt_len <= n
 
-    def for_records(self) -> "Trajectory":
+    def for_records(self) -> Trajectory:
         """This episode without its heavy arrays: media as :meth:`MediaInputs.summary` and the turns
         without routed experts (both travel to the trainer in their own bus fields). What the bus's
         ``trajectory`` field holds, for the loop's metrics, dumps and token records."""
@@ -251,10 +252,12 @@ class Trajectory:
 
     @property
     def num_policy_tokens(self) -> int:
+        """Tokens the policy sampled (the ones ``loss_mask`` marks)."""
         return sum(self.loss_mask)
 
     @property
     def policy_versions(self) -> tuple[int, ...]:
+        """The policy version of each turn, in order."""
         return tuple(t.policy_version for t in self.turns)
 
     @property

@@ -34,10 +34,12 @@ media record written before media items were kept, a media part that cannot be p
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from relax_agent.errors import ConfigError
 
@@ -66,6 +68,8 @@ class Divergence:
     recorded: Any
 
     def describe(self, decode: Callable[[Sequence[int]], str] | None = None) -> str:
+        """One line naming the check, the turn and token, and the expected vs recorded value (with
+        ``decode``, token ids of the token checks also as text)."""
         where = f"turn {self.turn}, token {self.token}" if self.turn is not None else f"token {self.token}"
         exp, rec = self.expected, self.recorded
         if decode is not None and self.check in (TURN_TOKENS, DELTA):
@@ -87,6 +91,7 @@ class EpisodeReport:
 
 
 def token_record_path(run_dir: str | Path, step: int) -> Path:
+    """The token record of ``step``: ``<run_dir>/rollouts/tokens/step_<step:06d>.jsonl.gz``."""
     return Path(run_dir) / "rollouts" / "tokens" / f"step_{step:06d}.jsonl.gz"
 
 
@@ -192,8 +197,8 @@ def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Mess
     messages, turns = rec["messages"], rec["turns"]
     idx = [t.get("message") for t in turns]
     if idx and None not in idx and all(0 <= i < len(messages) and messages[i].get("role") == "assistant" for i in idx) \
-            and all(a < b for a, b in zip(idx, idx[1:])):
-        return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in zip(idx, idx[1:])],
+            and all(a < b for a, b in itertools.pairwise(idx)):
+        return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in itertools.pairwise(idx)],
                 [dict(messages[i]) for i in idx[:-1]])
     for skip in (True, False):  # the driver keeps special tokens in the text for parsers that read them
         replies = [decode(t["token_ids"], skip_special_tokens=skip) for t in turns]
@@ -311,7 +316,7 @@ def _compare_items(rec: dict[str, Any], items: Sequence[Any], starts: Sequence[i
     from relax_agent.multimodal.record import item_digest
 
     r = rec["media"]
-    for j, (item, at) in enumerate(zip(items, starts)):
+    for j, (item, at) in enumerate(zip(items, starts, strict=True)):
         want = _media_desc(item.kinds[0], item.num_tokens[0], item_digest(item))
         q = first + j
         got = _media_desc(r["kinds"][q], r["num_tokens"][q], r["digests"][q]) if q < len(r["kinds"]) else None

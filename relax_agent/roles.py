@@ -16,9 +16,10 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from relax_agent.config import RelaxConfig
 from relax_agent.errors import ConfigError
@@ -138,11 +139,10 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         ConfigError, RewardServiceError, ModelLoadError: see :func:`~relax_agent.preflight.preflight`
             and :func:`~relax_agent.models.load_policy`.
     """
-    from relax_agent.rollout.chat import ChatRenderer
-    from relax_agent.rollout.parsers import build_parser
-
     from relax_agent.preflight import resolve_device
     from relax_agent.reward_services import build_reward
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.parsers import build_parser
     from relax_agent.rollout.rewarding import needs_scoring
 
     device = resolve_device(cfg.run.device) if checked else preflight(cfg)

@@ -45,9 +45,15 @@ class TaskSampler:
         return out
 
     def state_dict(self) -> dict[str, int]:
+        """Position (epoch, offset) and identity (num_tasks, seed) of the sampler, for a checkpoint."""
         return {"epoch": self.epoch, "offset": self.offset, "num_tasks": self.num_tasks, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at the position of :meth:`state_dict`'s ``state``.
+
+        Raises:
+            CheckpointError: the state was taken on a dataset with another number of tasks.
+        """
         from relax_agent.errors import CheckpointError
 
         if state["num_tasks"] != self.num_tasks:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -28,16 +28,16 @@ def serve_reward(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.", min=1, max=65535)] = 8001,
     workers: Annotated[int, typer.Option(help="uvicorn worker processes (--runtime local).")] = 1,
-    token_env: Annotated[Optional[str], typer.Option(help="Environment variable holding the bearer token clients must send.")] = None,
+    token_env: Annotated[str | None, typer.Option(help="Environment variable holding the bearer token clients must send.")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Deadline per item, seconds (per call for a batched function).")] = 30.0,
     max_concurrency: Annotated[int, typer.Option(help="Items scored at once per worker (threads for a sync function).")] = 64,
     max_items: Annotated[int, typer.Option(help="Most items accepted in one request.")] = 4096,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted, bytes (larger: HTTP 413).",
                                                 min=1)] = 64 * 2**20,
-    kwargs: Annotated[Optional[str], typer.Option(help="JSON object: arguments for a factory target (a class).")] = None,
+    kwargs: Annotated[str | None, typer.Option(help="JSON object: arguments for a factory target (a class).")] = None,
     runtime: Annotated[Runtime, typer.Option(help="local: uvicorn; ray: a Ray Serve deployment.")] = Runtime.local,
     replicas: Annotated[int, typer.Option(help="Ray Serve replicas (--runtime ray).")] = 1,
-    num_cpus: Annotated[Optional[float], typer.Option(help="CPUs Ray starts with (--runtime ray; default: replicas).")] = None,
+    num_cpus: Annotated[float | None, typer.Option(help="CPUs Ray starts with (--runtime ray; default: replicas).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Serve a Python reward function over HTTP (POST /v1/reward, GET /healthz). A non-loopback

@@ -29,8 +29,9 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import httpx
 
@@ -155,7 +156,7 @@ class RewardClient:
         self._pool: LoopBound[_LoopState] = LoopBound(self._open_state, _LoopState.aclose)
         self._counts = dict.fromkeys((REQUESTS, RETRIES, ITEMS_SENT, ITEMS_OK, ITEMS_ERROR, ITEMS_TIMEOUT, UNEXPECTED_RESULTS), 0)
 
-    def _open_state(self) -> "_LoopState":
+    def _open_state(self) -> _LoopState:
         http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
                                  limits=self._limits, transport=self._transport)
         batcher = (_MicroBatcher(self._send, self.max_batch_items, self._batch_wait_s, self._max_concurrency)
@@ -311,7 +312,7 @@ class _LoopState:
 
     http: httpx.AsyncClient
     sem: asyncio.Semaphore
-    batcher: "_MicroBatcher | None"
+    batcher: _MicroBatcher | None
 
     async def aclose(self) -> None:
         if self.batcher is not None:
@@ -341,6 +342,12 @@ class LoopBound(Generic[T]):
         self._guard: AsyncIterator[None] | None = None
 
     async def get(self) -> T:
+        """The resource of the running event loop, made on first use in that loop (and closed when it shuts
+        down).
+
+        Raises:
+            RewardServiceError: the resource belongs to another event loop that is still open.
+        """
         loop = asyncio.get_running_loop()
         if self._value is not None and loop is self._loop:
             return self._value
@@ -449,7 +456,7 @@ class _MicroBatcher:
         if not live:
             return
         results = await self._send([item for item, _ in live])
-        for (_, fut), result in zip(live, results):
+        for (_, fut), result in zip(live, results, strict=True):
             if not fut.done():
                 fut.set_result(result)
 

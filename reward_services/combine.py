@@ -54,27 +54,29 @@ class CombinedReward:
         self.components = list(components)
 
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """Score ``items`` with every component concurrently; per item, the weighted sum of the
+        components' rewards (an error when a component failed for it, see :meth:`_combine`)."""
         per_component = await asyncio.gather(*(c.reward.score(items) for c in self.components))
-        for c, results in zip(self.components, per_component):
+        for c, results in zip(self.components, per_component, strict=True):
             assert [r.id for r in results] == [i.id for i in items], f"component {c.name} broke result order"
         return [self._combine(item.id, [rs[k] for rs in per_component]) for k, item in enumerate(items)]
 
     def _combine(self, item_id: str, parts: list[RewardResult]) -> RewardResult:
         metrics: dict[str, float] = {}
         summary: dict[str, dict[str, object]] = {}
-        for c, r in zip(self.components, parts):
+        for c, r in zip(self.components, parts, strict=True):
             summary[c.name] = {"status": r.status.value, "reward": r.reward, "weight": c.weight}
             if not r.ok:
                 summary[c.name][ERROR_KEY] = r.extra.get(ERROR_KEY)
                 continue
             metrics[f"{c.name}/reward"] = r.reward  # type: ignore[assignment]
             metrics.update({f"{c.name}/{k}": v for k, v in r.metrics.items()})
-        failed = [(c.name, r) for c, r in zip(self.components, parts) if not r.ok]
+        failed = [(c.name, r) for c, r in zip(self.components, parts, strict=True) if not r.ok]
         if failed:
             status = RewardStatus.TIMEOUT if all(r.status is RewardStatus.TIMEOUT for _, r in failed) else RewardStatus.ERROR
             cause = "; ".join(f"{name}: {r.extra.get(ERROR_KEY, r.status.value)}" for name, r in failed)
             return RewardResult(id=item_id, status=status, metrics=metrics, extra={ERROR_KEY: cause, "components": summary})
-        total = sum(c.weight * r.reward for c, r in zip(self.components, parts))  # type: ignore[operator]
+        total = sum(c.weight * r.reward for c, r in zip(self.components, parts, strict=True))  # type: ignore[operator]
         try:
             check_number(total, "the weighted sum of the components")
         except ValueError as exc:
@@ -87,6 +89,7 @@ class CombinedReward:
         await asyncio.gather(*(check_reward(c.reward) for c in self.components))
 
     async def aclose(self) -> None:
+        """Close each distinct component reward function once."""
         seen: set[int] = set()
         for c in self.components:
             if id(c.reward) not in seen:

@@ -93,7 +93,7 @@ class RewardComponentConfig(Section):
         return url
 
     @model_validator(mode="after")
-    def _check_source(self) -> "RewardComponentConfig":
+    def _check_source(self) -> RewardComponentConfig:
         if self.source == "local" and not self.function:
             raise ValueError("source: local needs function: 'module:function' or 'path/to/file.py:function'")
         if self.source == "remote" and not self.url:
@@ -118,6 +118,7 @@ class RewardComponentConfig(Section):
         return self.source
 
     def retry_policy(self) -> RetryPolicy:
+        """The component's retry settings as a :class:`RetryPolicy`."""
         return RetryPolicy(max_attempts=self.max_attempts, backoff_initial_s=self.backoff_initial_s,
                            backoff_max_s=self.backoff_max_s, max_elapsed_s=self.retry_max_elapsed_s)
 
@@ -136,7 +137,7 @@ class RewardConfig(Section):
         return data
 
     @model_validator(mode="after")
-    def _check_components(self) -> "RewardConfig":
+    def _check_components(self) -> RewardConfig:
         if not self.components:
             raise ValueError("reward.components must hold at least one component")
         if all(c.weight == 0 for c in self.components):

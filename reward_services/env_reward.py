@@ -17,6 +17,8 @@ class EnvReward:
     """Reads ``metadata["env_reward"]``; an item without a number finite in float32 there is an error result."""
 
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """Each item's ``metadata["env_reward"]`` as its reward (an error result when it is missing or not
+        finite in float32)."""
         return [self._one(item) for item in items]
 
     @staticmethod
@@ -29,4 +31,5 @@ class EnvReward:
         return RewardResult(id=item.id, reward=reward)
 
     async def aclose(self) -> None:
+        """Nothing to release."""
         return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from relax_agent.reward_services.protocol import RewardItem, RewardResult, RewardStatus
 
@@ -40,6 +40,8 @@ class FakeReward:
         return float(self._rewards)
 
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """Record the ids in :attr:`calls`, wait the configured delay, then the scripted reward per item
+        (a failed result for an id told to fail)."""
         self.calls.append([i.id for i in items])
         if self._delay_s:
             await asyncio.sleep(self._delay_s)
@@ -47,4 +49,5 @@ class FakeReward:
                 else RewardResult(id=i.id, reward=self._reward(i)) for i in items]
 
     async def aclose(self) -> None:
+        """Mark the reward closed."""
         self.closed = True

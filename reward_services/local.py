@@ -38,9 +38,10 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -162,7 +163,7 @@ def _call_plan(fn: Callable[..., Any], name: str) -> tuple[bool, tuple[str, ...]
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 -- not a callable check: an object whose __call__ is async
 
 
 def to_result(item_id: str, value: Any) -> RewardResult:
@@ -249,7 +250,7 @@ class LocalReward:
         self._running_lock = threading.Lock()
 
     @classmethod
-    def from_target(cls, target: str, kwargs: dict[str, Any] | None = None, **options: Any) -> "LocalReward":
+    def from_target(cls, target: str, kwargs: dict[str, Any] | None = None, **options: Any) -> LocalReward:
         """Load ``module:function`` / ``file.py:function`` (see :func:`load_target`) and wrap it."""
         fn = make_callable(load_target(target), kwargs, target)
         return cls(fn, name=target, **options)
@@ -301,7 +302,7 @@ class LocalReward:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             cause = f"batched reward {self.name} returned {got} for {len(items)} items"
             return [RewardResult.failed(i.id, RewardStatus.ERROR, cause) for i in items]
-        return [self._batch_value(item, value) for item, value in zip(items, values)]
+        return [self._batch_value(item, value) for item, value in zip(items, values, strict=True)]
 
     @staticmethod
     def _batch_value(item: RewardItem, value: Any) -> RewardResult:
@@ -312,7 +313,7 @@ class LocalReward:
         except Exception as exc:
             return error_result(item.id, exc)
 
-    async def _invoke(self, kwargs: dict[str, Any], call: "_Call") -> Any:
+    async def _invoke(self, kwargs: dict[str, Any], call: _Call) -> Any:
         """Call the function; ``sys.exit`` and ``KeyboardInterrupt`` from it become a RewardServiceError."""
         try:
             if self._is_async:
@@ -326,12 +327,12 @@ class LocalReward:
         except (SystemExit, KeyboardInterrupt) as exc:
             raise _exit_error(self.name, exc) from None
 
-    def _call_in_thread(self, kwargs: dict[str, Any], call: "_Call") -> Any:
+    def _call_in_thread(self, kwargs: dict[str, Any], call: _Call) -> Any:
         with self._tracked(call):
             return self.fn(**kwargs)
 
     @contextlib.contextmanager
-    def _tracked(self, call: "_Call") -> Iterator[None]:
+    def _tracked(self, call: _Call) -> Iterator[None]:
         """Count ``call`` as executing while the body runs."""
         with self._running_lock:
             self._running.add(call)

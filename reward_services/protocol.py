@@ -153,7 +153,7 @@ class RewardResult(BaseModel):
         return None if value is None else check_number(value, "reward")
 
     @model_validator(mode="after")
-    def _reward_matches_status(self) -> "RewardResult":
+    def _reward_matches_status(self) -> RewardResult:
         if self.status is RewardStatus.OK:
             if self.reward is None:
                 raise ValueError("reward must be a finite number when status is 'ok', got None")
@@ -167,7 +167,7 @@ class RewardResult(BaseModel):
         return self.status is RewardStatus.OK
 
     @classmethod
-    def failed(cls, id: str, status: RewardStatus, cause: str, **extra: Any) -> "RewardResult":
+    def failed(cls, id: str, status: RewardStatus, cause: str, **extra: Any) -> RewardResult:
         """An error/timeout result with ``extra["error"] = cause``."""
         assert status is not RewardStatus.OK
         return cls(id=id, reward=None, status=status, extra={ERROR_KEY: cause, **extra})
@@ -215,9 +215,15 @@ class RewardFunction(Protocol):
     every later call fail too (a refused token: :class:`~relax_agent.errors.AuthError`).
     """
 
-    async def score(self, items: list[RewardItem]) -> list[RewardResult]: ...
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """One result per item, in item order (a failure of one item is its result, not an exception).
 
-    async def aclose(self) -> None: ...
+        Raises:
+            AuthError: the service refused the token (every later call would fail too).
+        """
+
+    async def aclose(self) -> None:
+        """Release connections and workers; the function is not used after."""
 
 
 @runtime_checkable

@@ -15,8 +15,9 @@ import ipaddress
 import json
 import logging
 import os
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -130,6 +131,8 @@ class BodyLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Pass non-HTTP scopes through; refuse an HTTP request with 413 when its declared length, or
+        the body it streams, exceeds ``max_bytes``."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -71,9 +71,10 @@ class ServiceProcess:
 
     @property
     def url(self) -> str:
+        """``http://127.0.0.1:<port>`` of the service."""
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         """Start the process and wait until it is healthy.
 
         Raises:
@@ -109,7 +110,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -130,9 +131,10 @@ class ThreadServer:
 
     @property
     def url(self) -> str:
+        """``http://127.0.0.1:<port>`` of the server."""
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:

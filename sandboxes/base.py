@@ -103,19 +103,36 @@ class Sandbox(Protocol):
     fails, times out or runs out of memory is *not* an error (see :class:`ExecResult`).
     """
 
-    config: "SandboxConfig"
+    config: SandboxConfig
     id: str
     workdir: str
 
     async def exec(self, cmd: Command, timeout_s: float | None = None, stdin: bytes | str | None = None,
-                   env: Mapping[str, str] | None = None, cwd: str | None = None) -> ExecResult: ...
+                   env: Mapping[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        """Run ``cmd`` (a shell string or an argv list) in the sandbox (see :meth:`BaseSandbox.exec`).
+
+        Raises:
+            SandboxError: the sandbox is closed or broken, or an argument is invalid.
+        """
 
     async def run_python(self, code: str, timeout_s: float | None = None,
-                         stdin: bytes | str | None = None) -> ExecResult: ...
+                         stdin: bytes | str | None = None) -> ExecResult:
+        """Run Python source ``code`` with ``config.python`` in the work directory."""
 
-    async def write_file(self, path: str, data: bytes | str) -> None: ...
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        """Write ``data`` to ``path`` (relative to ``workdir``), creating parent folders.
 
-    async def read_file(self, path: str) -> bytes: ...
+        Raises:
+            SandboxError: the file could not be written.
+        """
+
+    async def read_file(self, path: str) -> bytes:
+        """The bytes of ``path`` (relative to ``workdir``).
+
+        Raises:
+            SandboxError: the file is missing, not a regular file, unreadable, or over
+                ``config.max_file_bytes``.
+        """
 
     async def reset(self) -> None:
         """Kill every process the sandbox's commands started and empty the work directory and /tmp.
@@ -125,9 +142,11 @@ class Sandbox(Protocol):
         """
         raise NotImplementedError
 
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """True when the sandbox answers a trivial command in time."""
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release everything the sandbox holds (idempotent)."""
 
 
 @runtime_checkable
@@ -148,9 +167,14 @@ class ReportsState(Protocol):
 class SandboxBackend(Protocol):
     """Makes sandboxes of one kind (holds shared runtime state such as a Docker client)."""
 
-    config: "SandboxConfig"
+    config: SandboxConfig
 
-    async def create(self) -> Sandbox: ...
+    async def create(self) -> Sandbox:
+        """Start one sandbox and return it.
+
+        Raises:
+            SandboxError: the sandbox could not be started.
+        """
 
 
 class PoolConfig(Section):
@@ -170,7 +194,7 @@ class PoolConfig(Section):
     """Episodes one sandbox serves before it is replaced."""
 
     @model_validator(mode="after")
-    def _check(self) -> "PoolConfig":
+    def _check(self) -> PoolConfig:
         if self.size > self.max_size:
             raise ValueError(f"pool.size={self.size} exceeds pool.max_size={self.max_size}")
         return self
@@ -232,7 +256,7 @@ class SandboxConfig(Section):
     pool: PoolConfig = Field(default_factory=PoolConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "SandboxConfig":
+    def _check(self) -> SandboxConfig:
         if self.backend == "subprocess" and not self.unsafe:
             raise ValueError(
                 "sandbox backend 'subprocess' runs commands on the host without isolation; "

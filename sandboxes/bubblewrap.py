@@ -102,7 +102,7 @@ class BubblewrapBackend:
         if config.reap_on_start:
             reap_work_dirs()
 
-    async def create(self) -> "BubblewrapSandbox":
+    async def create(self) -> BubblewrapSandbox:
         """A new sandbox (a host work directory; no process runs between commands)."""
         return BubblewrapSandbox(self.config, self.bwrap or "bwrap", self.setpriv or "setpriv")
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from relax_agent.errors import SandboxError
@@ -13,7 +11,7 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Build sandbox images and reap leaked sandboxes.")
 
 
-def _client(docker_host: Optional[str]):
+def _client(docker_host: str | None):
     from relax_agent.sandboxes.base import SandboxConfig
     from relax_agent.sandboxes.docker import docker_client
 
@@ -26,10 +24,10 @@ def build_image_cmd(
     image: str = typer.Option(DEFAULT_IMAGE, help="Image name:tag to build (sandbox.image)."),
     method: str = typer.Option("auto", help="debootstrap (offline, needs root), dockerfile (needs a registry), or auto."),
     suite: str = typer.Option(DEFAULT_SUITE, help="Debian suite of the base system."),
-    mirror: Optional[str] = typer.Option(None, help="Debian mirror URL (default: the one apt uses here)."),
-    dockerfile: Optional[str] = typer.Option(None, help="Your own Dockerfile (method dockerfile)."),
+    mirror: str | None = typer.Option(None, help="Debian mirror URL (default: the one apt uses here)."),
+    dockerfile: str | None = typer.Option(None, help="Your own Dockerfile (method dockerfile)."),
     force: bool = typer.Option(False, help="Rebuild even if the image exists."),
-    docker_host: Optional[str] = typer.Option(None, help="Docker daemon URL (default: DOCKER_HOST or the local socket)."),
+    docker_host: str | None = typer.Option(None, help="Docker daemon URL (default: DOCKER_HOST or the local socket)."),
 ) -> None:
     """Build the base Python sandbox image (skipped when it already exists)."""
     from relax_agent.sandboxes.image import build_image
@@ -47,10 +45,10 @@ def build_image_cmd(
 
 @app.command("reap")
 def reap_cmd(
-    run_id: Optional[str] = typer.Option(None, help="Remove exactly this run's containers."),
+    run_id: str | None = typer.Option(None, help="Remove exactly this run's containers."),
     all_: bool = typer.Option(False, "--all", help="Remove every sandbox container, also of live runs."),
     dry_run: bool = typer.Option(False, help="List what would be removed."),
-    docker_host: Optional[str] = typer.Option(None, help="Docker daemon URL."),
+    docker_host: str | None = typer.Option(None, help="Docker daemon URL."),
     backend: str = typer.Option("all", help="all, docker (containers only) or bubblewrap (work dirs only)."),
 ) -> None:
     """Remove sandbox containers of dead or expired runs (label relax-agent.sandbox) and the

@@ -37,8 +37,9 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import reaper
@@ -228,7 +229,7 @@ class DockerBackend:
                     reaper.LABEL_CREATED: str(int(now)), reaper.LABEL_EXPIRES: str(int(now + ttl))},
         )
 
-    def _create_blocking(self) -> "DockerSandbox":
+    def _create_blocking(self) -> DockerSandbox:
         import docker.errors
 
         client, executor = docker_client(self.config)
@@ -248,7 +249,7 @@ class DockerBackend:
             raise SandboxError(f"could not start sandbox container {name}: {exc}") from exc
         return DockerSandbox(self.config, client, executor, container.id, name)
 
-    async def create(self) -> "DockerSandbox":
+    async def create(self) -> DockerSandbox:
         """Start one container and return its sandbox (~0.5 s here).
 
         Raises:

@@ -77,7 +77,7 @@ class FakeBackend:
         self.fail_creates = fail_creates
         self.created: list[FakeSandbox] = []
 
-    async def create(self) -> "FakeSandbox":
+    async def create(self) -> FakeSandbox:
         """A new fake sandbox (after ``create_delay_s``; the first ``fail_creates`` calls raise).
 
         Raises:
@@ -293,6 +293,11 @@ class FakeSandbox(BaseSandbox):
 
     # -- the rest of the contract, directly on the dict ----------------------------------------
     async def write_file(self, path: str, data: bytes | str) -> None:
+        """Write ``data`` to ``path`` in the in-memory file system, creating parent folders.
+
+        Raises:
+            SandboxError: the sandbox is closed or broken, or the file could not be written.
+        """
         self._check_usable()
         try:
             self._write(self._path(path, self.workdir), data.encode() if isinstance(data, str) else bytes(data))
@@ -300,6 +305,11 @@ class FakeSandbox(BaseSandbox):
             raise SandboxError(f"write_file({path!r}) failed: {exc}") from exc
 
     async def read_file(self, path: str) -> bytes:
+        """The bytes of ``path`` in the in-memory file system.
+
+        Raises:
+            SandboxError: the file is missing, a directory or device, or over ``config.max_file_bytes``.
+        """
         self._check_usable()
         target = self._path(self._resolve(path), self.workdir)
         if self._is_dir(target):
@@ -323,6 +333,7 @@ class FakeSandbox(BaseSandbox):
         self.reset_count += 1
 
     async def health(self) -> bool:
+        """False when the test marked the sandbox unhealthy, else :meth:`BaseSandbox.health`."""
         return self.healthy and await super().health()
 
     async def _close(self) -> None:

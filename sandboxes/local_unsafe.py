@@ -23,7 +23,6 @@ from relax_agent.sandboxes import reaper
 from relax_agent.sandboxes._process import run_process, wipe_dir
 from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, RawResult, SandboxConfig
 
-
 HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 """Where host-side helpers (prlimit, setpriv) are looked up: never a caller's PATH."""
 
@@ -48,7 +47,7 @@ class SubprocessBackend:
             raise SandboxError("the subprocess sandbox backend needs sandbox.unsafe: true (it does not isolate)")
         self.config = config
 
-    async def create(self) -> "SubprocessSandbox":
+    async def create(self) -> SubprocessSandbox:
         """A new sandbox with its own temporary work directory."""
         warnings.warn("sandbox backend 'subprocess' runs model-written code on the host without isolation",
                       RuntimeWarning, stacklevel=2)
@@ -65,6 +64,7 @@ class SubprocessSandbox(BaseSandbox):
         reaper.install_sigterm_handler()
 
     def base_env(self) -> dict[str, str]:
+        """The base environment with ``TMPDIR`` set to the work directory (temporary files stay in it)."""
         return {**super().base_env(), "TMPDIR": self.workdir}
 
     def _remove_dir(self) -> None:

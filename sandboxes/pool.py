@@ -111,7 +111,7 @@ class SandboxPool:
                 or time.monotonic() - entry.born > self.backend.config.ttl_s / 2)
 
     # -- filling ---------------------------------------------------------------------------
-    async def start(self) -> "SandboxPool":
+    async def start(self) -> SandboxPool:
         """Start ``size`` sandboxes and wait until they are ready.
 
         Raises:
@@ -299,7 +299,7 @@ class SandboxPool:
             self._cond.notify_all()
         await asyncio.gather(*[e.sandbox.close() for e in entries], return_exceptions=True)
 
-    async def __aenter__(self) -> "SandboxPool":
+    async def __aenter__(self) -> SandboxPool:
         return await self.start()
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -392,6 +392,8 @@ class SandboxContract:
         raise NotImplementedError
 
     def test_contract(self, contract_check: str) -> None:
+        """Run one contract check (parametrized by the ``contract_check`` fixture) on :meth:`make_sandbox`;
+        the isolation checks skip for a backend that does not isolate the file system."""
         if contract_check in NEEDS_ISOLATION and not self.isolated:
             import pytest
 

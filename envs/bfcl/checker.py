@@ -361,7 +361,7 @@ def _list_of_dicts_error(param: str, value: list[Any], allowed: list[Any]) -> st
         if len(candidate) != len(value):
             error = f"parameter {param!r}: expected {len(candidate)} objects, got {len(value)}"
             continue
-        errors = (_dict_error(param, v, [c]) for v, c in zip(value, candidate))
+        errors = (_dict_error(param, v, [c]) for v, c in zip(value, candidate, strict=True))
         error = next((e for e in errors if e is not None), None)
         if error is None:
             return None

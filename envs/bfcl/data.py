@@ -101,7 +101,7 @@ def _check_category(category: str) -> None:
         raise DataError(f"unknown BFCL category {category!r}; expected one of {list(CATEGORIES)}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(category: str) -> tuple[dict[str, Any], ...]:
     root = data_dir()
     name = f"{FILE_PREFIX}{category}.json"

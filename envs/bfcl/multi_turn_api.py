@@ -38,7 +38,8 @@ import importlib
 import inspect
 import json
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from relax_agent.envs.bfcl.multi_turn_data import API_CLASSES
 from relax_agent.errors import DataError
@@ -51,7 +52,7 @@ ERROR_PREFIX = "Error during execution: "
 _MATH_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def api_class(class_name: str) -> type:
     """The BFCL API class named ``class_name``, imported from the bfcl-eval wheel.
 

@@ -30,8 +30,9 @@ judged first in its process.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
 
@@ -58,10 +59,12 @@ class TaskVerdict:
 
     @property
     def judged(self) -> int:
+        """Turns that got a verdict (None marks a turn not judged)."""
         return sum(v is not None for v in self.turns)
 
     @property
     def turns_correct(self) -> int:
+        """Turns judged correct."""
         return sum(v is not None and v.correct for v in self.turns)
 
     @property

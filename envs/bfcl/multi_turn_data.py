@@ -29,7 +29,7 @@ import functools
 import re
 from typing import Any
 
-from relax_agent.envs.bfcl.data import FILE_PREFIX, read_jsonl, data_dir
+from relax_agent.envs.bfcl.data import FILE_PREFIX, data_dir, read_jsonl
 from relax_agent.errors import DataError
 
 CATEGORIES: tuple[str, ...] = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
@@ -56,7 +56,7 @@ def _check_category(category: str) -> None:
         raise DataError(f"unknown BFCL multi-turn category {category!r}; expected one of {list(CATEGORIES)}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _class_docs(class_name: str) -> tuple[dict[str, Any], ...]:
     if class_name not in API_CLASSES:
         raise DataError(f"unknown BFCL API class {class_name!r}; expected one of {sorted(API_CLASSES)}")
@@ -127,7 +127,7 @@ def _task(row: dict[str, Any], ground_truth: list[list[str]], category: str) -> 
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(category: str) -> tuple[dict[str, Any], ...]:
     root = data_dir()
     name = f"{FILE_PREFIX}{category}.json"

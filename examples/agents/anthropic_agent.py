@@ -15,7 +15,6 @@ import json
 import os
 
 from anthropic import Anthropic
-
 from openai_sdk_agent import MAX_TURNS, TOOLS, run_tool
 
 

@@ -14,7 +14,6 @@ import json
 import os
 
 from openai import OpenAI
-
 from openai_sdk_agent import MAX_TURNS, TOOLS, run_tool
 
 

@@ -12,7 +12,6 @@ import os
 import sys
 
 from openai import OpenAI
-
 from openai_sdk_agent import MAX_TURNS, TOOLS, run_tool
 
 

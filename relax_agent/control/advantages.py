@@ -8,7 +8,8 @@ samples out of training (mask: their ``trainable`` is rewritten False).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

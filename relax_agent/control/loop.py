@@ -34,9 +34,10 @@ import concurrent.futures
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,14 +45,14 @@ from relax_agent import metrics as M
 from relax_agent import records as R
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
-from relax_agent.control.advantages import AdvantageConsumer, overlong_field_metrics
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
+from relax_agent.control.advantages import AdvantageConsumer, overlong_field_metrics
 from relax_agent.control.reporting import episode_metrics, write_rollout_dump, write_token_record
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.schedule import (
     DRAWN_GROUPS,
-    DS_CAP_REACHED,
     DROPPED_GROUPS,
+    DS_CAP_REACHED,
     FILTERED_GROUPS,
     LIVE_GROUPS,
     STALENESS_HIST,
@@ -160,6 +161,7 @@ class Controller:
 
     # -- the run ----------------------------------------------------------------------------
     def params(self, temperature: float | None = None) -> SamplingParams:
+        """Sampling parameters of ``rollout`` (``temperature`` overrides the configured one when given)."""
         r = self.cfg.rollout
         return SamplingParams(r.max_new_tokens, temperature or r.temperature, r.top_p)
 
@@ -283,6 +285,7 @@ class Controller:
         return result
 
     def plot(self) -> Path:
+        """Draw the run's curves from ``metrics.jsonl`` to ``plots/curves.png``; returns that path."""
         return M.plot_curves(self.logger.path, self.out / "plots" / "curves.png")
 
     def _report(self, event: str, data: dict[str, Any]) -> None:
@@ -420,7 +423,7 @@ class _Run:
         t_last = time.perf_counter()
         while ctrl.step < cfg.trainer.steps:
             groups, wait_s = await self._collect()
-            t_last = await self._in_trainer(lambda: self._step(groups, wait_s, t_last))
+            t_last = await self._in_trainer(functools.partial(self._step, groups, wait_s, t_last))
             if ctrl._due(cfg.checkpoint.every_steps):
                 await self._in_trainer(ctrl.save)
                 await self._in_trainer(self._release_kept)
@@ -563,7 +566,7 @@ class _Run:
         ctrl.sampler.load_state_dict(self.draws.state_dict())
         dropped, self.dropped = self.dropped, []
         filtered, self.filtered = self.filtered, []
-        rows = list(zip(trajs, versions)) + [(t, grp.version) for grp in dropped + filtered for t in grp.trajs]
+        rows = list(zip(trajs, versions, strict=True)) + [(t, grp.version) for grp in dropped + filtered for t in grp.trajs]
         write_rollout_dump(ctrl.out / "rollouts" / f"step_{ctrl.step:06d}.jsonl", rows, trained_at, kept,
                            {t.sample_id for grp in dropped for t in grp.trajs}, ctrl.runtime.decode,
                            filtered={t.sample_id for grp in filtered for t in grp.trajs},
@@ -724,4 +727,4 @@ def _batch_normalized(groups: list[_Group]) -> tuple[dict[tuple[int, int], float
     total = float(n.sum())
     mean = float((n * pre).sum()) / max(total, 1.0)
     std = (float((n * (pre - mean) ** 2).sum()) / max(total - 1.0, 1.0)) ** 0.5
-    return dict(zip(keys, final.tolist())), {ADV_BATCH_MEAN: mean, ADV_BATCH_STD: std}
+    return dict(zip(keys, final.tolist(), strict=True)), {ADV_BATCH_MEAN: mean, ADV_BATCH_STD: std}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
-from typing import AbstractSet, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def episode_metrics(fields: Mapping[str, Sequence], rollout_s: float) -> dict[st
 
 def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], trained_at: int, kept: set[str],
                        dropped: set[str], decode: Callable[[Sequence[int]], str],
-                       filtered: AbstractSet[str] = frozenset(), train_branches: bool = False) -> None:
+                       filtered: Set[str] = frozenset(), train_branches: bool = False) -> None:
     """``rollouts/step_NNNNNN.jsonl``: every sample of the step, failed ones included.
 
     ``rows``: ``(trajectory, sample_version)`` pairs. Each line records ``sample_version`` (engine

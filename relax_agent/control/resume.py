@@ -9,7 +9,6 @@ from typing import Any
 from relax_agent.config import RelaxConfig, dump_config
 from relax_agent.errors import CheckpointError
 
-
 EXACT_RESUME_KEYS = ("rollout.tasks_per_step", "rollout.group_size", "env.id", "env.kwargs", "run.seed")
 """Config keys (``env.kwargs`` and everything under it) whose change makes a resumed run draw
 different tasks or seeds than the uninterrupted run would have."""

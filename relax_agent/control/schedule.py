@@ -68,6 +68,7 @@ class StalenessGate:
         self.started += 1
 
     def step_done(self) -> None:
+        """Count a finished training step and wake admissions waiting on it."""
         self.steps_done += 1
         self._changed.set()
 

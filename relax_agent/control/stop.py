@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 
 class StopRequest:
@@ -22,7 +23,7 @@ class StopRequest:
         self._cancel: Callable[[], object] | None = None
         self._previous: Any = None
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self

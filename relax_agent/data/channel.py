@@ -15,9 +15,10 @@ import os
 import pickle
 import tempfile
 import threading
+from collections.abc import Callable, Coroutine
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from relax_agent.errors import DataError
 
@@ -79,6 +80,7 @@ class ChannelServer:
                     return
 
     def close(self) -> None:
+        """Stop accepting connections and remove the socket and its folder."""
         self._listener.close()  # also removes the socket file
         try:
             os.rmdir(self._dir)

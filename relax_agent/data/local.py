@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,12 +34,18 @@ class LocalTransferQueue:
     def create_partition(self, partition: str, capacity_rows: int,
                          schema: Mapping[str, FieldSpec | str | tuple] | None = None, *,
                          group_size: int | None = None, retire_after: Sequence[str] = ()) -> None:
+        """See :meth:`relax_agent.data.TransferQueue.create_partition`."""
         with self._cond:
             self._store.create_partition(partition, capacity_rows, schema, group_size, retire_after)
 
     def put(self, partition: str, sample_ids: Sequence[str], fields: Mapping[str, Sequence[Any] | np.ndarray], *,
             group_ids: Sequence[str] | None = None, versions: Sequence[int] | None = None,
             timeout_s: float | None = None, overwrite: bool = False) -> None:
+        """See :meth:`relax_agent.data.TransferQueue.put`; waits for free rows until ``timeout_s``.
+
+        Raises:
+            QueueTimeoutError: the partition still lacks room for the new rows after ``timeout_s``.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -55,6 +62,11 @@ class LocalTransferQueue:
 
     def get(self, partition: str, fields: Sequence[str], consumer: str, batch_size: int,
             timeout_s: float | None = None, sampler: str | Sampler = "fifo") -> Batch:
+        """See :meth:`relax_agent.data.TransferQueue.get`; waits for ready rows until ``timeout_s``.
+
+        Raises:
+            QueueTimeoutError: no batch is ready after ``timeout_s`` (the message says what is missing).
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -70,33 +82,39 @@ class LocalTransferQueue:
         return _batch(taken, partition, consumer)
 
     def read(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> dict[str, np.ndarray | list]:
+        """See :meth:`relax_agent.data.TransferQueue.read`."""
         with self._cond:
             taken = self._store.read(partition, sample_ids, fields)
         return _batch(taken, partition, "").fields
 
     def ack(self, lease_id: str) -> bool:
+        """See :meth:`relax_agent.data.TransferQueue.ack`; wakes waiting puts (retired rows free room)."""
         with self._cond:
             done = self._store.ack(lease_id)
             self._cond.notify_all()
             return done
 
     def nack(self, lease_id: str) -> bool:
+        """See :meth:`relax_agent.data.TransferQueue.nack`; wakes waiting gets."""
         with self._cond:
             done = self._store.nack(lease_id)
             self._cond.notify_all()
             return done
 
     def clear(self, partition: str) -> None:
+        """See :meth:`relax_agent.data.TransferQueue.clear`; wakes every waiter."""
         with self._cond:
             self._store.clear(partition)
             self._cond.notify_all()
 
     def stats(self, partition: str) -> dict[str, Any]:
+        """See :meth:`relax_agent.data.TransferQueue.stats` (expired leases are ended first)."""
         with self._cond:
             self._expire()
             return self._store.stats(partition)
 
     def close(self) -> None:
+        """Drop every partition (a fresh, empty store)."""
         with self._cond:
             self._store = Store(self.cfg.lease_timeout_s)
 

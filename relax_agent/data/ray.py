@@ -33,8 +33,9 @@ import logging
 import pickle
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -305,7 +306,7 @@ def _check_picklable(partition: str, sample_ids: list[str], fields: dict[str, An
         try:
             pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:
-            for sid, value in zip(sample_ids, values):
+            for sid, value in zip(sample_ids, values, strict=True):
                 try:
                     pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception as exc:
@@ -403,12 +404,15 @@ class RayTransferQueue:
     def create_partition(self, partition: str, capacity_rows: int,
                          schema: Mapping[str, FieldSpec | str | tuple] | None = None, *,
                          group_size: int | None = None, retire_after: Sequence[str] = ()) -> None:
+        """See :meth:`relax_agent.data.TransferQueue.create_partition` (runs on the store actor)."""
         self._call("create_partition", partition, capacity_rows, None if schema is None else dict(schema),
                    group_size, tuple(retire_after))
 
     def put(self, partition: str, sample_ids: Sequence[str], fields: Mapping[str, Sequence[Any] | np.ndarray], *,
             group_ids: Sequence[str] | None = None, versions: Sequence[int] | None = None,
             timeout_s: float | None = None, overwrite: bool = False) -> None:
+        """See :meth:`relax_agent.data.TransferQueue.put`; ids and versions are checked here, before
+        anything is sent to the store actor."""
         self._check_open("put")
         ids = check_ids(partition, "sample_ids", sample_ids)  # before anything is sent
         groups = None if group_ids is None else check_ids(partition, "group_ids", group_ids)
@@ -455,6 +459,7 @@ class RayTransferQueue:
             return Batch(lease_id, partition, consumer, ids, group_ids, versions, out)
 
     def read(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]) -> dict[str, np.ndarray | list]:
+        """See :meth:`relax_agent.data.TransferQueue.read` (runs on the store actor)."""
         ids = check_ids(partition, "sample_ids", sample_ids)
         pieces, specs, blob = self._call("read", partition, ids, list(fields))
         return _unpack(partition, ids, pieces, specs, blob, "nothing was read")
@@ -467,15 +472,19 @@ class RayTransferQueue:
             pass
 
     def ack(self, lease_id: str) -> bool:
+        """See :meth:`relax_agent.data.TransferQueue.ack` (runs on the store actor)."""
         return self._call("ack", lease_id)
 
     def nack(self, lease_id: str) -> bool:
+        """See :meth:`relax_agent.data.TransferQueue.nack` (runs on the store actor)."""
         return self._call("nack", lease_id)
 
     def clear(self, partition: str) -> None:
+        """See :meth:`relax_agent.data.TransferQueue.clear` (runs on the store actor)."""
         self._call("clear", partition)
 
     def stats(self, partition: str) -> dict[str, Any]:
+        """See :meth:`relax_agent.data.TransferQueue.stats` (runs on the store actor)."""
         return self._call("stats", partition)
 
     def close(self) -> None:
@@ -502,7 +511,7 @@ def _unpack(partition: str, ids: list[str], pieces: dict[str, list[tuple[Any, in
                         f"({type(exc).__name__}: {exc}); {then} (put values whose classes "
                         "every process of the cluster can import)") from exc
     try:
-        resolved = dict(zip(refs, ray.get(refs)))
+        resolved = dict(zip(refs, ray.get(refs), strict=True))
     except _LOST as exc:
         raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
                         f"({type(exc).__name__}); {then}; clear the partition") from exc

@@ -15,8 +15,9 @@ or says "not yet" (``None``), in which case ``get`` keeps waiting for more rows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from relax_agent.errors import DataError
 
@@ -42,13 +43,15 @@ class RowMeta:
 class Sampler(Protocol):
     """Picks a batch from ready rows (oldest first), or returns ``None`` to wait for more."""
 
-    def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None: ...
+    def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None:
+        """Sample ids of the batch to lease from ``rows`` (ready, oldest first), or None to wait for more."""
 
 
 class FifoSampler:
     """The oldest ``batch_size`` ready rows."""
 
     def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None:
+        """The first ``batch_size`` rows, or None while fewer are ready."""
         out = []
         for row in rows:
             out.append(row.sample_id)
@@ -70,6 +73,12 @@ class GroupSampler:
     group_size: int
 
     def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None:
+        """The first complete groups (same group id and version) up to ``batch_size`` rows, or None while
+        too few are complete.
+
+        Raises:
+            DataError: ``batch_size`` is not a multiple of ``group_size``.
+        """
         if batch_size % self.group_size:
             raise DataError(f"batch_size={batch_size} is not a multiple of group_size={self.group_size}: "
                             "the group sampler never splits a group")
@@ -99,6 +108,8 @@ class TokenBudgetSampler:
     length_field: str = "response_ids"
 
     def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None:
+        """The oldest rows until ``batch_size`` rows or ``max_tokens`` tokens (the first row always fits), or
+        None while neither bound is reached."""
         out: list[str] = []
         tokens = 0
         for row in rows:
@@ -123,6 +134,11 @@ class IdsSampler:
     sample_ids: tuple[str, ...]
 
     def select(self, rows: Iterable[RowMeta], batch_size: int) -> list[str] | None:
+        """``sample_ids`` once every one of them is ready, else None.
+
+        Raises:
+            DataError: ``batch_size`` differs from the number of ``sample_ids``.
+        """
         if batch_size != len(self.sample_ids):
             raise DataError(f"IdsSampler names {len(self.sample_ids)} rows but batch_size={batch_size}")
         wanted = set(self.sample_ids)

@@ -14,8 +14,9 @@ put of a field) and returns it with each row's length along the ragged dimension
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,7 @@ class FieldSpec:
 
     @property
     def numeric(self) -> bool:
+        """Whether the field is stored as a numpy array (any dtype but ``object``)."""
         return self.dtype != OBJECT
 
     @property
@@ -71,6 +73,7 @@ class FieldSpec:
         return self.numeric and not self.ragged
 
     def row_shape_ok(self, shape: tuple[int, ...]) -> bool:
+        """Whether one row's array ``shape`` fits: ``shape`` itself, or ``[n, *shape]`` for a ragged field."""
         if self.ragged:
             return len(shape) == len(self.shape) + 1 and shape[1:] == self.shape
         return shape == self.shape
@@ -216,7 +219,7 @@ def make_chunk(
         raise DataError(
             f"field {field!r} of sample {sample_ids[0]!r}: dtype {values.dtype.name} does not match the partition's {spec}"
         )
-    rows = [_convert_row(v, spec, field, sid) for v, sid in zip(values, sample_ids)]
+    rows = [_convert_row(v, spec, field, sid) for v, sid in zip(values, sample_ids, strict=True)]
     if spec.stacks:
         return Chunk(_readonly(np.stack(rows) if rows[0].ndim else np.asarray(rows, dtype=spec.dtype)), spec, [1] * n)
     return Chunk(rows, spec, [len(r) for r in rows])

@@ -15,8 +15,9 @@ import itertools
 import numbers
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -219,6 +220,7 @@ class Store:
         self._partitions[partition] = fresh
 
     def free_rows(self, partition: str) -> int:
+        """Rows ``partition`` can still take before it reaches ``capacity_rows``."""
         part = self._partition(partition)
         return part.capacity_rows - len(part.rows)
 
@@ -255,7 +257,7 @@ class Store:
         chunks = {name: self._chunk(part, name, values, ids) for name, values in fields.items()}
         if not overwrite:
             for name in chunks:
-                for sid, is_new in zip(ids, new):
+                for sid, is_new in zip(ids, new, strict=True):
                     if not is_new and name in part.rows[sid].values:
                         raise DataError(f"partition {partition!r}: field {name!r} of sample {sid!r} is already "
                                         "written (pass overwrite=True to replace it)")
@@ -292,7 +294,7 @@ class Store:
         policy version: a surplus row could never be handed out by the group sampler, and a group
         of mixed versions has no single version to train on."""
         live = {gid: part.groups[gid] for gid in group_ids if gid in part.groups}
-        for gid, version in zip(group_ids, versions):
+        for gid, version in zip(group_ids, versions, strict=True):
             have, count = live.get(gid, (version, 0))
             if have != version:
                 raise DataError(f"partition {part.name!r}: group {gid!r} holds rows of policy version {have}; "
@@ -318,7 +320,7 @@ class Store:
         assert part.capacity_rows - len(part.rows) >= plan.new_rows
         for name, (_, spec, _) in plan.chunks.items():
             part.schema.setdefault(name, spec)
-        for i, (sid, is_new) in enumerate(zip(plan.sample_ids, plan.new)):
+        for i, (sid, is_new) in enumerate(zip(plan.sample_ids, plan.new, strict=True)):
             if is_new:
                 assert plan.group_ids is not None and plan.versions is not None  # _check_ids requires both for new rows
                 row = _Row(len(part.order), str(plan.group_ids[i]), int(plan.versions[i]))
@@ -334,6 +336,11 @@ class Store:
     # -- get ----------------------------------------------------------------------------------
 
     def check_fields(self, partition: str, fields: Sequence[str]) -> None:
+        """Check the ``fields`` a get asks of ``partition``.
+
+        Raises:
+            DataError: no field is named, or (fixed schema) a field is not in the schema.
+        """
         part = self._partition(partition)
         if not fields:
             raise DataError(f"partition {partition!r}: get needs at least one field")
@@ -417,7 +424,7 @@ class Store:
             raise DataError(f"read from partition {partition!r}: {len(gone)} of {len(ids)} rows are not live "
                             f"({len(retired)} retired, {len(gone) - len(retired)} never put), e.g. {gone[:3]}")
         rows = [part.rows[sid] for sid in ids]
-        lacking = {name: [sid for sid, row in zip(ids, rows) if name not in row.values] for name in fields}
+        lacking = {name: [sid for sid, row in zip(ids, rows, strict=True) if name not in row.values] for name in fields}
         lacking = {name: bad for name, bad in lacking.items() if bad}
         if lacking:
             name, bad = next(iter(lacking.items()))
@@ -479,6 +486,7 @@ class Store:
         return len(expired)
 
     def next_deadline(self) -> float | None:
+        """The earliest lease deadline (``time.monotonic()`` seconds), or None without a lease."""
         return min((lease.deadline for lease in self._leases.values()), default=None)
 
     def _finished_state(self, lease_id: str) -> tuple[str, Lease]:
@@ -610,7 +618,7 @@ def _check_ref(partition: str, name: str, ref: RefField, ids: list[str],
                         f"match the partition's {spec}")
     if not spec.numeric:
         return spec, [1] * len(ids)
-    for sid, shape in zip(ids, ref.row_shapes):
+    for sid, shape in zip(ids, ref.row_shapes, strict=True):
         if not spec.row_shape_ok(tuple(shape)):
             raise DataError(f"partition {partition!r}: field {name!r} of sample {sid!r}: shape {list(shape)} does "
                             f"not match the partition's {spec}")

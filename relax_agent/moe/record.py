@@ -13,7 +13,8 @@ the context tokens, media tokens included, are replayed too.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -26,8 +26,9 @@ so there every position before the last sampled token is replayed, media tokens 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn

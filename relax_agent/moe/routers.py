@@ -20,8 +20,8 @@ replayed experts are the ones the router would have chosen.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from torch import nn

@@ -10,8 +10,9 @@ concatenation lines every item up with its own tokens.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ class MediaTrainBatch(TrainBatch):
         super().__post_init__()
         assert len(self.media) == self.size, "one media entry per row"
 
-    def to(self, device: torch.device | str) -> "MediaTrainBatch":
+    def to(self, device: torch.device | str) -> MediaTrainBatch:
         """The same batch with every tensor on ``device`` (media arrays move at forward time)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in moved.items():
@@ -42,10 +43,10 @@ class MediaTrainBatch(TrainBatch):
                 moved[name] = value.to(device)
         return MediaTrainBatch(**moved)
 
-    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list["MediaTrainBatch"]:
+    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list[MediaTrainBatch]:
         """:meth:`TrainBatch.split` keeping each micro-batch's rows' media."""
         out: list[MediaTrainBatch] = []
-        for rows, micro in zip(self.micro_slices(micro_batch_size, max_tokens), super().split(micro_batch_size, max_tokens)):
+        for rows, micro in zip(self.micro_slices(micro_batch_size, max_tokens), super().split(micro_batch_size, max_tokens), strict=True):
             parts = {f.name: getattr(micro, f.name) for f in fields(TrainBatch)}
             out.append(MediaTrainBatch(**parts, media=self.media[rows]))
         return out

@@ -20,8 +20,9 @@ trajectory's metrics (:data:`AUDIO_CLIPS_CUT`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.multimodal.render import MediaRenderer, MediaSegment

@@ -29,18 +29,19 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
-from relax_agent.weights.digest import Expected, load_failure, tensor_digest
 from relax_agent.moe.record import build_route_recorder
 from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.processor import MediaFamily, check_placeholders
 from relax_agent.records import MediaInputs
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.weights.digest import Expected, load_failure, tensor_digest
 
 
 @dataclass
@@ -167,7 +168,7 @@ class MediaEngine:
         n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
         tokens = tokens[:n]
         logprobs = [float(torch.log_softmax(step[0].float() / params.temperature, -1)[t])
-                    for step, t in zip(out.logits, tokens)]
+                    for step, t in zip(out.logits, tokens, strict=False)]  # tokens: cut at the stop token
         self.stats.sequences += 1
         self.stats.new_tokens += len(tokens)
         self.stats.media_items += 0 if media is None else len(media)

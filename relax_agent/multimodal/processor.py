@@ -21,16 +21,23 @@ gives the timestamps and the renderer writes them (:mod:`relax_agent.multimodal.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from relax_agent.errors import ConfigError, DataError
-from relax_agent.multimodal.parts import (AUDIO_RATE_HZ, MAX_ASPECT_RATIO, MAX_IMAGE_PIXELS, decode_audio, decode_image,
-                                         decode_video, part_kind)
+from relax_agent.multimodal.parts import (
+    AUDIO_RATE_HZ,
+    MAX_ASPECT_RATIO,
+    MAX_IMAGE_PIXELS,
+    decode_audio,
+    decode_image,
+    decode_video,
+    part_kind,
+)
 from relax_agent.records import MEDIA_KINDS, MediaInputs
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_omni_thinker")
@@ -91,7 +98,7 @@ class MediaFamily:
     timestamped_video: bool = False
 
     @classmethod
-    def from_config(cls, config: Any) -> "MediaFamily":
+    def from_config(cls, config: Any) -> MediaFamily:
         """Read the family from a transformers config.
 
         Raises:
@@ -208,7 +215,7 @@ class MediaProcessor:
         return [(indices[i] + indices[i + tp - 1]) / 2 / self.video_fps for i in range(0, len(indices), tp)]
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, config: Any, **limits: Any) -> "MediaProcessor":
+    def from_pretrained(cls, folder: str | Path, config: Any, **limits: Any) -> MediaProcessor:
         """The processor of a model folder: its ``preprocessor_config.json`` when present (image
         processor and Whisper feature extractor both read it, as in Qwen2.5-Omni checkpoints), else
         class defaults with the config's patching. A Qwen3-VL folder's ``video_preprocessor_config.json``
@@ -323,7 +330,7 @@ def check_media_inputs(media: MediaInputs, family: MediaFamily, where: str = "me
     seen = {"image": 0, "video": 0, "audio": 0}
     grids = {"image": media.arrays.get("image_grid_thw"), "video": media.arrays.get("video_grid_thw")}
     rows = {"image": 0, "video": 0}
-    for i, (kind, n) in enumerate(zip(media.kinds, media.num_tokens)):
+    for i, (kind, n) in enumerate(zip(media.kinds, media.num_tokens, strict=True)):
         j = seen[kind]
         seen[kind] += 1
         if kind == "audio":
@@ -358,7 +365,7 @@ def check_placeholders(token_ids: Any, media: MediaInputs | None, family: MediaF
     expect = {k: 0 for k in family.token_ids}
     if media is not None:
         check_media_inputs(media, family, where)
-        for kind, n in zip(media.kinds, media.num_tokens):
+        for kind, n in zip(media.kinds, media.num_tokens, strict=True):
             expect[kind] = expect.get(kind, 0) + n
     for kind, n in counts.items():
         if n != expect.get(kind, 0):

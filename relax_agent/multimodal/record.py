@@ -16,7 +16,8 @@ No torch here: the control loop imports this module.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def split_items(media: MediaInputs) -> list[MediaInputs]:
     seen = {"image": 0, "video": 0, "audio": 0}
     patch = {"image": 0, "video": 0}
     out = []
-    for kind, n in zip(media.kinds, media.num_tokens):
+    for kind, n in zip(media.kinds, media.num_tokens, strict=True):
         j = seen[kind]
         seen[kind] += 1
         arrays: dict[str, np.ndarray] = {}
@@ -82,7 +83,7 @@ def item_starts(token_ids: Sequence[int], kinds: Sequence[str], num_tokens: Sequ
             positions.setdefault(kind, []).append(i)
     used = {k: 0 for k in positions}
     out = []
-    for kind, n in zip(kinds, num_tokens):
+    for kind, n in zip(kinds, num_tokens, strict=True):
         at = used.get(kind, 0)
         if at + n > len(positions.get(kind, ())):
             return None

@@ -28,8 +28,9 @@ image does not stall the other episodes on the event loop; tokenizing stays on t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from relax_agent.errors import ConfigError, EnvError
 from relax_agent.multimodal.parts import part_kind, video_frame_count
@@ -164,7 +165,7 @@ class MediaRenderer:
         if not parts:
             return ids, None
         queues: dict[str, list[tuple[MediaInputs, Any]]] = {}
-        for item, part in zip(items, parts):
+        for item, part in zip(items, parts, strict=True):
             queues.setdefault(item.kinds[0], []).append((item, part))
         f = self.family
         out: list[int] = []

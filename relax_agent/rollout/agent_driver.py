@@ -55,8 +55,9 @@ import signal
 import sys
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.errors import EnvError

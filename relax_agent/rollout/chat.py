@@ -47,10 +47,12 @@ check for start-up code.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from relax_agent.errors import ConfigError, EnvError
 from relax_agent.rollout.engines.base import default_stop_ids
@@ -474,7 +476,7 @@ class ChatRenderer:
         a = self.tokenizer(closed, add_special_tokens=False, return_offsets_mapping=True)
         b = self.tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
         a_ids, b_ids = list(a["input_ids"]), list(b["input_ids"])
-        k = next((j for j, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y), min(len(a_ids), len(b_ids)))
+        k = next((j for j, (x, y) in enumerate(zip(a_ids, b_ids, strict=False)) if x != y), min(len(a_ids), len(b_ids)))
         special = self._special_ids
         if k < len(a_ids):  # the template closes the turn with another token when `roles` follow
             if k < len(b_ids) and a_ids[k] in special and b_ids[k] in special:
@@ -627,13 +629,13 @@ class ChatRenderer:
         cuts = sorted({s + i + 1 for s, e in spans for tok in self._added for i in _find_all(text[s:e], tok)})
         bounds = [0, *cuts, len(text)]
         ids: list[int] = []
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             ids += self.tokenizer(text[lo:hi], add_special_tokens=False)["input_ids"]
         return ids
 
 
 def _common_prefix(a: str, b: str) -> str:
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     return a[:n]
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
@@ -110,6 +111,7 @@ class Deadline:
 
     @property
     def remaining_s(self) -> float:
+        """Seconds left until the deadline (negative once it has passed)."""
         return self.at - time.monotonic()
 
     async def call(self, awaitable: Awaitable[T], what: str, limit_s: float | None = None,

@@ -49,12 +49,17 @@ class EnvCalls:
         return await self.deadline.call(awaitable, what, self.spec.step_timeout_s, step_timeout_cause(self.spec))
 
     async def reset(self, **kwargs: Any) -> Any:
+        """Reset the env (its ``areset``, else ``reset`` in a worker thread), bounded by ``step_timeout_s``
+        and the episode's deadline; returns ``(observation, info)``."""
         self.steps = 0
         if self.target is not None:
             return await self._call(self.target.areset(**kwargs), "env.reset")
         return await self._call(call_in_thread(self.env.reset, **kwargs), "env.reset")
 
     async def step(self, action: dict[str, Any]) -> Any:
+        """Step the env with ``action`` (its ``astep``, else ``step`` in a worker thread), bounded as
+        :meth:`reset`; returns gymnasium's 5-tuple, ``truncated`` set at ``max_steps`` for an ``astep``
+        env (what ``TimeLimit`` does for ``step``)."""
         self.steps += 1
         what = f"env.step {self.steps}"
         if self.target is None:

@@ -17,15 +17,16 @@ observation that does not fit ends the episode with stop reason "max_total_token
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.records import StopReason, Trajectory
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
-from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
+from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 

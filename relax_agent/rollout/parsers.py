@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from relax_agent.errors import ConfigError
 
@@ -66,7 +67,8 @@ class ToolCallParser(Protocol):
     which such a parser drops; see :class:`ReadsSpecialTokens`). Without the attribute they are skipped.
     """
 
-    def parse(self, text: str) -> ParsedAction: ...
+    def parse(self, text: str) -> ParsedAction:
+        """The content, tool calls, parse errors and reasoning of one sampled turn's ``text``."""
 
 
 @runtime_checkable
@@ -166,6 +168,8 @@ class HermesParser:
         return "\n".join(f"{self.OPEN}\n{json.dumps(c, ensure_ascii=False)}\n{self.CLOSE}" for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
+        """Every ``<tool_call>`` block as a call (a malformed block as an error); the text around
+        the blocks is the content."""
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
         content: list[str] = []
@@ -266,6 +270,9 @@ class JsonParser:
         return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
 
     def parse(self, text: str) -> ParsedAction:
+        """Every JSON call object (or list of them) in ``text`` as a call; the rest is content. With
+        ``strict``, a reply starting with ``{``/``[`` must be exactly one JSON value of calls (else a parse
+        error), and any other reply is content."""
         if self.strict:
             return self._parse_strict(text)
         calls: list[dict[str, Any]] = []
@@ -336,6 +343,8 @@ class FencedJsonParser:
         return f"```json\n{json.dumps(body, ensure_ascii=False)}\n```"
 
     def parse(self, text: str) -> ParsedAction:
+        """The calls in ```` ```json ```` fences (and, not strict, untagged fences); other text and fences
+        are content."""
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
         content: list[str] = []

@@ -9,7 +9,8 @@ could not be played (the tokens so far are kept for inspection).
 from __future__ import annotations
 
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from relax_agent.records import RewardStatus, StopReason, Trajectory, Turn
 from relax_agent.rollout.driver import EpisodeSpec, EpisodeTimeout

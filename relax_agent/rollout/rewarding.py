@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from relax_agent.reward_services import ENV_REWARD_KEY, RewardConfig, RewardFunction, RewardItem
 from relax_agent.records import Trajectory
+from relax_agent.reward_services import ENV_REWARD_KEY, RewardConfig, RewardFunction, RewardItem
 
 
 def needs_scoring(cfg: RewardConfig) -> bool:

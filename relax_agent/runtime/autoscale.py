@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from relax_agent import metrics as M
 

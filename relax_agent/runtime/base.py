@@ -9,8 +9,9 @@ or Serve deployments elsewhere) implements both.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from relax_agent.records import Trajectory
 from relax_agent.rollout.engines.base import SamplingParams
@@ -104,7 +105,8 @@ class RolloutService(Protocol):
         under Ray, replicas, restarts and heartbeats), merged into each step's row."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the engine(s) and anything else the service started."""
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ class TrainerService(Protocol):
         """Write the policy (weights and tokenizer) to folder ``path``."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the trainer (and its process, under Ray)."""
 
 
 @dataclass

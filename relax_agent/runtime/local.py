@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from relax_agent.records import Trajectory, trajectory_fields
 from relax_agent.rollout.engines.base import SamplingParams
@@ -41,9 +42,13 @@ class LocalRolloutService:
 
     @property
     def policy_version(self) -> int:
+        """The version of the weights the runner's engine samples with now."""
         return self.runner.engine.policy_version
 
     async def play_group(self, job: GroupJob, params: SamplingParams) -> GroupDone:
+        """Play ``job``'s episodes with the in-process runner and put their rows on the bus (in a worker
+        thread, so a full partition does not block the event loop); returns what was put, with the
+        version the group started with and its wall time."""
         t0 = time.perf_counter()
         version = self.policy_version
         specs = [dataclasses.replace(s, group_id=job.group_id, sample_id=f"{job.group_id}/{i}")
@@ -55,9 +60,12 @@ class LocalRolloutService:
         return GroupDone(job, ids, version, time.perf_counter() - t0)
 
     def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
+        """The runner's episode specs of ``tasks`` (evaluation plays these without the bus)."""
         return self.runner.specs(tasks, group_size, prefix=prefix, seed=seed)
 
     def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
+        """Rendered reference replies of ``tasks`` (:func:`demonstration_fields` with the driver's env,
+        renderer and parser)."""
         from relax_agent.rollout.demonstrations import demonstration_fields
 
         driver = self.runner.driver
@@ -65,14 +73,17 @@ class LocalRolloutService:
 
     async def run(self, specs: Sequence[Any], params: SamplingParams,
                   on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Play ``specs`` with the runner and return their trajectories (evaluation; nothing is put on the bus)."""
         return await self.runner.run(specs, params, on_done)
 
     def metrics(self) -> dict[str, float]:
+        """The engine's own metrics (:func:`engine_metrics`; empty for an engine that reports none)."""
         from relax_agent.rollout.engines.base import engine_metrics
 
         return dict(engine_metrics(self.runner.engine))  # a user's engine may report none
 
     def close(self) -> None:
+        """Close the runner's engine."""
         self.runner.engine.close()
 
 
@@ -96,6 +107,8 @@ class LocalTrainerService:
         self.bus = bus
 
     def train(self, ref: TrainRef) -> dict[str, float]:
+        """Read ``ref``'s rows, take one update and publish the weights as ``ref.version``; returns the
+        update's metrics, the bus read time (``timing/bus_read_s``) and the weight-sync metrics."""
         fields, read_s = self.read(ref)
         out = self.update(fields)
         out["timing/bus_read_s"] = read_s
@@ -140,6 +153,7 @@ class LocalTrainerService:
         return out
 
     def rows_needed_after(self) -> int | None:
+        """None: an in-process trainer is never rebuilt, so it never reads a row again."""
         return None  # an in-process trainer is never rebuilt: it reads each row once
 
     def _publish(self, version: int) -> dict[str, float]:
@@ -148,23 +162,28 @@ class LocalTrainerService:
         return {"timing/weight_sync_s": time.perf_counter() - t0, **stats.as_metrics()}
 
     def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
+        """One supervised update on demonstration rows (every advantage 1.0) at learning rate ``lr``."""
         from relax_agent.train.collate import collate_fields
 
         batch = collate_fields(fields, self.pad_token_id, advantages=[1.0] * len(fields["token_ids"]))
         return self.trainer.sft_step(batch, lr)
 
     def end_sft(self, version: int) -> dict[str, float]:
+        """End the trainer's warm-up and publish its weights as ``version``; returns weight-sync metrics."""
         self.trainer.end_sft()
         return self._publish(version)
 
     def restore(self, trainer_state: dict[str, Any], version: int) -> None:
+        """Load ``trainer_state`` into the trainer and publish its weights as ``version``."""
         self.trainer.load_state_dict(trainer_state)
         self._publish(version)
 
     def state_dict(self) -> dict[str, Any]:
+        """The trainer's state for a checkpoint."""
         return self.trainer.state_dict()
 
     def save_model(self, path: Any) -> None:
+        """Write the policy's weights (and, when the service has one, its tokenizer) to folder ``path``."""
         self.trainer.save_model(Path(path))
         if self._save_tokenizer is not None:
             self._save_tokenizer(Path(path))
@@ -186,9 +205,8 @@ def build_local_runtime(cfg: Any, roles: Any, bus: Any) -> Runtime:
     Weights go through ``weights.transport`` in async mode and through ``inproc`` in colocate
     mode (the engine shares the trainer's device and process).
     """
-    from relax_agent.weights import build_weight_sync
-
     from relax_agent.rollout.engines.base import route_layout_of
+    from relax_agent.weights import build_weight_sync
 
     routes = route_layout_of(roles.engine)
     rollout = LocalRolloutService(roles.runner, bus, PARTITION, routes)

@@ -171,6 +171,7 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
         EngineError: replicas did not become ready (names the last failure).
     """
     from relax_agent.data.ray import RayTransferQueue, start_ray
+    from relax_agent.roles import DriverRoles
     from relax_agent.runtime.ray_control import ControlServer
     from relax_agent.runtime.ray_health import start_health
     from relax_agent.runtime.ray_roles import COORDINATOR, DATA_BUS, HEALTH, GuardedBus, RoleWatch
@@ -179,8 +180,6 @@ def build_ray_runtime(cfg: Any, roles: Any) -> tuple[Runtime, Any]:
     from relax_agent.runtime.ray_trainer import RayTrainerService
     from relax_agent.runtime.ray_weights import ActorCoordinator, start_coordinator
     from relax_agent.weights.auth import RunCredential
-
-    from relax_agent.roles import DriverRoles
 
     if not isinstance(roles, DriverRoles):
         raise ConfigError(f"runtime.kind='ray' was handed {type(roles).__name__}: the driver's roles are built by "

@@ -98,6 +98,7 @@ class ControlServer:
             json.dump({"url": self.url, "token": self.token, "pid": os.getpid()}, f)
 
     def close(self) -> None:
+        """Stop serving and remove the address file."""
         self._server.shutdown()
         self._server.server_close()
         try:

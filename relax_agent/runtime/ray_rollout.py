@@ -23,8 +23,9 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 
@@ -224,6 +225,7 @@ class ReplicaPool:
         """(time, event, replica name, detail): started, ready, failed, removed."""
 
     def log(self, event: str, rep: Replica, detail: str = "") -> None:
+        """Record ``event`` (``detail``: free text) about replica ``rep`` with the wall-clock time."""
         with self.lock:
             self.events.append((time.time(), event, rep.name, detail))
 
@@ -233,6 +235,7 @@ class ReplicaPool:
             return [r for r in self.replicas if r.state in (STARTING, READY)]
 
     def in_state(self, *states: str) -> list[Replica]:
+        """The replicas now in one of ``states``."""
         with self.lock:
             return [r for r in self.replicas if r.state in states]
 
@@ -249,6 +252,7 @@ class ReplicaPool:
             return rep
 
     def release(self, rep: Replica, done: bool) -> None:
+        """End one call on ``rep``: one fewer in flight, one more group done when ``done``."""
         with self.lock:
             rep.in_flight -= 1
             rep.groups_done += int(done)
@@ -347,6 +351,8 @@ class RayRolloutService:
         return await asyncio.to_thread(self.supervisor.dead_role)
 
     async def play_group(self, job: GroupJob, params: SamplingParams) -> GroupDone:
+        """Play ``job`` on a replica (another one if the replica dies; see :meth:`_on_replica`) and
+        record each replica's first group (the version it played and the latest one then)."""
         first: dict[str, Any] = {}
 
         def call(rep: Replica, attempt: int) -> Any:
@@ -362,6 +368,7 @@ class RayRolloutService:
         return done
 
     def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
+        """Episode specs of ``tasks`` as the replicas' runners make them (evaluation plays these)."""
         return self._specs(tasks, group_size, prefix=prefix, seed=seed)
 
     def demonstrations(self, tasks: Sequence[Task], seed: int) -> dict[str, list[Any]]:
@@ -394,7 +401,7 @@ class RayRolloutService:
         async def one(indices: list[int]) -> None:
             chunk = [specs[i] for i in indices]
             trajs = await self._on_replica(lambda rep, _: rep.handle.run.remote(chunk, params), "evaluation")
-            for i, traj in zip(indices, trajs):
+            for i, traj in zip(indices, trajs, strict=True):
                 out[i] = traj
                 if on_done is not None:
                     on_done(traj)

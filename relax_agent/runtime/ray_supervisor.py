@@ -53,6 +53,7 @@ import ray
 from relax_agent.errors import ConfigError, EngineError, RuntimeServiceError
 from relax_agent.runtime.base import PARTITION
 from relax_agent.runtime.ray import placement, record_placement, replica_env_vars
+from relax_agent.runtime.ray_roles import HEALTH, RoleWatch, describe_failure
 from relax_agent.runtime.ray_rollout import (
     DRAINING,
     FAILED,
@@ -63,7 +64,6 @@ from relax_agent.runtime.ray_rollout import (
     ReplicaPool,
     RolloutReplica,
 )
-from relax_agent.runtime.ray_roles import HEALTH, RoleWatch, describe_failure
 
 log = logging.getLogger("relax_agent.runtime")
 

@@ -33,9 +33,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import ray
 
@@ -55,7 +56,7 @@ def _run_only(method: Callable[..., Any]) -> Callable[..., Any]:
     the actor is named, so any process joined to the run's Ray could otherwise read the policy
     (``state_dict``), train it on its own rows or publish."""
 
-    def guarded(self: "TrainerActor", *args: Any, credential: Any = None, **kwargs: Any) -> Any:
+    def guarded(self: TrainerActor, *args: Any, credential: Any = None, **kwargs: Any) -> Any:
         if not same_secret(self.coordinator.credential.publisher, getattr(credential, "publisher", None)):
             log.warning("trainer actor: refused %s: the caller does not hold the run's publisher credential",
                         method.__name__)
@@ -211,17 +212,21 @@ class TrainerActor:
 
     @_run_only
     def state_dict(self) -> dict[str, Any]:
+        """The trainer state for a checkpoint (in the actor's work thread)."""
         return self._work(self.service.state_dict)
 
     @_run_only
     def save_model(self, path: str) -> None:
+        """Write the policy (weights and tokenizer) to folder ``path`` on the actor's host."""
         self._work(lambda: self.service.save_model(path))
 
     def pid(self) -> int:
+        """The actor's process id."""
         return os.getpid()
 
     @_run_only
     def stop(self) -> None:
+        """Close the trainer service, if one is built (the actor itself stays)."""
         if self.service is not None:
             self.service.close()
             self.service = None
@@ -334,6 +339,8 @@ class RayTrainerService:
 
     # -- the protocol -----------------------------------------------------------------------------
     def train(self, ref: TrainRef) -> dict[str, float]:
+        """One update on the actor (see :meth:`TrainerService.train`), logged so that a rebuilt trainer
+        can replay it; the metrics include the supervisor's."""
         self._trim_to_checkpoint()
         out = self._call(lambda: self.actor.train.remote(ref, credential=self._credential))
         self._log.append(("train", ref, ref.version))
@@ -356,11 +363,13 @@ class RayTrainerService:
         return self.cfg.runtime.max_trainer_restarts > 0 and self.cfg.checkpoint.every_steps > 0
 
     def sft(self, fields: Mapping[str, Any], lr: float) -> dict[str, float]:
+        """One supervised update on the actor, logged for a rebuilt trainer to replay."""
         out = self._call(lambda: self.actor.sft.remote(fields, lr, credential=self._credential))
         self._log.append(("sft", fields, lr))
         return out
 
     def end_sft(self, version: int) -> dict[str, float]:
+        """End the warm-up on the actor and publish its weights as ``version`` (logged for a rebuild)."""
         out = self._call(lambda: self.actor.end_sft.remote(version, credential=self._credential))
         self._log.append(("end_sft", None, version))
         self._version = version
@@ -382,13 +391,16 @@ class RayTrainerService:
         self._call(lambda: self.actor.publish.remote(version, credential=self._credential))
 
     def state_dict(self) -> dict[str, Any]:
+        """The actor's trainer state for a checkpoint."""
         return self._call(lambda: self.actor.state_dict.remote(credential=self._credential))
 
     def save_model(self, path: Any) -> None:
+        """Write the policy (weights and tokenizer) to folder ``path`` from the actor."""
         self._call(lambda: self.actor.save_model.remote(str(path), credential=self._credential))
         self._saved = True
 
     def close(self) -> None:
+        """Stop the actor's trainer (within 30 s; a dead actor is skipped) and kill the actor."""
         try:
             ray.get(self.actor.stop.remote(credential=self._credential), timeout=30.0)
         except Exception:  # dead already
@@ -437,7 +449,7 @@ class RayTrainerService:
         finally:
             self.supervisor.note_trainer_call(None)
 
-    def _hung(self, running_s: float, limit: float) -> "_TrainerHung":
+    def _hung(self, running_s: float, limit: float) -> _TrainerHung:
         """Say that the call in flight hangs (console, ``/status``), kill the actor; the error to recover from."""
         beat = self.supervisor.trainer_beat()
         age, info = beat if beat is not None and beat[1].get("pid") == self.pid else (None, {})

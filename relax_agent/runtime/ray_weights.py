@@ -110,6 +110,7 @@ class CoordinatorActor:
         return getattr(self._coord, method)(*args, **kwargs)
 
     def epoch(self) -> str:
+        """The coordinator's epoch (random unless given: a restarted coordinator is told apart by it)."""
         return self._coord.epoch
 
 
@@ -143,7 +144,7 @@ class ActorCoordinator:
         self.handle = handle
         self.credential = credential
 
-    def for_subscribers(self) -> "ActorCoordinator":
+    def for_subscribers(self) -> ActorCoordinator:
         """This coordinator with a subscriber-only credential (for replicas and the driver)."""
         return ActorCoordinator(self.handle, self.credential.subscriber_only())
 
@@ -152,31 +153,42 @@ class ActorCoordinator:
 
     # publisher side (WeightSync)
     def register_publisher(self, address: str | None) -> str:
+        """Register the publisher serving bytes at ``address``; returns its fencing token
+        (:meth:`Coordinator.register_publisher`)."""
         return ray.get(self.handle.register_publisher.remote(address, self.credential))
 
     def commit(self, meta: VersionMeta, publisher: str | None = None) -> VersionMeta:
+        """Make ``meta`` the latest version (:meth:`Coordinator.commit`); returns it stamped."""
         return self._call("commit", meta, publisher=publisher)
 
     def retract(self, version: int) -> bool:
+        """Withdraw ``version`` if it is the latest (:meth:`Coordinator.retract`)."""
         return self._call("retract", version)
 
     def subscribers(self) -> list[str]:
+        """Ids of the registered subscribers."""
         return self._call("subscribers")
 
     def wait_reports(self, version: int, subscribers: list[str],
                      timeout_s: float) -> tuple[dict[str, ApplyReport], list[str]]:
+        """Wait up to ``timeout_s`` for ``subscribers`` to report ``version``; returns (reports, missing)
+        (:meth:`Coordinator.wait_reports`)."""
         done, missing, _ = self.wait_reports_dropping(version, subscribers, timeout_s, math.inf)
         return done, missing
 
     def wait_reports_dropping(self, version: int, subscribers: list[str], timeout_s: float,
                               silence_s: float) -> tuple[dict[str, ApplyReport], list[str], list[str]]:
+        """:meth:`wait_reports`, unregistering missing subscribers silent for ``silence_s``; returns
+        (reports, missing, dropped) (:meth:`Coordinator.wait_reports_dropping`)."""
         return self._call("wait_reports_dropping", version, subscribers, timeout_s, silence_s)
 
     def reported_version(self, subscriber: str) -> int | None:
+        """The version of ``subscriber``'s last report (None: none yet, or not registered)."""
         return self._call("reported_version", subscriber)
 
     @property
     def latest_version(self) -> int | None:
+        """The number of the latest complete version (None before the first commit)."""
         meta = self.latest()
         return None if meta is None else meta.version
 
@@ -185,24 +197,32 @@ class ActorCoordinator:
 
     # both sides
     def latest(self) -> VersionMeta | None:
+        """The latest complete version (None before the first commit)."""
         return self._call("latest")
 
     def describe(self) -> dict[str, Any]:
+        """Publisher, subscribers, latest version and last reports (for status endpoints)."""
         return self._call("describe")
 
     # subscriber side (EngineSubscriber)
     def register_subscriber(self, name: str) -> str:
+        """Add a subscriber named ``name``; returns its id."""
         return self._call("register_subscriber", name)
 
     def unregister_subscriber(self, subscriber: str) -> None:
+        """Remove ``subscriber``."""
         self._call("unregister_subscriber", subscriber)
 
     def is_registered(self, subscriber: str) -> bool:
+        """Whether ``subscriber`` is registered with this coordinator (also a keep-alive)."""
         return self._call("is_registered", subscriber)
 
     def wait_for_version(self, after: int | None, timeout_s: float, subscriber: str | None = None,
                          epoch: str | None = None) -> VersionMeta | None:
+        """Long poll for a version newer than ``after`` (:meth:`Coordinator.wait_for_version`); None after
+        ``timeout_s`` or once ``subscriber`` is not registered."""
         return self._call("wait_for_version", after, timeout_s, subscriber, epoch)
 
     def report(self, report: ApplyReport) -> None:
+        """Record a subscriber's outcome for a version."""
         self._call("report", report)

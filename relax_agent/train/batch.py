@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ class TrainBatch:
         """Tokens that enter the loss."""
         return int(self.loss_mask.sum())
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch with every tensor on ``device``."""
         moved: dict[str, Any] = {f.name: _to(getattr(self, f.name), device) for f in fields(self)}
         return TrainBatch(**moved)
@@ -101,7 +102,7 @@ class TrainBatch:
             out.append(slice(start, len(lengths)))
         return out
 
-    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> Sequence["TrainBatch"]:
+    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> Sequence[TrainBatch]:
         """The micro-batches of :meth:`micro_slices`, each trimmed to its own longest sequence,
         so short sequences batched together cost no padding compute.
 

@@ -6,7 +6,8 @@ The trainer never sees a :class:`~relax_agent.records.Trajectory`: it reads the 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,8 +42,8 @@ def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_no
         has_tokens = [int(n) > 0 for n in fields[R.POLICY_TOKENS]]
     else:
         has_tokens = [int(np.count_nonzero(m)) > 0 for m in fields[R.LOSS_MASK]]
-    valid = torch.tensor([bool(ok) and tok for ok, tok in zip(fields[R.TRAINABLE], has_tokens)], dtype=torch.bool)
-    rewards = torch.tensor([float(r) if ok else 0.0 for r, ok in zip(fields[R.REWARD], valid.tolist())],
+    valid = torch.tensor([bool(ok) and tok for ok, tok in zip(fields[R.TRAINABLE], has_tokens, strict=True)], dtype=torch.bool)
+    rewards = torch.tensor([float(r) if ok else 0.0 for r, ok in zip(fields[R.REWARD], valid.tolist(), strict=True)],
                            dtype=torch.float32)
     if estimator is None:
         return group_advantages(rewards, group_index, valid, std_normalize=std_normalize)

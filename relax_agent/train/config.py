@@ -40,7 +40,7 @@ class MegatronConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _layout(self) -> "MegatronConfig":
+    def _layout(self) -> MegatronConfig:
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("trainer.megatron.sequence_parallel needs tensor_parallel > 1")
         if self.tensor_parallel % self.expert_parallel:
@@ -74,6 +74,7 @@ class LoraConfig(Section):
 
     @property
     def enabled(self) -> bool:
+        """Whether LoRA is on (``rank > 0``)."""
         return self.rank > 0
 
 
@@ -183,7 +184,7 @@ class TrainerConfig(Section):
     for ``mismatch.mode``), and the threshold of the ``off_policy/iw_clipped_frac`` metric."""
 
     @model_validator(mode="after")
-    def _algorithm_keys(self) -> "TrainerConfig":
+    def _algorithm_keys(self) -> TrainerConfig:
         if not self.adv_std_normalize and self.advantage not in ("grpo", "dr_grpo"):
             raise ValueError(f"trainer.adv_std_normalize=false only applies to trainer.advantage=grpo (it makes "
                              f"Dr. GRPO); with trainer.advantage={self.advantage} remove it (for Dr. GRPO set "
@@ -215,7 +216,7 @@ class TrainerConfig(Section):
         return tuple(value) if isinstance(value, list) else value
 
     @model_validator(mode="after")
-    def _lora_backend(self) -> "TrainerConfig":
+    def _lora_backend(self) -> TrainerConfig:
         if self.lora.enabled and self.backend == "megatron":
             raise ValueError(f"trainer.lora.rank={self.lora.rank}: LoRA runs on trainer.backend=torch only "
                              "(the megatron backend trains every weight); set trainer.lora.rank=0 or backend=torch")

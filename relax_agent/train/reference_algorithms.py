@@ -34,7 +34,6 @@ from typing import cast
 
 import torch
 
-
 # -- advantages ---------------------------------------------------------------------------------------
 
 def advantages(estimator: str, rewards: list[float], groups: list, valid: list[bool],
@@ -78,7 +77,7 @@ def advantages(estimator: str, rewards: list[float], groups: list, valid: list[b
 def batch_whiten(values: list[float], token_counts: list[int], valid: list[bool], eps: float = 1e-8) -> list[float]:
     """Whiten over the batch's policy tokens: each valid sample's value repeated once per token."""
     tokens = []
-    for v, n, ok in zip(values, token_counts, valid):
+    for v, n, ok in zip(values, token_counts, valid, strict=True):
         if ok:
             tokens.extend([v] * n)
     if len(tokens) < 2:
@@ -86,7 +85,7 @@ def batch_whiten(values: list[float], token_counts: list[int], valid: list[bool]
     mean = sum(tokens) / len(tokens)
     var = sum((x - mean) ** 2 for x in tokens) / (len(tokens) - 1)
     return [(v - mean) / math.sqrt(var + eps) if ok and n > 0 else 0.0
-            for v, n, ok in zip(values, token_counts, valid)]
+            for v, n, ok in zip(values, token_counts, valid, strict=True)]
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer_tokens: int, factor: float = 1.0) -> float:
@@ -132,7 +131,7 @@ def policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: list[list[float
         else:
             raise ValueError(name)
         if weights is not None:
-            terms = [term * weights[b][t] for term, t in zip(terms, tokens)]
+            terms = [term * weights[b][t] for term, t in zip(terms, tokens, strict=True)]
         per_sequence.append(terms)
     zero = 0.0 * logprobs.sum()  # starts every sum: the result stays in the graph when all terms are constants
     if not per_sequence:

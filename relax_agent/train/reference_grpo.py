@@ -55,7 +55,7 @@ def compute_advantages(samples: list[Sample], std_normalize: bool = True, eps: f
             continue  # no contrast inside the group: no learning signal
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
-        for i, r in zip(idx, rewards):
+        for i, r in zip(idx, rewards, strict=True):
             advantages[i] = (r - mean) / (std + eps) if std_normalize else r - mean
     return advantages
 
@@ -84,7 +84,7 @@ def grpo_loss(
 ) -> torch.Tensor:
     """The scalar GRPO loss of a batch, computed token by token."""
     per_sequence = []  # one list of per-token loss terms per valid sample
-    for s, adv in zip(samples, advantages):
+    for s, adv in zip(samples, advantages, strict=True):
         if not s.valid:
             continue
         logp = sequence_logprobs(model, s.token_ids, temperature)

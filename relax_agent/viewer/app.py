@@ -13,7 +13,7 @@ import asyncio
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -38,7 +38,7 @@ class ViewerConfig(BaseModel):
     run_dir: Path
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
-    tokenizer: Optional[str] = "auto"
+    tokenizer: str | None = "auto"
 
 
 def build_app(reader: RunReader) -> Any:
@@ -58,8 +58,8 @@ def build_app(reader: RunReader) -> Any:
     async def _bad_value(_request: Any, exc: ConfigError) -> Any:
         return JSONResponse({"detail": str(exc)}, status_code=422)
 
-    def _filter(failed: Optional[bool], min_reward: Optional[float], max_reward: Optional[float],
-                stop_reason: Optional[str], crossed: Optional[bool]) -> EpisodeFilter:
+    def _filter(failed: bool | None, min_reward: float | None, max_reward: float | None,
+                stop_reason: str | None, crossed: bool | None) -> EpisodeFilter:
         return EpisodeFilter(failed=failed, min_reward=min_reward, max_reward=max_reward,
                              stop_reason=stop_reason or None, crossed=crossed)
 
@@ -78,9 +78,9 @@ def build_app(reader: RunReader) -> Any:
         return reader.overview()
 
     @app.get("/api/steps/{step}")
-    def step(step: int, failed: Optional[bool] = None, min_reward: Optional[float] = None,
-             max_reward: Optional[float] = None, stop_reason: Optional[str] = None,
-             crossed: Optional[bool] = None) -> Any:
+    def step(step: int, failed: bool | None = None, min_reward: float | None = None,
+             max_reward: float | None = None, stop_reason: str | None = None,
+             crossed: bool | None = None) -> Any:
         return reader.step(step, _filter(failed, min_reward, max_reward, stop_reason, crossed))
 
     @app.get("/api/steps/{step}/episode")
@@ -88,8 +88,8 @@ def build_app(reader: RunReader) -> Any:
         return reader.episode(step, sample)
 
     @app.get("/api/evals/{name}")
-    def evals(name: str, failed: Optional[bool] = None, min_reward: Optional[float] = None,
-              max_reward: Optional[float] = None, stop_reason: Optional[str] = None, reason: str = "") -> Any:
+    def evals(name: str, failed: bool | None = None, min_reward: float | None = None,
+              max_reward: float | None = None, stop_reason: str | None = None, reason: str = "") -> Any:
         return reader.eval_samples(name, _filter(failed, min_reward, max_reward, stop_reason, None), reason)
 
     return app
@@ -123,13 +123,13 @@ class ViewerServer:
         self.url = f"http://{shown}:{self.port}/"
         config = uvicorn.Config(build_app(self.reader), log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     def run(self) -> None:
         """Serve on this thread until Ctrl-C."""
         self.server.run(sockets=[self.sock])
 
-    def start(self, timeout_s: float = 10.0) -> "ViewerServer":
+    def start(self, timeout_s: float = 10.0) -> ViewerServer:
         """Serve on a daemon thread; returns once it accepts connections.
 
         Raises RelaxError when it has not started within ``timeout_s``."""
@@ -152,7 +152,7 @@ class ViewerServer:
             self._thread.join(timeout=10)
         self.sock.close()
 
-    def __enter__(self) -> "ViewerServer":
+    def __enter__(self) -> ViewerServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -18,9 +18,10 @@ import json
 import math
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from relax_agent.errors import ConfigError, DataError
 
@@ -112,11 +113,11 @@ class EpisodeFilter:
         crossed: True keeps only episodes a weight update crossed, False only the others.
     """
 
-    failed: Optional[bool] = None
-    min_reward: Optional[float] = None
-    max_reward: Optional[float] = None
-    stop_reason: Optional[str] = None
-    crossed: Optional[bool] = None
+    failed: bool | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    stop_reason: str | None = None
+    crossed: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_reward", "max_reward"):
@@ -146,16 +147,16 @@ class EpisodeFilter:
         return True
 
 
-def _num(v: Any) -> Optional[float]:
+def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
-def _mean(xs: Iterable[Optional[float]]) -> Optional[float]:
+def _mean(xs: Iterable[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None
 
 
-def _std(xs: list[float]) -> Optional[float]:
+def _std(xs: list[float]) -> float | None:
     if not xs:
         return None
     m = sum(xs) / len(xs)
@@ -178,13 +179,13 @@ class TokenDecoder:
     A tokenizer that fails to load is reported by :attr:`error` (and ids stay ids); nothing raises.
     """
 
-    def __init__(self, source: Optional[str]):
+    def __init__(self, source: str | None):
         self.source = source
-        self.error: Optional[str] = None
+        self.error: str | None = None
         self._tok: Any = None
         self._lock = threading.Lock()
 
-    def texts(self, ids: list[int]) -> Optional[list[str]]:
+    def texts(self, ids: list[int]) -> list[str] | None:
         """``[decode([id]) for id in ids]``, or None without a (loadable) tokenizer."""
         if self.source is None:
             return None
@@ -206,7 +207,7 @@ class TokenDecoder:
             return None
 
 
-def checkpoint_tokenizer(run_dir: Path) -> Optional[Path]:
+def checkpoint_tokenizer(run_dir: Path) -> Path | None:
     """The ``model`` folder of the run's latest checkpoint when it holds a tokenizer, else None."""
     folder = run_dir / "checkpoints"
     if not folder.is_dir():
@@ -232,13 +233,13 @@ class RunReader:
         ConfigError: ``run_dir`` is not a folder.
     """
 
-    def __init__(self, run_dir: str | Path, tokenizer: Optional[str] = "auto"):
+    def __init__(self, run_dir: str | Path, tokenizer: str | None = "auto"):
         self.dir = Path(run_dir).expanduser().resolve()
         if not self.dir.is_dir():
             raise ConfigError(f"run folder {str(run_dir)!r} does not exist or is not a folder; "
                               "expected a run's run.output_dir (it holds metrics.jsonl, rollouts/, eval/)")
         self.tokenizer_spec = tokenizer
-        self._decoder: Optional[TokenDecoder] = None
+        self._decoder: TokenDecoder | None = None
         self._cache: dict[Path, tuple[tuple[int, int], JsonlRead]] = {}
         self._lock = threading.Lock()
 
@@ -259,7 +260,7 @@ class RunReader:
             self._cache[path] = (key, read)
         return read
 
-    def summary(self) -> Optional[dict[str, Any]]:
+    def summary(self) -> dict[str, Any] | None:
         """``summary.json`` (written when the run ends), or None while it runs or when unreadable."""
         try:
             data = json.loads((self.dir / "summary.json").read_text())
@@ -269,6 +270,7 @@ class RunReader:
 
     @property
     def curves_png(self) -> Path:
+        """Where the run's curves are drawn: ``plots/curves.png`` in the run folder."""
         return self.dir / "plots" / "curves.png"
 
     def step_files(self) -> dict[int, Path]:
@@ -421,7 +423,7 @@ class RunReader:
                 "metrics": metrics, "partial": read.partial}
 
     @staticmethod
-    def episode_brief(row: dict[str, Any], group_mean: Optional[float] = None) -> dict[str, Any]:
+    def episode_brief(row: dict[str, Any], group_mean: float | None = None) -> dict[str, Any]:
         """One episode's line in a step's listing: ids, reward (and reward minus its group's mean),
         statuses, flags (``trained``, ``dropped_stale``, ``filtered``, ``failed``, ``crossed_update``),
         policy versions (``sample_version``, ``trained_at_version``, per-turn ``policy_versions``),
@@ -491,8 +493,8 @@ class RunReader:
         each sampled token (from ``turns``: ``start``, ``token_ids``, ``policy_version``), text."""
         ids = [int(i) for i in src["token_ids"]]
         n = len(ids)
-        turn_of: list[Optional[int]] = [None] * n
-        version_of: list[Optional[int]] = [None] * n
+        turn_of: list[int | None] = [None] * n
+        version_of: list[int | None] = [None] * n
         for k, turn in enumerate(src.get("turns") or []):
             start = turn.get("start")
             if not isinstance(start, int):

@@ -68,11 +68,11 @@ class RunCredential:
     publisher: str | None = None
 
     @classmethod
-    def generate(cls, subscriber: str | None = None) -> "RunCredential":
+    def generate(cls, subscriber: str | None = None) -> RunCredential:
         """A credential with a fresh publisher secret and ``subscriber`` (None: a fresh one too)."""
         return cls(subscriber or new_secret(), new_secret())
 
-    def subscriber_only(self) -> "RunCredential":
+    def subscriber_only(self) -> RunCredential:
         """The same credential without the publisher secret (for rollout replicas)."""
         return RunCredential(self.subscriber)
 

@@ -12,7 +12,8 @@ A version goes through three calls:
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -45,7 +46,8 @@ class Sender(Protocol):
         """``version`` was refused: serve the version staged before it again (pull transports)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the transport's buffers, sockets and process group."""
 
 
 class Receiver(Protocol):
@@ -61,4 +63,5 @@ class Receiver(Protocol):
         (a collective transport still takes part in the broadcast)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the transport's buffers, sockets and process group."""

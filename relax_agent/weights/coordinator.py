@@ -49,20 +49,34 @@ class ApplyReport:
 class CoordinatorApi(Protocol):
     """What publishers and subscribers call; :class:`Coordinator` in-process, ``HttpCoordinator`` remote."""
 
-    def register_subscriber(self, name: str) -> str: ...
+    def register_subscriber(self, name: str) -> str:
+        """Add a subscriber named ``name``; returns its id."""
 
-    def unregister_subscriber(self, subscriber: str) -> None: ...
+    def unregister_subscriber(self, subscriber: str) -> None:
+        """Remove ``subscriber`` (its last report still answers a publish waiting for it)."""
 
-    def is_registered(self, subscriber: str) -> bool: ...
+    def is_registered(self, subscriber: str) -> bool:
+        """Whether ``subscriber`` is registered (False for an id of a previous coordinator); also a
+        keep-alive."""
 
-    def commit(self, meta: VersionMeta) -> object: ...  # the in-process one returns the stamped meta
+    def commit(self, meta: VersionMeta) -> object:  # the in-process one returns the stamped meta
+        """Make ``meta`` the latest complete version and wake every long poll.
 
-    def latest(self) -> VersionMeta | None: ...
+        Raises:
+            WeightSyncError: ``meta.version`` is not newer than the latest (or the publisher is fenced out).
+        """
+
+    def latest(self) -> VersionMeta | None:
+        """The latest complete version (None before the first commit)."""
 
     def wait_for_version(self, after: int | None, timeout_s: float, subscriber: str | None = None,
-                         epoch: str | None = None) -> VersionMeta | None: ...
+                         epoch: str | None = None) -> VersionMeta | None:
+        """Long poll: the latest version once it is newer than ``after`` (see
+        :meth:`Coordinator.wait_for_version`); None after ``timeout_s`` or once ``subscriber`` is not
+        registered."""
 
-    def report(self, report: ApplyReport) -> None: ...
+    def report(self, report: ApplyReport) -> None:
+        """Record a subscriber's outcome for a version."""
 
 
 def check_poll_timeout(timeout_s: Any) -> float:
@@ -148,6 +162,7 @@ class Coordinator:
             self._cond.notify_all()
 
     def subscribers(self) -> list[str]:
+        """Ids of the registered subscribers."""
         with self._cond:
             return list(self._subscribers)
 
@@ -193,11 +208,13 @@ class Coordinator:
             return True
 
     def latest(self) -> VersionMeta | None:
+        """The latest complete version (None before the first commit)."""
         with self._cond:
             return self._latest
 
     @property
     def latest_version(self) -> int | None:
+        """The number of the latest complete version (None before the first commit)."""
         latest = self.latest()
         return None if latest is None else latest.version
 

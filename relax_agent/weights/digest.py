@@ -35,8 +35,9 @@ import concurrent.futures
 import functools
 import time
 import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -68,10 +69,12 @@ class TensorDigest:
     samples: int = DEFAULT_SAMPLES
 
     def to_json(self) -> list[Any]:
+        """``[shape, dtype, sample_hash, samples]`` (the JSON form :meth:`from_json` reads)."""
         return [list(self.shape), self.dtype, self.sample_hash, self.samples]
 
     @classmethod
-    def from_json(cls, data: Any) -> "TensorDigest":
+    def from_json(cls, data: Any) -> TensorDigest:
+        """The inverse of :meth:`to_json`."""
         shape, dtype, sample_hash, samples = data
         return cls(tuple(int(d) for d in shape), str(dtype), str(sample_hash), int(samples))
 

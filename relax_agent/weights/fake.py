@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -41,9 +42,11 @@ class TensorEngine:
 
     @property
     def policy_version(self) -> int:
+        """The version of the last applied update (0 before any)."""
         return self._version
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor the engine holds."""
         return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int,
@@ -88,4 +91,5 @@ class TensorEngine:
             return self._version, {k: v.clone() for k, v in self.tensors.items()}
 
     def close(self) -> None:
+        """Nothing to release."""
         pass

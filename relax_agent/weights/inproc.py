@@ -9,7 +9,7 @@ train step changes them (``WeightSync.publish`` applies to every engine before i
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -28,6 +28,7 @@ class InprocSender:
 
     @property
     def address(self) -> str | None:
+        """None: in-process receivers read the sender directly."""
         return None
 
     @property
@@ -36,6 +37,8 @@ class InprocSender:
         return None
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
+        """Keep references to ``state_dict`` as ``version`` (and the previous version for a retract);
+        returns its metadata (no bytes are copied)."""
         tensors, total = plan_layout(state_dict)
         self._previous = (self._state, self._version)
         self._state, self._version = state_dict, version
@@ -60,6 +63,7 @@ class InprocSender:
         return self._state
 
     def close(self) -> None:
+        """Drop the references to the staged versions."""
         self._state, self._previous = None, (None, None)
 
 
@@ -70,6 +74,7 @@ class InprocReceiver:
         self._sender = sender
 
     def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
+        """The sender's tensors of ``meta.version`` (no copy) and stats (``bytes`` 0)."""
         start = time.perf_counter()
         tensors = self._sender.tensors(meta.version)
         return tensors, {"receive_s": time.perf_counter() - start, "bytes": 0.0, "resumes": 0.0}
@@ -78,4 +83,5 @@ class InprocReceiver:
         """Nothing to do: no bytes move."""
 
     def close(self) -> None:
+        """Nothing to release."""
         pass

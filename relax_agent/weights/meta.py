@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -104,6 +105,7 @@ class VersionMeta:
 
     @property
     def num_buckets(self) -> int:
+        """Buckets the flat byte buffer is sent in: ``ceil(total_bytes / bucket_bytes)``."""
         return -(-self.total_bytes // self.bucket_bytes)
 
     def bucket(self, index: int) -> tuple[int, int]:
@@ -116,10 +118,11 @@ class VersionMeta:
         return {t.name: (t.shape, to_dtype(t.dtype)) for t in self.tensors}
 
     def to_json(self) -> dict[str, Any]:
+        """The metadata as a JSON-ready dict (:meth:`from_json` reads it back)."""
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "VersionMeta":
+    def from_json(cls, data: Mapping[str, Any]) -> VersionMeta:
         """The inverse of :meth:`to_json`.
 
         Raises:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,7 @@ class NcclSender:
 
     @property
     def address(self) -> str:
+        """``host:nccl_init_port``: where receivers join the process group."""
         return f"{self._cfg.host}:{self._cfg.nccl_init_port}"
 
     @property
@@ -101,6 +103,8 @@ class NcclSender:
         return None
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
+        """Copy ``state_dict`` into the flat device buffer (reused while the size stays) as ``version``;
+        returns its metadata."""
         tensors, total = plan_layout(state_dict)
         if self._buffer is None or self._buffer.numel() != total:
             self._buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
@@ -118,6 +122,7 @@ class NcclSender:
         """Nothing to withdraw: a broadcast version is not kept for later receivers."""
 
     def close(self) -> None:
+        """Drop the process group and the buffer."""
         self._group = None
         self._buffer = None
 
@@ -144,6 +149,8 @@ class NcclReceiver:
         return self._buffer
 
     def receive(self, meta: VersionMeta) -> tuple[Mapping[str, torch.Tensor], dict[str, float]]:
+        """Join the broadcast of ``meta.version``; returns views of the received buffer (valid until the
+        next call) and stats."""
         start = time.perf_counter()
         buffer = self._join(meta)
         stats = {"receive_s": time.perf_counter() - start, "bytes": float(meta.total_bytes), "resumes": 0.0}
@@ -154,5 +161,6 @@ class NcclReceiver:
         self._join(meta)
 
     def close(self) -> None:
+        """Drop the process group and the buffer."""
         self._group = None
         self._buffer = None

@@ -160,7 +160,7 @@ class CoordinatorService:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="weights-coordinator", daemon=True)
 
-    def start(self) -> "CoordinatorService":
+    def start(self) -> CoordinatorService:
         """Start serving; returns once the server accepts requests.
 
         Raises:
@@ -175,6 +175,7 @@ class CoordinatorService:
         return self
 
     def close(self) -> None:
+        """Stop the server (waiting up to 10 s for its thread) and close its socket."""
         self._server.should_exit = True
         self._thread.join(10.0)
         self._sock.close()
@@ -229,23 +230,30 @@ class HttpCoordinator:
         return resp.json()
 
     def register_subscriber(self, name: str) -> str:
+        """``POST /subscribers``: register a subscriber named ``name``; returns its id."""
         return self._call("POST", "/subscribers", json={"name": name})["id"]
 
     def unregister_subscriber(self, subscriber: str) -> None:
+        """``DELETE /subscribers/<id>``: remove ``subscriber``."""
         self._call("DELETE", f"/subscribers/{quote(subscriber, safe='')}")
 
     def is_registered(self, subscriber: str) -> bool:
+        """``GET /subscribers/<id>``: whether ``subscriber`` is registered (also a keep-alive)."""
         return bool(self._call("GET", f"/subscribers/{quote(subscriber, safe='')}")["registered"])
 
     def commit(self, meta: VersionMeta) -> None:
+        """``POST /versions``: make ``meta`` the latest complete version."""
         self._call("POST", "/versions", json=meta.to_json())
 
     def latest(self) -> VersionMeta | None:
+        """``GET /versions/latest``: the latest complete version (None before the first commit)."""
         data = self._call("GET", "/versions/latest")
         return None if data is None else VersionMeta.from_json(data)
 
     def wait_for_version(self, after: int | None, timeout_s: float, subscriber: str | None = None,
                          epoch: str | None = None) -> VersionMeta | None:
+        """``GET /versions/wait``: long poll for a version newer than ``after`` (each request waits at most
+        ``_MAX_POLL_S``; None when it ends without one, see :meth:`Coordinator.wait_for_version`)."""
         timeout_s = min(check_poll_timeout(timeout_s), _MAX_POLL_S)
         params: dict[str, Any] = {"timeout_s": timeout_s}
         if after is not None:
@@ -258,10 +266,13 @@ class HttpCoordinator:
         return None if data is None else VersionMeta.from_json(data)
 
     def report(self, report: ApplyReport) -> None:
+        """``POST /reports``: record a subscriber's outcome for a version."""
         self._call("POST", "/reports", json=asdict(report))
 
     def status(self) -> dict[str, Any]:
+        """``GET /status``: publisher, subscribers, latest version and last reports."""
         return self._call("GET", "/status")
 
     def close(self) -> None:
+        """Close the HTTP client."""
         self._client.close()

@@ -38,7 +38,8 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -289,7 +290,7 @@ class EngineSubscriber:
         log.warning("%s: the weight coordinator no longer knows this subscriber (publisher restarted?); "
                     "registered again as %s", old, self.id)
 
-    def start(self) -> "EngineSubscriber":
+    def start(self) -> EngineSubscriber:
         """Follow new versions in a daemon thread until :meth:`close`."""
         self._thread = threading.Thread(target=self._follow, name=f"weights-{self.id}", daemon=True)
         self._thread.start()

@@ -31,8 +31,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -106,6 +106,7 @@ class TcpSender:
 
     @property
     def address(self) -> str:
+        """``host:port`` the sender serves versions on."""
         return self._address
 
     def stage(self, state_dict: Mapping[str, torch.Tensor], version: int) -> VersionMeta:
@@ -329,6 +330,7 @@ class TcpReceiver:
         """Nothing to do: a refused version is simply not fetched."""
 
     def close(self) -> None:
+        """Drop the receive buffer."""
         self._buffer = None
 
 

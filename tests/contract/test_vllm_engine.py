@@ -22,8 +22,13 @@ from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.engines.config import EngineConfig, VLLMConfig
 from relax_agent.rollout.engines.hf import top_p_filter
-from relax_agent.rollout.engines.vllm import (PREFIX_CACHE_HIT_RATE, VLLMGeneration, check_vllm_model,
-                                               find_vllm_python, write_safetensors)
+from relax_agent.rollout.engines.vllm import (
+    PREFIX_CACHE_HIT_RATE,
+    VLLMGeneration,
+    check_vllm_model,
+    find_vllm_python,
+    write_safetensors,
+)
 
 try:
     find_vllm_python()
@@ -96,7 +101,7 @@ def perturbed(model, scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tenso
 
 async def gather(engine, prompts, params):
     params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-    return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
+    return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)))
 
 
 async def wait_for_tokens(engine, at_least: int, timeout_s: float = 120.0) -> None:
@@ -166,7 +171,7 @@ def test_logprobs_equal_a_full_forward_pass_with_mixed_prompts_and_temperatures(
     params = [SamplingParams(max_new_tokens=12, temperature=t, top_p=p, seed=i)
               for i, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.3, 1.0), (0.5, 0.5)])]
     gens = asyncio.run(gather(engine, prompts, params))
-    for prompt, sp, gen in zip(prompts, params, gens):
+    for prompt, sp, gen in zip(prompts, params, gens, strict=True):
         assert isinstance(gen, VLLMGeneration)
         assert len(gen.token_ids) == 12 and gen.finish_reason == "length" and gen.policy_version == engine.policy_version
         assert gen.token_versions == (engine.policy_version,) * 12
@@ -557,11 +562,11 @@ def trainer_logprobs(model, prompts, gens, temperature: float) -> tuple[torch.Te
     ``token_logprobs``), the engine's in the same layout, and the completion mask."""
     from relax_agent.train.backends.torch_backend import token_logprobs
 
-    width = max(len(p) + len(g.token_ids) for p, g in zip(prompts, gens))
+    width = max(len(p) + len(g.token_ids) for p, g in zip(prompts, gens, strict=True))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     attn, mask = torch.zeros_like(ids), torch.zeros(len(prompts), width)
     rollout = torch.zeros(len(prompts), width)
-    for i, (p, g) in enumerate(zip(prompts, gens)):
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         seq = p + list(g.token_ids)
         ids[i, :len(seq)], attn[i, :len(seq)] = torch.tensor(seq), 1
         mask[i, len(p):len(seq)] = 1

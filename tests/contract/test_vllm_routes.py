@@ -141,7 +141,7 @@ def test_routes_are_the_experts_a_forward_pass_chooses_at_the_scoring_position(e
     second = engine.generate_many([turn2], SamplingParams(max_new_tokens=16, seed=5))[0]
     assert second.cached_prompt_tokens >= 256
     scores = []
-    for prompt, gen in [*zip(prompts, gens), (turn2, second)]:
+    for prompt, gen in [*zip(prompts, gens, strict=True), (turn2, second)]:
         assert gen.routed_experts.shape == (len(gen.token_ids), 2, 2) and gen.routed_experts.dtype == np.uint8
         scores.append(aligned_and_shifted(model, prompt, gen))
     aligned, shifted = np.array(scores).T

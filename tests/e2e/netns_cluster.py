@@ -37,9 +37,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 IP = shutil.which("ip") or "/usr/sbin/ip"
@@ -225,7 +226,7 @@ class NetnsCluster:
         return killed
 
     # -- whole cluster ----------------------------------------------------------------------------
-    def up(self) -> "NetnsCluster":
+    def up(self) -> NetnsCluster:
         """Network, then Ray on every host; on any failure everything made is removed and the error raised."""
         if not self.temp_dir:
             self.temp_dir = tempfile.mkdtemp(prefix=f"{self.prefix}-ray-")

@@ -92,7 +92,7 @@ def test_a_multi_turn_demonstration_is_laid_out_as_an_episode(tiny_model_dir):
     demos = demonstration_fields(make, renderer, parser, tasks, seed=0)
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     env = make()
-    for task, ids, mask in zip(tasks, demos["token_ids"], demos["loss_mask"]):
+    for task, ids, mask in zip(tasks, demos["token_ids"], demos["loss_mask"], strict=True):
         obs, info = env.reset(seed=0, options={"task": task})
         expected, expected_mask = list(renderer.render_prompt(obs, info["tools"]).token_ids), None
         expected_mask = [0] * len(expected)
@@ -108,7 +108,7 @@ def test_a_multi_turn_demonstration_is_laid_out_as_an_episode(tiny_model_dir):
         assert list(ids) == expected and list(mask) == expected_mask
         # the replies under the mask read back as the demonstrated calls and answer
         spans, cur = [], []
-        for t, m in zip(ids, mask):
+        for t, m in zip(ids, mask, strict=True):
             if m:
                 cur.append(int(t))
             elif cur:

@@ -27,7 +27,7 @@ def _train(config: str, tiny_model_dir: Path, out: Path, *extra: str, last_step:
 
 
 def _steps(out: Path) -> list[int]:
-    return [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines() if "rollout/reward" in l]
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if "rollout/reward" in line]
 
 
 def test_train_on_the_calculator(tiny_model_dir, tmp_path):

@@ -24,7 +24,7 @@ def _eval(tiny_model_dir: Path, tmp_path: Path, *args: str) -> subprocess.Comple
 def test_eval_writes_every_sample_and_a_failure_table(tiny_model_dir, tmp_path):
     out = _eval(tiny_model_dir, tmp_path, "eval.num_tasks=3", "eval.seeds=[0,1]", "--output", str(tmp_path / "e.json"))
     summary = json.loads((tmp_path / "e.json").read_text())
-    lines = [json.loads(l) for l in (tmp_path / "e.samples.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "e.samples.jsonl").read_text().splitlines()]
     assert len(lines) == 6 and summary["eval/samples_path"] == str(tmp_path / "e.samples.jsonl")
     assert sorted({(r["task_id"], r["seed"]) for r in lines}) == sorted({(r["task_id"], s) for r in lines for s in (0, 1)})
     for r in lines:

@@ -24,7 +24,7 @@ def _logged_steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(l)["step"] for l in path.read_text().splitlines() if "rollout/reward" in l]
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if "rollout/reward" in line]
 
 
 @pytest.mark.parametrize("wait_steps", [1, 3])

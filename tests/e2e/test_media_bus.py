@@ -29,7 +29,7 @@ def _media(seed: int) -> MediaInputs:
 
 
 def _traj(i: int, media: MediaInputs) -> Trajectory:
-    media_ids = [FAMILY.token_ids[k] for k, n in zip(media.kinds, media.num_tokens) for _ in range(n)]
+    media_ids = [FAMILY.token_ids[k] for k, n in zip(media.kinds, media.num_tokens, strict=True) for _ in range(n)]
     prompt = [1, *media_ids, 2]
     tokens = (*prompt, 7, 8)
     return Trajectory(f"g/{i}", "g", "t", tokens, (0,) * len(prompt) + (1, 1), (0.0,) * len(prompt) + (-0.5, -0.7),
@@ -49,12 +49,12 @@ def _roundtrip(bus, put) -> None:
     put(bus, [t.sample_id for t in trajs], trajectory_fields(trajs))
     bus.put("p", [t.sample_id for t in trajs], {R.ADVANTAGE: np.asarray([1.0, -1.0], np.float32)})
     batch = bus.get("p", list(R.TRAIN_FIELDS), consumer="trainer", batch_size=2, timeout_s=60)
-    got = dict(zip(batch.sample_ids, batch.fields[R.MEDIA]))
-    for t, m in zip(trajs, media):
+    got = dict(zip(batch.sample_ids, batch.fields[R.MEDIA], strict=True))
+    for t, m in zip(trajs, media, strict=True):
         assert _equal(got[t.sample_id], m)
     train = collate_fields(batch.fields, pad_token_id=0)
     order = [batch.sample_ids.index(t.sample_id) for t in trajs]
-    assert all(_equal(train.media[j], m) for j, m in zip(order, media))
+    assert all(_equal(train.media[j], m) for j, m in zip(order, media, strict=True))
     assert bus.ack(batch.lease_id)
 
 

@@ -204,7 +204,7 @@ def moe_batch(moe):
     with HFEngine(copy.deepcopy(model), tok, EngineConfig(max_batch_size=8), record_routes=True) as engine:
         gens = engine.generate_many(prompts, [SamplingParams(max_new_tokens=8, seed=s) for s in range(3)])
     trajs = []
-    for i, (p, g) in enumerate(zip(prompts, gens)):
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         turn = Turn(len(p), g.token_ids, g.logprobs, g.policy_version, g.finish_reason, g.routed_experts)
         ids = tuple(p) + tuple(g.token_ids)
         trajs.append(Trajectory(f"s{i}", "g", "t", ids, (0,) * len(p) + (1,) * len(g.token_ids),

@@ -105,7 +105,7 @@ def test_routes_travel_with_the_media_and_replay_the_rollout(media_models, tmp_p
         batch = bus.get(PARTITION, [*R.TRAIN_FIELDS, R.TRAINABLE, *R.ROUTE_FIELDS], consumer="trainer", batch_size=4,
                         timeout_s=60)
         ends = [int(np.flatnonzero(m)[-1]) + 1 for m in batch.fields[R.LOSS_MASK]]  # past each row's last policy token
-        for end, mask, media in zip(ends, batch.fields[R.ROUTES_MASK], batch.fields[R.MEDIA]):
+        for end, mask, media in zip(ends, batch.fields[R.ROUTES_MASK], batch.fields[R.MEDIA], strict=True):
             assert media is not None and mask[:end].tolist() == [False] + [True] * (end - 1)  # image tokens too
         metrics = runtime.trainer.train(TrainRef(PARTITION, tuple(batch.sample_ids),
                                                  (*R.TRAIN_FIELDS, *R.ROUTE_FIELDS), 1))

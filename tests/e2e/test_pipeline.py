@@ -96,7 +96,7 @@ def runs(tiny_model_dir, tmp_path_factory, monkeymodule):
 
 
 def _close(a, b, atol):
-    return all(abs(x - y) <= atol * max(1.0, abs(y)) for x, y in zip(a, b))
+    return all(abs(x - y) <= atol * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
 
 
 def test_colocate_trains_to_the_pinned_reference_weights(runs):

@@ -44,7 +44,7 @@ def test_routes_survive_the_ray_data_bus():
                              schema={"routed_experts": FieldSpec("uint8", (4, 2), ragged=True)})
         ray.get(Producer.remote(bus).put.remote("r3", lengths))
         batch = bus.get("r3", ["routed_experts"], consumer="trainer", batch_size=len(lengths), timeout_s=60)
-        got = dict(zip(batch.sample_ids, batch.fields["routed_experts"]))
+        got = dict(zip(batch.sample_ids, batch.fields["routed_experts"], strict=True))
         for i, n in enumerate(lengths):
             assert got[f"s{i}"].dtype == np.uint8 and np.array_equal(got[f"s{i}"], routes(n, i))
         assert bus.ack(batch.lease_id)

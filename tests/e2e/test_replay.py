@@ -13,7 +13,15 @@ import pytest
 
 from relax_agent.config import load_config
 from relax_agent.models import load_policy, load_tokenizer
-from relax_agent.replay import DELTA, LOGPROBS, LOSS_MASK, TURN_TOKENS, checkpoint_versions, load_token_record, replay_records
+from relax_agent.replay import (
+    DELTA,
+    LOGPROBS,
+    LOSS_MASK,
+    TURN_TOKENS,
+    checkpoint_versions,
+    load_token_record,
+    replay_records,
+)
 from relax_agent.rollout.chat import ChatRenderer
 
 pytestmark = pytest.mark.slow

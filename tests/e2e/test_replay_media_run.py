@@ -44,7 +44,7 @@ def test_the_loop_records_each_image_where_it_sits(run):
     for rec in recs:
         m = rec["media"]
         assert m["kinds"][0] == "image" and len(m["digests"]) == len(m["kinds"]) == len(m["starts"])
-        assert all(rec["token_ids"][s] == rec["token_ids"][s + n - 1] for s, n in zip(m["starts"], m["num_tokens"]))
+        assert all(rec["token_ids"][s] == rec["token_ids"][s + n - 1] for s, n in zip(m["starts"], m["num_tokens"], strict=True))
 
 
 @pytest.mark.parametrize("step", [1, 2])

@@ -230,7 +230,7 @@ class Trickler:
             except OSError:
                 pass
 
-    def __enter__(self) -> "Trickler":
+    def __enter__(self) -> Trickler:
         self.thread.start()
         return self
 

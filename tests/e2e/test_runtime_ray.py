@@ -215,10 +215,10 @@ def test_the_driver_loads_no_model_and_the_warm_up_renders_its_demonstrations_on
     demonstrations (the same rows the driver's own env, renderer and parser give), the trainer actor
     trains on them and the first RL step's groups are sampled with the warm-up's weights."""
     import relax_agent.models as models
+    from relax_agent.roles import DriverRoles, build_run_roles, make_env_factory, resolved_parser_name
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.demonstrations import demonstration_fields
     from relax_agent.rollout.parsers import build_parser
-    from relax_agent.roles import DriverRoles, build_run_roles, make_env_factory, resolved_parser_name
 
     def refuse(*args, **kwargs):
         raise AssertionError("the driver of a runtime: ray run loaded the policy")

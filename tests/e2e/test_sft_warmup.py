@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demonstrations_are_the_prompt_an_episode_renders_plus_the_parsed_reference_reply(tiny_model_dir):
-    from relax_agent.models import load_tokenizer
     from relax_agent.config import ModelConfig
+    from relax_agent.models import load_tokenizer
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.demonstrations import demonstration_fields
     from relax_agent.rollout.parsers import build_parser
@@ -26,7 +26,7 @@ def test_demonstrations_are_the_prompt_an_episode_renders_plus_the_parsed_refere
     tasks = env.unwrapped.tasks("train")[:5]
     demos = demonstration_fields(lambda: gymnasium.make("relax/BFCL-simple-v0"), renderer, parser, tasks, seed=0)
     assert demos["task_id"] == [t["id"] for t in tasks]
-    for task, ids, mask in zip(tasks, demos["token_ids"], demos["loss_mask"]):
+    for task, ids, mask in zip(tasks, demos["token_ids"], demos["loss_mask"], strict=True):
         obs, info = env.reset(seed=0, options={"task": task})
         prompt = list(renderer.render_prompt(obs, info["tools"]).token_ids)
         assert list(ids[:len(prompt)]) == prompt and not mask[:len(prompt)].any() and mask[len(prompt):].all()

@@ -24,17 +24,17 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _rows(run: Path) -> list[dict]:
-    return [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _task_ids(run: Path, step: int) -> list[str]:
     lines = (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
-    return [json.loads(l)["task_id"] for l in lines]
+    return [json.loads(line)["task_id"] for line in lines]
 
 
 def _responses(run: Path, step: int) -> list[list[str]]:
     lines = (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
-    return [json.loads(l)["response"] for l in lines]
+    return [json.loads(line)["response"] for line in lines]
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_two_steps_change_the_weights(runs, tiny_model_dir):
     assert list((a / "tensorboard").glob("events.out.tfevents.*"))
     summary = json.loads((a / "summary.json").read_text())
     assert "eval/accuracy" in summary["eval_end"]
-    samples = [json.loads(l) for l in (a / "eval" / "step_000003.samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (a / "eval" / "step_000003.samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * len(summary["eval_end"]["eval/seeds"])  # eval.num_tasks=2, every seed
     correct = [s["verdict"]["correct"] for s in samples]
     assert sum(correct) / len(correct) == pytest.approx(summary["eval_end"]["eval/accuracy"])

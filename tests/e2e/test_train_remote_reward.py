@@ -29,7 +29,7 @@ def _train(tiny_model_dir, out, *args, env=None):
 
 
 def _samples(out: Path, step: int) -> list[dict]:
-    return [json.loads(l) for l in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture()

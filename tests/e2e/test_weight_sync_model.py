@@ -89,7 +89,7 @@ def test_every_generation_comes_from_one_version_while_publishing(tiny_model_dir
 
     async def generate_all():
         params = [SamplingParams(max_new_tokens=12, seed=i) for i in range(len(prompts))]
-        return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
+        return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)))
 
     thread = threading.Thread(target=publisher)
     try:
@@ -105,7 +105,7 @@ def test_every_generation_comes_from_one_version_while_publishing(tiny_model_dir
     errors = {v: [] for v in states}
     for version, state in states.items():
         reference.load_state_dict(state)
-        for gen, prompt in zip(gens, prompts):
+        for gen, prompt in zip(gens, prompts, strict=True):
             diff = (torch.tensor(gen.logprobs) - reference_logprobs(reference, prompt, gen.token_ids)).abs().max()
             errors[version].append(float(diff))
     for i, gen in enumerate(gens):

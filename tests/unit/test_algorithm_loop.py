@@ -3,7 +3,6 @@ trainer): what reaches the trainer is the reference's advantages of the step's s
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -28,7 +27,7 @@ class LengthRunner(RewardRunner):
 
     async def run(self, specs, params, on_done=None):
         out = []
-        for traj, spec in zip(await super().run(specs, params, on_done), specs):
+        for traj, spec in zip(await super().run(specs, params, on_done), specs, strict=True):
             cut = spec.seed % 3 == 0
             n = params.max_new_tokens if cut else 2 + spec.seed % 3
             turn = dataclasses.replace(traj.turns[0], token_ids=(5,) * n, logprobs=(-1.0,) * n,
@@ -72,7 +71,7 @@ def _expected(step_rows: list[dict], estimator: str, overlong: dict | None, max_
     counts = [len(r["response"][0].split()) for r in step_rows]  # the fake tokenizer decodes one word per token
     valid = [True] * len(step_rows)
     if overlong and overlong["mode"] == "soft":
-        rewards = [rw + ref.overlong_penalty(n, max_new_tokens, overlong["buffer_tokens"]) for rw, n in zip(rewards, counts)]
+        rewards = [rw + ref.overlong_penalty(n, max_new_tokens, overlong["buffer_tokens"]) for rw, n in zip(rewards, counts, strict=True)]
     if overlong and overlong["mode"] == "mask":
         valid = [n != max_new_tokens for n in counts]
     return ref.advantages(estimator, rewards, groups, valid, counts)

@@ -90,7 +90,7 @@ def test_group_advantages_match_reference():
     rewards = torch.randint(0, 4, (24,), generator=g).float() / 3
     groups = torch.arange(24) // 6
     valid = torch.rand(24, generator=g) > 0.2
-    samples = [ref.Sample([0, 1], [0, 1], [0.0, 0.0], float(r), int(gi), bool(v)) for r, gi, v in zip(rewards, groups, valid)]
+    samples = [ref.Sample([0, 1], [0, 1], [0.0, 0.0], float(r), int(gi), bool(v)) for r, gi, v in zip(rewards, groups, valid, strict=True)]
     for std_normalize in (True, False):
         ours = group_advantages(rewards, groups, valid, std_normalize=std_normalize)
         theirs = _t(ref.compute_advantages(samples, std_normalize=std_normalize))

@@ -261,7 +261,7 @@ def test_javascript_values_decode_as_bfcl():
 def test_language_docs_show_string_parameters(tasks):
     for category in ("simple_java", "simple_javascript"):
         for task in tasks[category]:
-            for tool, doc in zip(task["tools"], task["functions"]):
+            for tool in task["tools"]:
                 props = tool["function"]["parameters"]["properties"]
                 assert all(p["type"] == "string" for p in props.values()), task["id"]
                 assert tool["function"]["description"].endswith("syntax.")

@@ -209,7 +209,6 @@ def test_calls_from_message():
 def test_badly_shaped_actions_are_refused_or_read_leniently():
     import gymnasium
 
-    import relax_agent.envs  # noqa: F401
     from relax_agent.envs.bfcl.env import calls_from_message
     from relax_agent.errors import EnvError
 

@@ -137,7 +137,7 @@ def test_miss_func_withholds_the_doc_until_its_turn() -> None:
     env = gymnasium.make("relax/BFCL-multi-turn-miss-func-v0")
     _, info = env.reset(options={"task": task})
     assert "sort" not in {t["function"]["name"] for t in info["tools"]}
-    for turn in range(3):
+    for _ in range(3):
         obs, _, _, _, info = env.step(ANSWER)
     assert [t["function"]["name"] for t in info["tools_added"]] == ["sort"]
     assert obs[-1]["role"] == "user" and obs[-1]["content"].endswith(ADDED_FUNCTIONS_PROMPT.split("\n", 1)[1])

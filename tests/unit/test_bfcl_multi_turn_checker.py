@@ -124,7 +124,7 @@ def effective(task: dict[str, Any], calls: Calls, bad: Calls) -> bool:
     replay = _replay(task, calls)
     if replay == _replay(task, bad):
         return False
-    turn = next(i for i, (a, b) in enumerate(zip(calls, bad)) if a != b)
+    turn = next(i for i, (a, b) in enumerate(zip(calls, bad, strict=False)) if a != b)
     earlier = [r for results, _ in replay[:turn] for r in results]
     return bool(missing_results(earlier, replay[turn][0]))
 

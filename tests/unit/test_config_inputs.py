@@ -10,7 +10,6 @@ import pytest
 from relax_agent.config import RelaxConfig, dump_config, load_config
 from relax_agent.errors import ConfigError
 
-
 # -- item 12: `runtime=ray` is a value; the runtime's mode check before any model loads ---------
 
 def test_runtime_as_a_value_then_a_key_inside_it_reads_as_the_kind():

@@ -11,7 +11,12 @@ import pytest
 
 from relax_agent.config import load_config
 from relax_agent.data import (
-    DataConfig, FieldSpec, GroupSampler, TokenBudgetSampler, build_transfer_queue, queue_capacity,
+    DataConfig,
+    FieldSpec,
+    GroupSampler,
+    TokenBudgetSampler,
+    build_transfer_queue,
+    queue_capacity,
 )
 from relax_agent.data.local import LocalTransferQueue
 from relax_agent.errors import ConfigError, DataError, LeaseError, QueueTimeoutError

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
-import json
 
 import httpx
 import openai
@@ -211,7 +211,7 @@ def test_n4_gives_four_sibling_segments_of_one_prompt(server, policy):
     starts = {rec.turns[0].start for rec in recs}
     prompts = {tuple(rec.token_ids[:rec.turns[0].start]) for rec in recs}
     assert len(starts) == 1 and len(prompts) == 1
-    for rec, choice in zip(recs, out.choices):
+    for rec, choice in zip(recs, out.choices, strict=True):
         assert tok.decode(rec.turns[0].token_ids, skip_special_tokens=True) == choice.message.content
 
 

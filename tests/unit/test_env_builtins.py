@@ -39,7 +39,7 @@ def test_calculator_tasks_have_exact_integer_answers(difficulty):
         numbers = [n.value for n in ast.walk(ast.parse(t["expression"])) if isinstance(n, ast.Constant)]
         assert 2 <= len(numbers) <= level.operands
         used = {type(n.op) for n in ast.walk(ast.parse(t["expression"])) if isinstance(n, ast.BinOp)}
-        assert used <= {k for k, sym in zip(_OPS, "+-*/") if sym in level.ops}
+        assert used <= {k for k, sym in zip(_OPS, "+-*/", strict=True) if sym in level.ops}
     assert make_tasks(difficulty, 300, 0) == tasks and make_tasks(difficulty, 300, 1) != tasks
 
 

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from relax_agent.envs import TextEnv, ToolEnv, register
 from relax_agent.rollout.chat import ChatRenderer
-from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.env_driver import run_episode
 from relax_agent.rollout.parsers import HermesParser
 from relax_agent.rollout.runner import RolloutLimits, RolloutRunner

@@ -378,7 +378,7 @@ def test_a_tool_episode_in_the_family_format_renders_its_deltas_and_trains_one_s
     assert json.dumps(env.seen[0]["tool_calls"][0]["function"]["arguments"]) == '{"city": "Paris", "days": 2}'
     sampled = [tok(r, add_special_tokens=False)["input_ids"] for r in replies]
     assert [list(t.token_ids) for t in traj.turns] == sampled
-    assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == [i for s in sampled for i in s]
+    assert [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m] == [i for s in sampled for i in s]
     first_end = traj.turns[0].start + len(sampled[0])
     delta = list(traj.token_ids[first_end:traj.turns[1].start])
     assert tok.decode(delta) == delta_text and traj.loss_mask[first_end:traj.turns[1].start] == (0,) * len(delta)
@@ -395,7 +395,7 @@ def test_a_tool_episode_in_the_family_format_renders_its_deltas_and_trains_one_s
                                     SamplingParams(64)))
     other = dataclasses.replace(other, sample_id="g/1", reward=0.0)
     batch = collate([traj, other], trajectory_advantages([traj, other]), tok.pad_token_id or 0)
-    assert [int(t) for t, m in zip(batch.input_ids[0], batch.loss_mask[0]) if m] == [i for s in sampled for i in s]
+    assert [int(t) for t, m in zip(batch.input_ids[0], batch.loss_mask[0], strict=True) if m] == [i for s in sampled for i in s]
     trainer = TorchTrainer(copy.deepcopy(policy), TrainerConfig(lr=1e-2, micro_batch_size=2))
     metrics = trainer.train_step(batch)
     assert metrics[RATIO_MEAN] == pytest.approx(1.0, abs=1e-4)  # on-policy: the log-probs were the policy's

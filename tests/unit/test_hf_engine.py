@@ -45,7 +45,7 @@ def reference_logprobs(model, prompt: list[int], completion: tuple[int, ...], te
 async def gather(engine, prompts, params):
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
+    return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)))
 
 
 def slow_forward(model, delay_s: float):
@@ -65,7 +65,7 @@ def test_logprobs_equal_a_full_forward_pass_with_mixed_prompt_lengths(policy, en
     gens = asyncio.run(gather(engine, prompts, params))
     assert engine.stats.batches == 1 and engine.stats.max_batch_rows == 4
     assert len({len(p) for p in prompts}) == 4
-    for prompt, sp, gen in zip(prompts, params, gens):
+    for prompt, sp, gen in zip(prompts, params, gens, strict=True):
         assert len(gen.token_ids) == 12 and gen.finish_reason == "length" and gen.policy_version == 0
         ref = reference_logprobs(model, prompt, gen.token_ids, sp.temperature)
         torch.testing.assert_close(torch.tensor(gen.logprobs), ref, atol=1e-4, rtol=0)
@@ -78,12 +78,12 @@ def test_batched_generation_equals_unbatched(policy, engine):
     single = HFEngine(model, tok, EngineConfig(max_batch_size=1), seed=0)
     try:
         alone = [single.generate_many([p], SamplingParams(max_new_tokens=10, seed=s))[0]
-                 for p, s in zip(prompts, (5, 6, 7))]
+                 for p, s in zip(prompts, (5, 6, 7), strict=True)]
     finally:
         single.close()
     # one row at a time alone (a request sent right after the previous one finished may join its decode run)
     assert single.stats.max_batch_rows == 1 and engine.stats.max_batch_rows == 3
-    for a, b in zip(batched, alone):
+    for a, b in zip(batched, alone, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
@@ -98,7 +98,7 @@ def test_stop_token_ends_its_row_and_the_others_continue_correctly(policy, engin
               SamplingParams(max_new_tokens=10, seed=2), SamplingParams(max_new_tokens=10, seed=3)]
     gens = engine.generate_many(prompts, params)
     assert gens[0].token_ids == first[:k + 1] and gens[0].finish_reason == "stop"
-    for prompt, gen, ref in zip(prompts[1:], gens[1:], free[1:]):
+    for prompt, gen, ref in zip(prompts[1:], gens[1:], free[1:], strict=True):
         assert gen.token_ids == ref.token_ids and gen.finish_reason == "length"
         torch.testing.assert_close(torch.tensor(gen.logprobs),
                                    reference_logprobs(model, prompt, gen.token_ids, 1.0), atol=1e-4, rtol=0)

@@ -138,7 +138,7 @@ def test_prefix_cache_is_off_by_default_when_requests_decode_alone(policy):
 def test_the_prefix_cache_is_bounded_least_recently_used_first(policy):
     _, tok = policy
     a, b = chat_prompt(tok, 12, offset=0), chat_prompt(tok, 12, offset=100)
-    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the chat template's common start
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # the chat template's common start
     # room for one finished sequence (prompt + 6 sampled - 1 never fed), not for two
     with make_engine(policy, prefix_cache_max_tokens=max(len(a), len(b)) + 5) as engine:
         hits = []

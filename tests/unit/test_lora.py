@@ -12,7 +12,6 @@ import torch
 from relax_agent.config import TrainerConfig, load_config
 from relax_agent.errors import CheckpointError, ConfigError
 from relax_agent.train.backends.torch_backend import TorchTrainer
-from relax_agent.train.lora import merged_state_dict
 from tests.unit.test_torch_trainer import make_batch, rollout_batch, tiny_llama
 
 peft = pytest.importorskip("peft")

@@ -64,7 +64,7 @@ def test_media_that_are_not_json_data_are_written_so_they_process_the_same(proce
                                          {"type": "video", "video": np.stack([_img(1), _img(2)])},
                                          {"type": "audio", "audio": _clip(440.0)}]}]
     safe = json.loads(json.dumps(json_safe_messages(raw)))
-    for before, after in zip(raw[0]["content"][1:], safe[0]["content"][1:]):
+    for before, after in zip(raw[0]["content"][1:], safe[0]["content"][1:], strict=True):
         assert item_digest(processor.process(before)) == item_digest(processor.process(after))
     assert safe[0]["content"][0] == {"type": "text", "text": "look"}
     assert safe[0]["content"][1]["image"].startswith("data:image/png;base64,")

@@ -85,7 +85,7 @@ def test_trainer_tis_truncates_stale_tokens(base_model):  # noqa: F811
     """Rollout log-probs far below the trainer's (a stale policy) give weights capped at tis_cap."""
     trajs = rollout_batch(base_model, n=8, noise=0.0)
     stale = [t.__class__(**{**t.__dict__, "rollout_logprobs": tuple(
-        lp - 3.0 if m else 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask))}) for t in trajs]
+        lp - 3.0 if m else 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask, strict=True))}) for t in trajs]
     tis = TorchTrainer(copy.deepcopy(base_model), cfg(off_policy="tis", tis_cap=2.0))
     m = tis.train_step(make_batch(stale))
     assert m[IW_CLIPPED_FRAC] == pytest.approx(1.0)

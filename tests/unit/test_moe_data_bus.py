@@ -28,7 +28,7 @@ def test_uint8_routes_survive_the_data_bus_and_collate():
     tq.put("step-0", list(sent), {"routed_experts": list(sent.values()), "token_ids": list(ids.values())},
            group_ids=["g0", "g0", "g1", "g1"], versions=[2, 2, 2, 2])
     batch = tq.get("step-0", ["routed_experts", "token_ids"], consumer="trainer", batch_size=4)
-    got = dict(zip(batch.sample_ids, batch.fields["routed_experts"]))
+    got = dict(zip(batch.sample_ids, batch.fields["routed_experts"], strict=True))
     assert set(got) == set(sent)
     for sid, r in sent.items():
         assert got[sid].dtype == np.uint8 and np.array_equal(got[sid], r)

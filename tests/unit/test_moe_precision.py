@@ -14,9 +14,9 @@ from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig, load_co
 from relax_agent.errors import ConfigError
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.moe import ROUTE_FLIP_FRAC
+from relax_agent.records import Trajectory, Turn
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.records import Trajectory, Turn
 from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MEAN, MISMATCH_K3_KL
 from relax_agent.train.backends.torch_backend import LOSS_SCALE, TorchTrainer
 from relax_agent.train.batch import collate
@@ -57,7 +57,7 @@ def rollout_batch(model_dir, dtype: str):
     with HFEngine(model, tok, EngineConfig(max_batch_size=4), record_routes=True) as engine:
         gens = engine.generate_many(prompts, [SamplingParams(max_new_tokens=24, seed=s) for s in range(3)])
     trajs = []
-    for i, (p, g) in enumerate(zip(prompts, gens)):
+    for i, (p, g) in enumerate(zip(prompts, gens, strict=True)):
         assert all(math.isfinite(lp) for lp in g.logprobs) and g.routed_experts.dtype == np.uint8
         turn = Turn(len(p), g.token_ids, g.logprobs, 0, g.finish_reason, g.routed_experts)
         trajs.append(Trajectory(f"s{i}", "g", "t", (*p, *g.token_ids), (0,) * len(p) + (1,) * len(g.token_ids),

@@ -15,9 +15,9 @@ from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig, load_co
 from relax_agent.errors import ConfigError, DataError
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.moe import ROUTE_FLIP_FRAC, find_routers, replay_weights, route_dtype
+from relax_agent.records import Trajectory, Turn
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.records import Trajectory, Turn
 from relax_agent.train.algorithms import (
     MISMATCH_ABS_DIFF_MAX,
     MISMATCH_ABS_DIFF_MEAN,
@@ -70,7 +70,7 @@ def rollouts(moe_dir):
         first = engine.generate_many(prompts, [SamplingParams(max_new_tokens=10, seed=s) for s in range(3)])
         ctx = prompts[2] + list(first[2].token_ids) + OBSERVATION
         second = engine.generate_many([ctx], SamplingParams(max_new_tokens=8, seed=9))[0]
-    trajs = [make_trajectory(f"s{i}", p, [turn_of(len(p), g)], []) for i, (p, g) in enumerate(zip(prompts[:2], first))]
+    trajs = [make_trajectory(f"s{i}", p, [turn_of(len(p), g)], []) for i, (p, g) in enumerate(zip(prompts[:2], first[:2], strict=True))]
     p = prompts[2]
     trajs.append(make_trajectory("s2", p, [turn_of(len(p), first[2]), turn_of(len(ctx), second)], OBSERVATION))
     return trajs
@@ -190,9 +190,9 @@ def test_trainer_uses_the_replayed_experts_in_every_layer_and_router_gets_gradie
     with torch.no_grad():
         for micro in batch.split(2):
             base(input_ids=micro.input_ids, attention_mask=micro.attention_mask)
-    for layer, (choices, plain) in enumerate(zip(seen, own)):
+    for layer, (choices, plain) in enumerate(zip(seen, own, strict=True)):
         assert len(choices) == 2  # one forward per micro-batch
-        for (micro, got, mine), rows in zip(zip(batch.split(2), choices, plain), (slice(0, 2), slice(2, 3))):
+        for (micro, got, mine), rows in zip(zip(batch.split(2), choices, plain, strict=True), (slice(0, 2), slice(2, 3)), strict=True):
             t = micro.input_ids.shape[1]
             got, mine = got.view(micro.size, t, -1), mine.view(micro.size, t, -1)
             want = torch.cat([forced[rows, 1:t, layer], forced[rows, :1, layer]], dim=1).long()
@@ -262,7 +262,7 @@ def test_dense_model_is_untouched(tiny_model_dir):
     assert {MISMATCH_K3_KL, MISMATCH_ABS_DIFF_MEAN, MISMATCH_ABS_DIFF_MAX, MISMATCH_FRAC_GT_LN2,
             MISMATCH_FRAC_GT_LN5} <= set(metrics)  # logged for dense policies too
     assert not any(key.startswith("moe/") for key in metrics)
-    for a, b in zip(on.model.parameters(), off.model.parameters()):
+    for a, b in zip(on.model.parameters(), off.model.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
 
 
@@ -299,7 +299,7 @@ def test_replay_with_activation_checkpointing_gives_the_same_step(rollouts, moe_
     assert len(calls) == 4  # 2 micro-batches, each forward once and recomputed once
     assert a[ROUTE_FLIP_FRAC] == b[ROUTE_FLIP_FRAC] == 1.0 and a["moe/replayed_tokens"] == b["moe/replayed_tokens"]
     assert a[MISMATCH_ABS_DIFF_MAX] == pytest.approx(b[MISMATCH_ABS_DIFF_MAX], abs=1e-6)
-    for (name, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters()):
+    for (name, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 

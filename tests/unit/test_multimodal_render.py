@@ -61,7 +61,7 @@ def test_placeholders_equal_features_over_a_multi_turn_episode_with_media_in_use
     assert prompt.media.kinds == want
     counts = r.family.count_placeholders(prompt.token_ids)
     for k in want:
-        assert counts[k] == sum(n for kk, n in zip(prompt.media.kinds, prompt.media.num_tokens) if kk == k) > 1
+        assert counts[k] == sum(n for kk, n in zip(prompt.media.kinds, prompt.media.num_tokens, strict=True) if kk == k) > 1
     assert counts["image"] == int(np.prod(prompt.media.arrays["image_grid_thw"][0])) // 4
     assert len(prompt.media.arrays["pixel_values"]) == int(np.prod(prompt.media.arrays["image_grid_thw"][0]))
     sampled = tok("Let me zoom.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -109,7 +109,7 @@ def _expanded(text: str, r: MediaRenderer, media, video_frames: list[int]) -> st
     Qwen3-VL processor did before transformers 5, which keeps that outer pair)."""
     tok = r.tokenizer
     names = {k: tok.convert_ids_to_tokens(v) for k, v in r.family.token_ids.items()}
-    queues = {k: [n for kk, n in zip(media.kinds, media.num_tokens) if kk == k] for k in names}
+    queues = {k: [n for kk, n in zip(media.kinds, media.num_tokens, strict=True) if kk == k] for k in names}
     grids, frames = list(media.arrays.get("video_grid_thw", [])), list(video_frames)
     wrapped = "<|vision_start|><|video_pad|><|vision_end|>"
     out, i = [], 0

@@ -44,7 +44,7 @@ def test_media_demonstrations_are_the_episode_prompt_with_its_media_plus_a_corre
     tasks = env.unwrapped.tasks("train")[:3]
     demos = demonstration_fields(lambda: gymnasium.make(env_id), renderer, build_parser("hermes"), tasks, seed=0)
     assert demos["task_id"] == [t["id"] for t in tasks]
-    for task, ids, mask, media in zip(tasks, demos["token_ids"], demos["loss_mask"], demos[MEDIA]):
+    for task, ids, mask, media in zip(tasks, demos["token_ids"], demos["loss_mask"], demos[MEDIA], strict=True):
         obs, info = env.reset(seed=0, options={"task": task})
         seg = renderer.render_prompt(obs, info.get("tools", ()))  # what MediaEnvDriver records for the prompt
         n = len(seg.token_ids)

@@ -1,8 +1,9 @@
 """The wheel's package list, the public API and the error hierarchy stay as documented."""
 
 import pickle
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import relax_agent
 from relax_agent import errors

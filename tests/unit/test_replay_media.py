@@ -18,11 +18,18 @@ from relax_agent.models import load_media_processor, load_policy, make_tiny_medi
 from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part
-from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.multimodal.record import split_items
+from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.records import MediaInputs
-from relax_agent.replay import (DELTA, LOGPROBS, MEDIA, check_deltas_and_media, check_logprobs, load_token_record,
-                                replay_records)
+from relax_agent.replay import (
+    DELTA,
+    LOGPROBS,
+    MEDIA,
+    check_deltas_and_media,
+    check_logprobs,
+    load_token_record,
+    replay_records,
+)
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
@@ -94,7 +101,7 @@ def test_the_record_keeps_each_media_item_where_it_sits(records, policy):
     for rec in records:
         m = rec["media"]
         assert m["kinds"] == ["image"] * 3 and len(set(m["digests"])) == 3
-        for start, n in zip(m["starts"], m["num_tokens"]):
+        for start, n in zip(m["starts"], m["num_tokens"], strict=True):
             assert n == 4 and rec["token_ids"][start - 1:start + n + 1] == \
                 [renderer.family.vision_start_id, *[pad] * n, renderer.family.vision_end_id]
         assert rec["messages"][-1]["content"][1]["image"].startswith("data:image/png;base64,")  # an array, kept as PNG

@@ -240,10 +240,10 @@ def test_one_client_serves_successive_event_loops():
         for micro_batching in (True, False):
             c = RewardClient(server.url, max_concurrency=2, micro_batching=micro_batching)
             for _ in range(3):  # a training loop that calls asyncio.run once per step
-                async def step():
-                    return await asyncio.gather(*(c.score([i]) for i in items(6)))
+                async def step(client):
+                    return await asyncio.gather(*(client.score([i]) for i in items(6)))
 
-                assert [o[0].reward for o in asyncio.run(step())] == [1.0] * 6
+                assert [o[0].reward for o in asyncio.run(step(c))] == [1.0] * 6
             asyncio.run(c.aclose())
             assert c.metrics()[rc.ITEMS_OK] == 18
 

@@ -6,9 +6,9 @@ import pytest
 
 from relax_agent.config import load_config
 from relax_agent.control.reporting import rollout_metrics
+from relax_agent.records import Trajectory, Turn
 from relax_agent.reward_services import ENV_REWARD_KEY, FakeReward
 from relax_agent.rollout.rewarding import needs_scoring, reward_item, score
-from relax_agent.records import Trajectory, Turn
 
 
 def _traj(sample_id="g/0", reward=0.5, error=None):

@@ -5,6 +5,7 @@ start-up with a ConfigError naming the feature. Real jinja templates, the SmolLM
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from transformers import AutoTokenizer
@@ -229,12 +230,12 @@ def test_qwen3_template_that_drops_past_reasoning_is_accepted_and_sampled_turns_
     spec = EpisodeSpec("g/0", "g", "t0", {"id": "t0"}, seed=0, max_turns=4, max_total_tokens=4096)
     traj = asyncio.run(run_episode(FollowUpEnv(), spec, engine, renderer, HermesParser(), SamplingParams(64)))
     assert traj.error is None and traj.reward == 1.0 and len(traj.turns) == 3
-    for turn, (text, end) in zip(traj.turns, replies):  # sampled ids kept verbatim, reasoning included
+    for turn, (text, end) in zip(traj.turns, replies, strict=True):  # sampled ids kept verbatim, reasoning included
         sampled = tuple(tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(end)])
         assert turn.token_ids == sampled == tuple(traj.token_ids[turn.start:turn.start + len(sampled)])
-    trained = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
+    trained = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
     assert trained == [t for turn in traj.turns for t in turn.token_ids]
-    between = [tok.decode(traj.token_ids[a.start + len(a.token_ids):b.start]) for a, b in zip(traj.turns, traj.turns[1:])]
+    between = [tok.decode(traj.token_ids[a.start + len(a.token_ids):b.start]) for a, b in itertools.pairwise(traj.turns)]
     assert between == ["\n<|im_start|>user\n<tool_response>\necho: 7\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
                        "\n<|im_start|>user\nAnd x=8?<|im_end|>\n<|im_start|>assistant\n"]
     # re-rendering the history would have dropped the first turns' reasoning: the trajectory is not that

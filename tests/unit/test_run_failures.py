@@ -28,7 +28,7 @@ def _run(ctrl) -> dict:
 def _prompt_len(cfg) -> int:
     """Tokens of the Echo env's first opening prompt as the run renders it."""
     from relax_agent.models import load_tokenizer
-    from relax_agent.roles import make_env_factory, load_tasks
+    from relax_agent.roles import load_tasks, make_env_factory
     from relax_agent.rollout.chat import ChatRenderer
 
     tok = load_tokenizer(cfg.model)
@@ -62,9 +62,9 @@ def test_a_step_that_samples_nothing_ends_the_run_naming_the_budget(tmp_path, ti
                     "rollout.prompt_check_tasks=0")  # the start-up check off: the run itself must refuse
     n = _prompt_len(cfg)
     ctrl = build_controller(cfg, build_roles(cfg))
-    with pytest.raises(RolloutError, match=rf"step 1: none of its 8 episodes sampled a token.*8 of them have a "
-                                           rf"prompt that alone fills rollout.max_total_tokens=20 \(task '[^']+': "
-                                           rf"\d+ tokens\); set rollout.max_total_tokens above \d+"):
+    with pytest.raises(RolloutError, match=r"step 1: none of its 8 episodes sampled a token.*8 of them have a "
+                                           r"prompt that alone fills rollout.max_total_tokens=20 \(task '[^']+': "
+                                           r"\d+ tokens\); set rollout.max_total_tokens above \d+"):
         _run(ctrl)
     assert ctrl.step == 0 and ctrl.version == 0 and n >= 20
 

@@ -17,12 +17,12 @@ from relax_agent import metrics as M
 from relax_agent.config import validate_config
 from relax_agent.control import build_controller
 from relax_agent.control.schedule import DROPPED_GROUPS, STALENESS_MAX, StalenessGate
+from relax_agent.records import Trajectory, Turn
 from relax_agent.roles import Roles
 from relax_agent.rollout.engines.fake import FakeEngine
-from relax_agent.train.backends.fake import FakeTrainer
 from relax_agent.rollout.runner import RolloutLimits, RolloutRunner
-from relax_agent.records import Trajectory, Turn
 from relax_agent.sampler import TaskSampler
+from relax_agent.train.backends.fake import FakeTrainer
 
 PROMPT = [1, 3, 4]
 
@@ -157,7 +157,7 @@ def test_async_s0_draws_the_same_tasks_and_versions_as_colocate(tmp_path):
     assert async_ctrl.sampler.state_dict() == colo.sampler.state_dict()
     a, c = async_ctrl.runtime.trainer.trainer.batches, colo.runtime.trainer.trainer.batches
     assert len(a) == len(c) == 3
-    assert all(torch.equal(x.advantages, y.advantages) and torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
+    assert all(torch.equal(x.advantages, y.advantages) and torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c, strict=True))
 
 
 def test_long_tail_group_is_dropped_not_trained_stale(tmp_path):

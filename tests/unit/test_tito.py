@@ -2,14 +2,13 @@
 
 import asyncio
 
-import gymnasium as gym
 import pytest
 from transformers import AutoTokenizer
 
 from relax_agent.envs import TextEnv
 from relax_agent.rollout.chat import ChatRenderer
-from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.env_driver import run_episode
 from relax_agent.rollout.parsers import HermesParser
 
@@ -83,7 +82,7 @@ def test_sampled_tokens_are_kept_exactly_and_masked(tokenizer):
         assert traj.rollout_logprobs[turn.start : turn.start + n] == turn.logprobs
         assert turn.policy_version == 3
     assert sum(traj.loss_mask) == sum(len(t.token_ids) for t in traj.turns)
-    assert all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask) if m == 0)
+    assert all(lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=True) if m == 0)
     # the second request's prompt is the first request's prompt plus the sampled turn, unchanged
     first, second = engine.calls
     assert second[: len(first)] == first
@@ -154,7 +153,6 @@ def test_hanging_env_times_out_without_blocking(tokenizer):
             return [], 1.0, True, False, {}
 
     spec = EpisodeSpec("g/0", "g", "t0", {"id": "t0", "question": "q"}, seed=0, step_timeout_s=0.2)
-    t0 = time.perf_counter()
     traj = asyncio.run(run_episode(Slow(), spec, ScriptedEngine(tokenizer, ["x"]), ChatRenderer(tokenizer),
                                    HermesParser(), SamplingParams(8)))
     assert traj.reward_status == "timeout" and "step_timeout_s=0.2" in traj.error

@@ -340,7 +340,7 @@ def test_fp16_autocast_with_loss_scaling_trains(base_model):
     second = trainer.train_step(batch)  # a first-step overflow would only have shrunk the scale
     assert trainer.step >= 1 and second[tb.SKIPPED_STEP] == 0.0
     assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights
-    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), base_model.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), base_model.parameters(), strict=True))
 
 
 def test_bf16_autocast_trains_and_stays_close_to_fp32(base_model):
@@ -354,7 +354,7 @@ def test_bf16_autocast_trains_and_stays_close_to_fp32(base_model):
     metrics = trainer.train_step(batch)
     assert metrics[tb.SKIPPED_STEP] == 0.0 and trainer.step == 1
     assert metrics[MISMATCH_ABS_DIFF_MAX] == pytest.approx(float(diff.max()), abs=1e-4)
-    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), base_model.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(trainer.model.parameters(), base_model.parameters(), strict=True))
 
 
 def test_state_dict_round_trip_continues_identically(base_model):
@@ -369,7 +369,7 @@ def test_state_dict_round_trip_continues_identically(base_model):
     b.load_state_dict(saved)
     ma, mb = a.train_step(batch), b.train_step(batch)
     assert ma[tb.LR] == mb[tb.LR] == pytest.approx(2e-3 / 3) and b.step == 2
-    for p, q in zip(a.model.parameters(), b.model.parameters()):
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p, q)
     with pytest.raises(CheckpointError, match="lacks"):
         b.load_state_dict({"optimizer": {}})

@@ -18,12 +18,12 @@ from relax_agent.control.resume import check_resume_tasks, format_resume_changes
 from relax_agent.envs import TextEnv
 from relax_agent.errors import CheckpointError
 from relax_agent.progress import format_eval, format_step
+from relax_agent.records import Trajectory
 from relax_agent.rollout.chat import ChatRenderer
-from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.env_driver import run_episode
 from relax_agent.rollout.parsers import HermesParser
-from relax_agent.records import Trajectory
 
 
 def _traj(i: int, reward: float, status: str = "ok") -> Trajectory:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from viewer_run import episode, make_run, write_jsonl
 
 from relax_agent.errors import ConfigError
 from relax_agent.viewer import EpisodeFilter, RunReader, ViewerConfig, build, read_jsonl
-from viewer_run import make_run, write_jsonl, episode
 
 
 @pytest.fixture()

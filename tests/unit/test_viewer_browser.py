@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 from viewer_cdp import Browser, find_chromium
-from relax_agent.viewer import ViewerConfig, build
 from viewer_run import episode, make_run
+
+from relax_agent.viewer import ViewerConfig, build
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = find_chromium()

@@ -31,7 +31,7 @@ def read_all(conn: socket.socket, limit_s: float = 10.0) -> bytes:
     try:
         while chunk := conn.recv(1 << 16):
             data += chunk
-    except (socket.timeout, ConnectionResetError):
+    except (TimeoutError, ConnectionResetError):
         pass
     return bytes(data)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import httpx
 import pytest
@@ -15,7 +15,12 @@ import torch
 
 from relax_agent.errors import WeightSyncError
 from relax_agent.weights import (
-    Coordinator, EngineSubscriber, TensorEngine, WeightSyncConfig, build_weight_sync, connect_subscriber,
+    Coordinator,
+    EngineSubscriber,
+    TensorEngine,
+    WeightSyncConfig,
+    build_weight_sync,
+    connect_subscriber,
 )
 from relax_agent.weights.meta import VersionMeta, plan_layout
 from relax_agent.weights.service import serve_coordinator

@@ -87,7 +87,7 @@ def test_checksum_changes_with_one_flipped_bit():
     before = bucket_checksums(FlatSource(tensors, total, state_dict=state), 64, "xxh3")
     state["w"].view(torch.int32)[17] ^= 1
     after = bucket_checksums(FlatSource(tensors, total, state_dict=state), 64, "xxh3")
-    assert [i for i, (a, b) in enumerate(zip(before, after)) if a != b] == [1]
+    assert [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b] == [1]
 
 
 def test_no_snapshot_source_refuses_non_contiguous_tensors():

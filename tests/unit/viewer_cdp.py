@@ -16,12 +16,12 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
 
-def find_chromium() -> Optional[str]:
+def find_chromium() -> str | None:
     """Path of a Chromium binary (``RELAX_CHROMIUM`` or ``chromium`` / ``chromium-browser`` on PATH), or None."""
     env = os.environ.get("RELAX_CHROMIUM")
     if env:

@@ -43,7 +43,7 @@ def main() -> None:
         if "eval_start" in summary:  # before the warm-up, at update 0
             pts[0] = (0, *pts[0][1:])
         if pts:
-            x, y, e = zip(*pts)
+            x, y, e = zip(*pts, strict=True)
             acc_ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label, color=f"C{i}",
                             linestyle="none")  # no held-out evaluation inside the warm-up: points, not a curve
     loss_ax.set_yscale("log")

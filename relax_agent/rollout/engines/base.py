@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class InferenceEngine(Protocol):
     """Generates continuations of token-id prompts; batches concurrent requests itself."""
 
     @property
-    def policy_version(self) -> int: ...
+    def policy_version(self) -> int:
+        """The version of the weights the engine samples with now (0: the initial weights)."""
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Sample a continuation of ``prompt_ids``.
@@ -72,7 +74,8 @@ class InferenceEngine(Protocol):
         """Atomically switch to new weights between generation steps."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the engine (its model, threads and any server); generating after it fails."""
 
 
 # -- optional capabilities of an engine (declared, checked with isinstance, never looked up by name) --

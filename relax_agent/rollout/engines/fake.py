@@ -14,8 +14,9 @@ predict them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from relax_agent.errors import EngineError
 from relax_agent.rollout.engines.base import Generation, SamplingParams
@@ -77,6 +78,7 @@ class FakeEngine:
 
     @property
     def policy_version(self) -> int:
+        """The version of the last :meth:`load_weights` (0 before any)."""
         return self._version
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
@@ -96,16 +98,19 @@ class FakeEngine:
                       params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
         """Blocking variant: one generation per prompt, in order."""
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        return [self._finish(self._next_reply(list(p), sp), sp) for p, sp in zip(prompts, per_prompt)]
+        return [self._finish(self._next_reply(list(p), sp), sp) for p, sp in zip(prompts, per_prompt, strict=True)]
 
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Record ``(version, state_dict)`` in :attr:`loaded` and report ``version`` from now on."""
         self.loaded.append((version, state_dict))
         self._version = int(version)
 
     def reseed(self, seed: int) -> None:
+        """Record ``seed`` in :attr:`seeds` (scripted replies do not depend on it)."""
         self.seeds.append(seed)
 
     def close(self) -> None:
+        """Mark the engine closed."""
         self._closed = True
 
     def _next_reply(self, prompt_ids: list[int], params: SamplingParams) -> Reply:

@@ -45,18 +45,19 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from relax_agent import metrics as M
-from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder, stack_routes
 from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.weights.digest import Expected, TensorDigest, load_failure, tensor_digest
 
 _STOP = object()
@@ -235,7 +236,7 @@ class HFEngine:
         if len(per_prompt) != len(prompts):
             raise ConfigError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} SamplingParams")
         futures = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p in zip(prompts, per_prompt, strict=True):
             fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
             futures.append(fut)
             self._submit(list(prompt), p, functools.partial(_resolve, fut))
@@ -345,7 +346,7 @@ class HFEngine:
             if isinstance(item, _Request):
                 item.deliver(EngineError("the engine was closed before this request ran"))
 
-    def __enter__(self) -> "HFEngine":
+    def __enter__(self) -> HFEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -458,8 +459,8 @@ class HFEngine:
                 raise _Closed
             self._step(batch, version)
 
-    def _admit(self, waiting: list[_Request], batch: "_Batch", served: list[_Request],
-               version: int) -> list["_Row"]:
+    def _admit(self, waiting: list[_Request], batch: _Batch, served: list[_Request],
+               version: int) -> list[_Row]:
         """Prefill ``waiting``, then queued requests while the batch has room and no weight
         load is pending; returns the prefilled rows that did not finish at their first token."""
         rows: list[_Row] = []
@@ -492,7 +493,7 @@ class HFEngine:
             return None
         return item
 
-    def _prefill(self, req: _Request, version: int) -> "_Row | None":
+    def _prefill(self, req: _Request, version: int) -> _Row | None:
         """Run the prompt tokens the prefix cache lacks and sample the first token.
 
         Shapes: ``input_ids`` and ``position_ids`` [1, n - reused], ``attention_mask`` [1, n];
@@ -524,7 +525,7 @@ class HFEngine:
             return None
         return _Row(req, kv, n, int(tokens[0]))
 
-    def _step(self, batch: "_Batch", version: int) -> None:
+    def _step(self, batch: _Batch, version: int) -> None:
         """One forward pass over every row (its last sampled token), then sample each row's next.
 
         Shapes: ``input_ids`` and ``position_ids`` [rows, 1]; ``attention_mask`` [rows, width + 1],
@@ -550,7 +551,7 @@ class HFEngine:
                  routes: Any = None) -> list[int]:
         """Append each row's token; deliver rows that finished; return indices of rows still going."""
         keep = []
-        for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs)):
+        for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs, strict=True)):
             req.token_ids.append(tok)
             req.logprobs.append(lp)
             if req.on_token is not None:
@@ -865,7 +866,7 @@ def _assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
         buffers = []
         for side in (0, 1):
             buf = ref.new_empty((len(rows_kv), ref.shape[0], width + _SPARE_COLUMNS, ref.shape[2]))
-            for j, (row, n) in enumerate(zip(rows_kv, lengths)):
+            for j, (row, n) in enumerate(zip(rows_kv, lengths, strict=True)):
                 buf[j, :, :width - n].zero_()
                 buf[j, :, width - n:width] = row[layer][side]
             buffers.append(buf)

@@ -59,9 +59,10 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import httpx
 import numpy as np
@@ -372,7 +373,7 @@ class VLLMEngine:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ConfigError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        bodies = [self._request_body(list(p), sp) for p, sp in zip(prompts, per_prompt)]
+        bodies = [self._request_body(list(p), sp) for p, sp in zip(prompts, per_prompt, strict=True)]
         futures = [self._submit(self._post_generate(b)) for b in bodies]
         return [f.result() for f in futures]
 
@@ -478,7 +479,7 @@ class VLLMEngine:
         self._io.join(_STOP_JOIN_S)
         self._finalizer()
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -185,7 +185,7 @@ def served_mismatches(model: Any, read: dict[str, Any], tied: list[list[str]],
             sources = [source(p) for p in parts]
             if None in sources:
                 continue
-            bad += _probe(module, [(p, read[s]) for p, s in zip(parts, sources) if s is not None], version)
+            bad += _probe(module, [(p, read[s]) for p, s in zip(parts, sources, strict=True) if s is not None], version)
             checked += len(parts)
             probed.add(f"{name}.weight")
         for name, param in model.named_parameters():
@@ -399,6 +399,7 @@ class RouteCapture:
                    f"which vllm {self.version} does not have ({exc}); use engine.kind=hf for routing replay")
 
     def start_step(self) -> None:
+        """Forget the routes of the previous forward pass (called before each model step)."""
         self._latest = {}
 
     def step_routes(self) -> tuple[dict[str, int], Any]:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from relax_agent.errors import RelaxError
 from relax_agent.rollout.chat import ChatRenderer
@@ -92,6 +93,8 @@ class ScriptedPolicy:
         self.eos = eos[0] if isinstance(eos, list) else eos
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, on_token: Any = None) -> Generation:
+        """The tokens of :attr:`text` then end of sequence (at most ``max_new_tokens``), log-prob -1 each,
+        streamed to ``on_token``."""
         ids = list(self.tokenizer(self.text, add_special_tokens=False)["input_ids"]) + [self.eos]
         ids = ids[:params.max_new_tokens]
         for t in ids:
@@ -101,9 +104,11 @@ class ScriptedPolicy:
         return Generation(tuple(ids), tuple(-1.0 for _ in ids), "stop" if ids[-1] == self.eos else "length", 0)
 
     def load_weights(self, state_dict: Any, version: int) -> None:
+        """Nothing: the scripted policy has no weights."""
         pass
 
     def close(self) -> None:
+        """Nothing to release."""
         pass
 
 
@@ -132,6 +137,8 @@ class CheckSession(AgentSession):
 
     async def submit(self, req: ChatRequest, body_key: str, replay: bool, on_text: Any = None,
                      notes: dict[str, str] | None = None, info: dict[str, int] | None = None) -> asyncio.Future:
+        """Keep ``req`` and script the reply before submitting it: a call of the first allowed tool
+        while tools are offered and none has answered yet, else the final answer."""
         self.seen.append(req)
         assert isinstance(self.engine, ScriptedPolicy)
         answered = any(m["role"] == "tool" for m in req.messages)
@@ -235,7 +242,7 @@ def _rows(runs: list[Any]) -> list[CheckRow]:
         "replies the agent does not build on are recorded but never trained; avoid side calls, or write the "
         "answer to RELAX_OUTPUT_FILE", warn=True)
     finals = []
-    for t, s, e, _, reward, score_error in runs:
+    for t, s, e, _, _reward, score_error in runs:
         final = s.final_reply()
         if e is None and s.seen and (final is None or final.content != FINAL_ANSWER):
             finals.append(f"{t.id}: the trained chain ends at {final.content[:60]!r}, not at the final answer"

@@ -54,22 +54,27 @@ class MessagesApi:
     path = "/v1/messages"
 
     def api_key(self, headers: Any) -> str:
+        """The ``x-api-key`` header, else the ``Authorization: Bearer`` key ("" when neither)."""
         return (headers.get("x-api-key") or "").strip() or bearer(headers)
 
     def parse(self, body: Any) -> ChatRequest:
+        """The internal chat request of a Messages API body (:func:`chat_body` converts it)."""
         return parse_chat_request(chat_body(body))
 
     def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """An Anthropic ``message`` object of the first choice: content blocks, stop reason, usage."""
         c = answer.choices[0]
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                 "model": req.model or answer.model, "content": content_blocks(c),
                 "stop_reason": stop_reason(c), "stop_sequence": c.stop_string,
                 "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens}}
 
-    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "MessagesStreamWriter":
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> MessagesStreamWriter:
+        """A :class:`MessagesStreamWriter` for ``model``."""
         return MessagesStreamWriter(model)
 
     def error(self, exc: RequestError) -> dict[str, Any]:
+        """Anthropic's error body of ``exc``."""
         return error_body(exc)
 
 
@@ -241,12 +246,15 @@ class MessagesStreamWriter:
         self.text_open = False
 
     def start(self, prompt_tokens: int | None = None) -> list[str]:
+        """``message_start`` with an empty message (``prompt_tokens`` as its input usage)."""
         usage = {"input_tokens": prompt_tokens or 0, "output_tokens": 0}
         message: dict[str, Any] = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
         return [sse_event("message_start", {"type": "message_start", "message": message})]
 
     def text(self, index: int, delta: str) -> list[str]:
+        """``delta`` as a text ``content_block_delta`` (opening the text block first); choice ``index``
+        is always 0."""
         out = []
         if not self.text_open:
             self.text_open = True
@@ -257,6 +265,8 @@ class MessagesStreamWriter:
         return out
 
     def finish(self, answer: Answer, rests: list[str]) -> list[str]:
+        """The unsent text, the text block's stop, one ``tool_use`` block per call, then
+        ``message_delta`` (stop reason, usage) and ``message_stop``."""
         c = answer.choices[0]
         out = self.text(0, rests[0]) if rests[0] else []
         index = 0
@@ -279,4 +289,5 @@ class MessagesStreamWriter:
         return out
 
     def fail(self, error: RequestError) -> list[str]:
+        """An ``error`` event with Anthropic's error body."""
         return [sse_event("error", error_body(error))]

@@ -292,15 +292,18 @@ class Choice:
     stop_string: str | None = None
 
     def message(self) -> dict[str, Any]:
+        """The choice as a chat ``assistant`` message (with ``tool_calls`` when it made calls)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.tool_calls:
             msg["tool_calls"] = [dict(c) for c in self.tool_calls]
         return msg
 
     def logprobs_body(self) -> dict[str, Any]:
+        """The choice's ``logprobs`` object: per sampled token its text, log-prob and bytes (no top
+        log-probs)."""
         raw = self.token_bytes or tuple(t.encode() for t in self.tokens)
         return {"content": [{"token": t, "logprob": lp, "bytes": list(b), "top_logprobs": []}
-                            for t, lp, b in zip(self.tokens, self.logprobs, raw)], "refusal": None}
+                            for t, lp, b in zip(self.tokens, self.logprobs, raw, strict=True)], "refusal": None}
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,7 @@ class Answer:
     created: int = 0
 
     def usage(self) -> dict[str, int]:
+        """The ``usage`` object: prompt, completion and total tokens."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
@@ -354,11 +358,13 @@ def final_chunks(answer: Answer, index: int) -> list[str]:
 
 
 def usage_chunk(answer: Answer) -> str:
+    """The closing ``chat.completion.chunk`` that carries only ``usage`` (``stream_options.include_usage``)."""
     return sse({"id": answer.id, "object": "chat.completion.chunk", "created": answer.created, "model": answer.model,
                 "choices": [], "usage": answer.usage()})
 
 
 def sse(body: dict[str, Any]) -> str:
+    """``body`` as one server-sent event (``data: <json>`` and a blank line)."""
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
@@ -366,6 +372,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def now_s() -> int:
+    """The current Unix time in whole seconds (the ``created`` field)."""
     return int(time.time())
 
 
@@ -379,18 +386,23 @@ class ChatCompletionsApi:
     path = "/v1/chat/completions"
 
     def api_key(self, headers: Any) -> str:
+        """The ``Authorization: Bearer`` key ("" when none)."""
         return (headers.get("authorization") or "").removeprefix("Bearer ").strip()
 
     def parse(self, body: Any) -> ChatRequest:
+        """The internal chat request of a Chat Completions body (already in that shape)."""
         return parse_chat_request(body)
 
     def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """The ``chat.completion`` object of ``answer``."""
         return answer.completion()
 
-    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "ChatStreamWriter":
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> ChatStreamWriter:
+        """A :class:`ChatStreamWriter` for ``req`` and ``model``."""
         return ChatStreamWriter(req, model)
 
     def error(self, exc: RequestError) -> dict[str, Any]:
+        """OpenAI's error body of ``exc``."""
         return exc.body()
 
 
@@ -406,13 +418,17 @@ class ChatStreamWriter:
         self.id, self.created = f"chatcmpl-{uuid.uuid4().hex}", now_s()
 
     def start(self, prompt_tokens: int | None = None) -> list[str]:
+        """One chunk per choice opening its ``assistant`` message."""
         return [chunk(self.id, self.model, self.created, i, {"role": "assistant", "content": ""})
                 for i in range(self.req.n)]
 
     def text(self, index: int, delta: str) -> list[str]:
+        """One chunk carrying ``delta`` for choice ``index``."""
         return [chunk(self.id, self.model, self.created, index, {"content": delta})]
 
     def finish(self, answer: Answer, rests: list[str]) -> list[str]:
+        """Per choice its unsent text and final chunks (tool calls, finish reason), the usage chunk when
+        asked for, then ``data: [DONE]``."""
         import dataclasses
 
         answer = dataclasses.replace(answer, id=self.id, model=self.model, created=self.created)
@@ -426,4 +442,5 @@ class ChatStreamWriter:
         return out + [SSE_DONE]
 
     def fail(self, error: RequestError) -> list[str]:
+        """One event with OpenAI's error body."""
         return [sse(error.body())]

@@ -67,16 +67,20 @@ class ResponsesApi:
     path = "/v1/responses"
 
     def api_key(self, headers: Any) -> str:
+        """The ``Authorization: Bearer`` key ("" when none)."""
         return bearer(headers)
 
     def parse(self, body: Any) -> ChatRequest:
+        """The internal chat request of a Responses API body (:func:`chat_body` converts it)."""
         return parse_chat_request(chat_body(body))
 
     def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """A completed ``response`` object with the answer's output items."""
         out = _Response(req, body, req.model or answer.model)
         return out.body(answer, output_items(answer))
 
-    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> "ResponsesStreamWriter":
+    def writer(self, req: ChatRequest, body: dict[str, Any], model: str) -> ResponsesStreamWriter:
+        """A :class:`ResponsesStreamWriter` for ``req`` and ``model``."""
         return ResponsesStreamWriter(_Response(req, body, model))
 
     def error(self, exc: RequestError) -> dict[str, Any]:
@@ -270,11 +274,14 @@ class ResponsesStreamWriter:
         return sse_event(kind, body)
 
     def start(self, prompt_tokens: int | None = None) -> list[str]:
+        """``response.created`` and ``response.in_progress`` with an empty, in-progress response."""
         snapshot = self.response.body(None, [], status="in_progress")
         return [self._event("response.created", response=snapshot),
                 self._event("response.in_progress", response=snapshot)]
 
     def text(self, index: int, delta: str) -> list[str]:
+        """``delta`` as ``response.output_text.delta`` (adding the message item and its text part
+        first); choice ``index`` is always 0."""
         out = []
         if self.message_id is None:
             self.message_id = f"msg_{uuid.uuid4().hex}"
@@ -288,6 +295,8 @@ class ResponsesStreamWriter:
         return out
 
     def finish(self, answer: Answer, rests: list[str]) -> list[str]:
+        """The unsent text, the message item's ``done`` events, one function-call item per call, then
+        ``response.completed`` (``response.incomplete`` when the answer was cut short)."""
         c = answer.choices[0]
         out = []
         if rests[0] or (self.message_id is None and not c.tool_calls):
@@ -324,5 +333,6 @@ class ResponsesStreamWriter:
                             part={"type": "output_text", "text": "", "annotations": []})]
 
     def fail(self, error: RequestError) -> list[str]:
+        """``response.failed`` with a ``server_error`` naming ``error``."""
         failed = self.response.body(None, [], status="failed", error={"code": "server_error", "message": str(error)})
         return [self._event("response.failed", response=failed)]

@@ -42,7 +42,8 @@ import hashlib
 import json
 import socket
 import threading
-from typing import Any, AsyncIterator, Coroutine, TypeVar
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -56,10 +57,10 @@ from relax_agent.rollout.parsers import (
     ToolCallParser,
     reasoning_markers,
 )
-from relax_agent.rollout.tool_parsers._common import split_reasoning
 from relax_agent.rollout.proxy.openai_api import Answer, ChatCompletionsApi, ChatRequest, RequestError
 from relax_agent.rollout.proxy.session import AgentSession
 from relax_agent.rollout.proxy.wire import StreamWriter, WireApi, bearer
+from relax_agent.rollout.tool_parsers._common import split_reasoning
 
 T = TypeVar("T")
 
@@ -104,7 +105,7 @@ class EndpointServer:
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
-    def start(self) -> "EndpointServer":
+    def start(self) -> EndpointServer:
         """Start serving (returns once the socket accepts requests). Idempotent."""
         if self._thread is not None:
             return self
@@ -336,7 +337,7 @@ async def _start_stream(session: AgentSession, req: ChatRequest, writer: StreamW
 
 
 async def _events(session: AgentSession, writer: StreamWriter, fut: asyncio.Future,
-                  streamers: list["ContentStreamer"], queue: asyncio.Queue, body_key: str,
+                  streamers: list[ContentStreamer], queue: asyncio.Queue, body_key: str,
                   prompt_tokens: int | None) -> AsyncIterator[str]:
     answer_id, finished = None, False
     try:

@@ -60,14 +60,20 @@ import hashlib
 import inspect
 import json
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, cast
+from typing import Any, Protocol, cast
 
-from relax_agent.records import Trajectory
 from relax_agent.rollout.chat import ChatRenderer, text_of
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
-from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser, decodes_special_tokens
+from relax_agent.rollout.parsers import (
+    FencedJsonParser,
+    HermesParser,
+    JsonParser,
+    ToolCallParser,
+    decodes_special_tokens,
+)
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, now_s
 from relax_agent.rollout.recorder import TrajectoryRecorder
 
@@ -122,16 +128,16 @@ class Reply:
     order: int
     request: int
     choice: int
-    segment: "Segment"
+    segment: Segment
     state: tuple[int, int, int, bool]
-    parent: "Reply | None"
+    parent: Reply | None
     content: str
     num_tokens: int
     on_task: bool = True
     delivered: bool | None = None
-    children: list["Reply"] = field(default_factory=list)
+    children: list[Reply] = field(default_factory=list)
 
-    def chain(self) -> list["Reply"]:
+    def chain(self) -> list[Reply]:
         """[k] the replies from the root down to this one."""
         out: list[Reply] = []
         node: Reply | None = self
@@ -176,7 +182,7 @@ class Segment:
         """(tokens, convo messages, recorded messages, closed) now: where a fork can cut it back to."""
         return len(self.rec.token_ids), len(self.convo), len(self.rec.messages), self.closed
 
-    def fork(self, state: tuple[int, int, int, bool], kind: str) -> "Segment":
+    def fork(self, state: tuple[int, int, int, bool], kind: str) -> Segment:
         """A copy cut back to an earlier :meth:`state`."""
         num_tokens, num_convo, num_messages, closed = state
         rec = TrajectoryRecorder(self.rec.spec)
@@ -827,7 +833,7 @@ def _byte_decoder() -> dict[str, int]:
             bs.append(b)
             cs.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
 _BYTE_DECODER = _byte_decoder()
@@ -838,7 +844,7 @@ def token_bytes(tokenizer: Any, ids: Sequence[int]) -> tuple[bytes, ...]:
     decoded text cannot show): byte-level BPE pieces mapped back through GPT-2's byte alphabet,
     SentencePiece byte pieces (``<0xE2>``) as that byte, other pieces as their decoded text's UTF-8."""
     out = []
-    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids))):
+    for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids)), strict=True):
         if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             try:
                 out.append(bytes([int(piece[3:5], 16)]))

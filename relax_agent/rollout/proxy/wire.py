@@ -9,7 +9,8 @@ API a request came in by.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, RequestError
 

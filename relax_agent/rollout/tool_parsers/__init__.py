@@ -24,7 +24,7 @@ gemma          Gemma 4                                ``<|tool_call>call:``     
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from relax_agent.rollout.tool_parsers.auto import resolve_tool_parser
 from relax_agent.rollout.tool_parsers.deepseek_v3 import DeepSeekV3Parser

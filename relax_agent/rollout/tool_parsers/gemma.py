@@ -125,6 +125,8 @@ class GemmaParser:
         return "".join(f"{self.OPEN}call:{c['name']}{format_argument(dict(c['arguments']))}{self.CLOSE}" for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
+        """Reasoning (the thought channel), the ``<|tool_call>`` blocks as calls (a malformed block as an
+        error) and the text around them as content; end tokens are stripped."""
         reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
         reasoning = reasoning[len("thought"):].strip() if reasoning.startswith("thought") else reasoning
         calls: list[dict[str, Any]] = []

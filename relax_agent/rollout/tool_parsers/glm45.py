@@ -11,7 +11,14 @@ import re
 from typing import Any
 
 from relax_agent.rollout.parsers import ParsedAction
-from relax_agent.rollout.tool_parsers._common import call, only_space, split_reasoning, strip_end_tokens, typed_value, value_text
+from relax_agent.rollout.tool_parsers._common import (
+    call,
+    only_space,
+    split_reasoning,
+    strip_end_tokens,
+    typed_value,
+    value_text,
+)
 
 
 class Glm45Parser:
@@ -38,6 +45,8 @@ class Glm45Parser:
             + "\n" + self.CLOSE for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
+        """Reasoning (``<think>``), the ``<tool_call>`` blocks as calls (a malformed block as an error)
+        and the text around them as content; end tokens are stripped."""
         reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
         calls: list[dict[str, Any]] = []
         errors: list[str] = []

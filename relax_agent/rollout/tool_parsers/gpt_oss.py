@@ -45,6 +45,8 @@ class GptOssParser:
             f"{json.dumps(c['arguments'], ensure_ascii=False)}<|call|>" for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
+        """The harmony messages of ``text``: ``analysis`` as reasoning, ``final`` (and preambles) as content,
+        messages to ``functions.NAME`` as calls (see the class doc for what is an error)."""
         if self.CHANNEL not in text and self.MESSAGE not in text:
             return ParsedAction(self._clean(text))
         reasoning: list[str] = []

@@ -35,6 +35,8 @@ class Llama3JsonParser:
         return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False) for c in calls)
 
     def parse(self, text: str) -> ParsedAction:
+        """A reply starting with ``{`` (after ``<|python_tag|>``) as its JSON calls; any other reply is
+        content (an error when the tag is followed by no call)."""
         body = strip_end_tokens(text, self.END_TOKENS).strip()
         tagged = body.startswith(self.PYTHON_TAG)
         body = body[len(self.PYTHON_TAG):].strip() if tagged else body

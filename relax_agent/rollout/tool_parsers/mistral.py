@@ -38,6 +38,8 @@ class MistralParser:
                                             ensure_ascii=False)
 
     def parse(self, text: str) -> ParsedAction:
+        """Reasoning, the content before ``[TOOL_CALLS]``, and the calls after it (an error when anything
+        else follows)."""
         reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
         at = rest.find(self.TOOL_CALLS)
         if at == -1:

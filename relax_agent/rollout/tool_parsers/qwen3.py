@@ -28,6 +28,7 @@ class Qwen3Parser(HermesParser):
         super().__init__(strict=True)
 
     def parse(self, text: str) -> ParsedAction:
+        """The ``<think>`` block as reasoning, the rest as :meth:`HermesParser.parse` reads it."""
         reasoning, rest = split_reasoning(text, *self.THINK)
         action = super().parse(rest)
         return ParsedAction(action.content, action.tool_calls, action.errors, reasoning)

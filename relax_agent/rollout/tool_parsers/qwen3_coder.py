@@ -44,6 +44,8 @@ class Qwen3CoderParser:
         return "\n".join(blocks)
 
     def parse(self, text: str) -> ParsedAction:
+        """The ``<tool_call><function=...>`` blocks as calls (a malformed block as an error) and the text
+        around them as content."""
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
         content: list[str] = []

@@ -9,8 +9,9 @@ weights to the weight sync, and saves / restores its own state for checkpoints. 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from relax_agent.train.batch import TrainBatch
 

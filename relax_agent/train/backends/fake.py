@@ -68,9 +68,15 @@ class FakeTrainer:
         return {"w": torch.full((4,), float(self.step))}
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"step": ...}``: the fake trainer's only state."""
         return {"step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["step"]``.
+
+        Raises:
+            CheckpointError: ``state`` has no ``step``.
+        """
         if "step" not in state:
             raise CheckpointError(f"fake trainer state lacks 'step'; got keys {sorted(state)}")
         self.step = int(state["step"])

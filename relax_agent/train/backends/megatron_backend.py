@@ -197,7 +197,7 @@ class MegatronTrainer:
         if not self._finalizer.alive:
             raise MegatronTrainerError("the megatron trainer is closed")
         sends = per_rank if per_rank is not None else [args] * self.world_size
-        for conn, a in zip(self._conns, sends):
+        for conn, a in zip(self._conns, sends, strict=True):
             _send(conn, (command, a))
         results, error = [], None
         for rank in range(self.world_size):  # read every answer so the pipes stay in step
@@ -280,7 +280,7 @@ class MegatronTrainer:
         """Stop the rank processes and remove the weights folder (idempotent)."""
         self._finalizer()
 
-    def __enter__(self) -> "MegatronTrainer":
+    def __enter__(self) -> MegatronTrainer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

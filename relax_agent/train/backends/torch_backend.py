@@ -16,16 +16,16 @@ plus, in async mode, the policy drift since the rollout).
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 import math
 import time
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from relax_agent.train.config import TrainerConfig
 from relax_agent.errors import CheckpointError, ConfigError, DataError
 from relax_agent.moe.replay import build_routing_replay, replaying
 from relax_agent.train.algorithms import (
@@ -44,6 +44,7 @@ from relax_agent.train.algorithms import (
     policy_loss,
 )
 from relax_agent.train.batch import TrainBatch
+from relax_agent.train.config import TrainerConfig
 from relax_agent.train.memory import release_free_heap, resident_gb
 
 LOSS = "train/loss"

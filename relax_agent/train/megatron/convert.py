@@ -24,8 +24,9 @@ the vocabulary padding, so ``ranks_to_hf(hf_to_rank(sd, ...) for every rank) == 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,7 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
+        """Whether the model has routed experts (``num_experts > 0``)."""
         return self.num_experts > 0
 
     def padded_vocab(self, tp: int) -> int:
@@ -142,6 +144,7 @@ class ModelSpec:
         return -(-self.vocab_size // tp) * tp
 
     def table(self) -> dict[str, tuple[Any, str]]:
+        """The per-layer conversion table of this model family (:data:`LAYER_TABLES`)."""
         return LAYER_TABLES[self.family]
 
 
@@ -387,7 +390,7 @@ def ranks_to_hf(ranks: Iterable[tuple[Parallel, Mapping[str, torch.Tensor]]], sp
         elif rule == COL:
             out[hf] = torch.cat(pieces, dim=1)
         elif rule == QKV:
-            for h, x in zip(hf, _qkv_split(spec, torch.cat(pieces))):
+            for h, x in zip(hf, _qkv_split(spec, torch.cat(pieces)), strict=True):
                 out[h] = x
         else:
             assert rule == GATE_UP, rule

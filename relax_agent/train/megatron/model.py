@@ -17,8 +17,9 @@ weights come from the router's scores at those experts, so the router still lear
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class RMSNorm(nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))  # Megatron's parameter tag
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))  # noqa: B010 -- Megatron's parameter tag, an attribute torch's Parameter type does not declare
 
 
 class QKNorm(nn.RMSNorm):
@@ -55,7 +56,7 @@ class QKNorm(nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "tp_partial_grad", True)
+        setattr(self.weight, "tp_partial_grad", True)  # noqa: B010 -- our tag, an attribute torch's Parameter type does not declare
 
 
 def build_gpt_model(spec: ModelSpec, tp: int, ep: int, sequence_parallel: bool, routing_replay: bool) -> nn.Module:
@@ -99,7 +100,10 @@ def tag_sharded_weights(gpt: nn.Module) -> None:
     Column-parallel and vocab-parallel weights are split along dim 0, row-parallel along dim 1.
     """
     from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
     )
 
     for module in gpt.modules():
@@ -134,6 +138,7 @@ class MegatronCausalLM(nn.Module):
         self.replay: MaskedRouterReplay | None = None
 
     def get_input_embeddings(self) -> nn.Module:
+        """The word-embedding module (Hugging Face's accessor; LoRA and tied-weight code look it up)."""
         return self.gpt.embedding.word_embeddings
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool = False) -> Output:

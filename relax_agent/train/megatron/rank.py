@@ -167,6 +167,9 @@ class RankTrainer(TorchTrainer):
     # ----------------------------------------------------------------- loss path hooks
 
     def compute_gradients(self, batch: TrainBatch) -> dict[str, float]:
+        """:meth:`TorchTrainer.compute_gradients` on this rank's shard, then the tensor-parallel sum of
+        partial gradients; with routing replay, also its MoE metrics (summed over the ranks under
+        sequence parallelism)."""
         metrics = super().compute_gradients(batch)
         self._sum_partial_grads()
         if self.router_replay is not None:
@@ -283,6 +286,7 @@ class RankTrainer(TorchTrainer):
         return ranks_to_hf(gathered, self.spec)
 
     def policy_state_dict(self) -> dict[str, torch.Tensor] | None:  # type: ignore[override]  # None off rank 0
+        """The full Hugging Face state dict, gathered to rank 0 (None on the other ranks)."""
         return self.gather_hf()
 
     def save_model(self, path: Path) -> None:
