@@ -1,0 +1,48 @@
+"""Fixtures and helpers shared by the test files.
+
+The fixtures are registered for every test by ``tests/conftest.py`` (``pytest_plugins``); import the
+helpers by name, e.g. ``from tests.fixtures import chat_prompt``. Heavy libraries (torch, transformers)
+are imported inside the functions, so collecting a test that needs none of them stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture
+def hf_policy(tiny_model_dir: Path) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of the tiny random llama (fp32, CPU), loaded again for each test."""
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_policy
+
+    return load_policy(ModelConfig(path=str(tiny_model_dir)))
+
+
+def chat_prompt(tokenizer: Any, words: int, offset: int = 0) -> list[int]:
+    """Token ids of a one-message chat prompt of ``words`` distinct words (``word{offset}`` onwards)."""
+    msgs = [{"role": "user", "content": " ".join(f"word{offset + i}" for i in range(words))}]
+    ids: list[int] = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+    return ids
+
+
+def reference_logprobs(model: Any, prompt: list[int], completion: tuple[int, ...], temperature: float = 1.0,
+                       top_p: float = 1.0) -> Any:
+    """[n] log_softmax(logits / T) at each completion token, from one unpadded forward pass (the trainer's
+    view); with ``top_p < 1``, of the nucleus renormalised (what vLLM samples from and reports)."""
+    import torch
+
+    from relax_agent.rollout.engines.hf import top_p_filter
+
+    ids = torch.tensor([prompt + list(completion)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)[len(prompt) - 1:-1]
+    picked = logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+    if top_p < 1:
+        nucleus = top_p_filter(logp.exp(), torch.full((len(completion),), top_p))
+        picked = picked - nucleus.sum(-1).log()
+    return picked
