@@ -22,6 +22,18 @@ def hf_policy(tiny_model_dir: Path) -> tuple[Any, Any]:
     return load_policy(ModelConfig(path=str(tiny_model_dir)))
 
 
+def load_media_policy(folder: Path) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, renderer)`` of the media policy in ``folder`` (a ``make_tiny_media_model`` output)."""
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_media_processor, load_policy
+    from relax_agent.multimodal.render import MediaRenderer
+    from relax_agent.rollout.chat import ChatRenderer
+
+    cfg = ModelConfig(path=str(folder))
+    model, tok = load_policy(cfg)
+    return model, tok, MediaRenderer(ChatRenderer(tok, accepts_media=True), load_media_processor(cfg, model.config))
+
+
 def chat_prompt(tokenizer: Any, words: int, offset: int = 0) -> list[int]:
     """Token ids of a one-message chat prompt of ``words`` distinct words (``word{offset}`` onwards)."""
     msgs = [{"role": "user", "content": " ".join(f"word{offset + i}" for i in range(words))}]
