@@ -7,6 +7,9 @@ are imported inside the functions, so collecting a test that needs none of them 
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +61,31 @@ def reference_logprobs(model: Any, prompt: list[int], completion: tuple[int, ...
         nucleus = top_p_filter(logp.exp(), torch.full((len(completion),), top_p))
         picked = picked - nucleus.sum(-1).log()
     return picked
+
+
+def run_in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``fn()`` in a daemon thread; the box gets ``"result"``, or ``"error"`` with what it raised."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # reported by the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, proc: Any = None, poll_s: float = 0.05) -> Any:
+    """Poll ``cond()`` until it is truthy and return its value; fail after ``timeout_s`` naming ``what``,
+    or at once when the ``subprocess.Popen`` ``proc`` (if given) has ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = cond()
+        if got:
+            return got
+        assert proc is None or proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(poll_s)
