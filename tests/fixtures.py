@@ -7,6 +7,7 @@ are imported inside the functions, so collecting a test that needs none of them 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -89,3 +90,11 @@ def wait_for(cond: Callable[[], Any], timeout_s: float, what: str, proc: Any = N
         assert proc is None or proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(poll_s)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
