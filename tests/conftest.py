@@ -1,4 +1,7 @@
-"""Shared fixtures. Tests never reach a model hub: ``HF_HUB_OFFLINE`` is set before anything imports it."""
+"""Shared fixtures. Tests never reach a model hub: ``HF_HUB_OFFLINE`` is set before anything imports it.
+
+The fixtures and helpers several test files share are in ``tests/fixtures.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest_plugins = ["tests.fixtures"]  # the fixtures shared by the test files
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,6 @@ from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncEr
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.engines.config import EngineConfig, VLLMConfig
-from relax_agent.rollout.engines.hf import top_p_filter
 from relax_agent.rollout.engines.vllm import (
     PREFIX_CACHE_HIT_RATE,
     VLLMGeneration,
@@ -29,6 +28,7 @@ from relax_agent.rollout.engines.vllm import (
     find_vllm_python,
     write_safetensors,
 )
+from tests.fixtures import reference_logprobs
 
 try:
     find_vllm_python()
@@ -74,20 +74,6 @@ def restore(policy, engine):
 
 def prompt_of(n: int, offset: int = 0) -> list[int]:
     return [1] + [(7 * i + 13 * offset) % 40000 + 100 for i in range(n)]
-
-
-def reference_logprobs(model, prompt: list[int], completion: tuple[int, ...], temperature: float,
-                       top_p: float = 1.0) -> torch.Tensor:
-    """[n] log_softmax(logits / T) at each completion token, from one forward pass (the trainer's view);
-    with ``top_p < 1``, of the nucleus renormalised (what vLLM samples from and reports)."""
-    ids = torch.tensor([prompt + list(completion)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)[len(prompt) - 1:-1]
-    picked = logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
-    if top_p < 1:
-        nucleus = top_p_filter(logp.exp(), torch.full((len(completion),), top_p))
-        picked = picked - nucleus.sum(-1).log()
-    return picked
 
 
 def perturbed(model, scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:

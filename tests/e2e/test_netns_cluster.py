@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("ray")
 
 from tests.e2e.netns_cluster import NetnsCluster, unavailable  # noqa: E402
+from tests.fixtures import wait_for  # noqa: E402
 
 WHY = unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900),
@@ -102,17 +103,6 @@ def finish(proc: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
         rc = proc.wait()
     log = (out.parent / f"{out.name}.log").read_text() if (out.parent / f"{out.name}.log").exists() else ""
     assert rc == 0, f"relax-agent train exited {rc}:\n{log[-4000:]}"
-
-
-def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert proc is None or proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.2)
 
 
 def jsonl(path: Path) -> list[dict]:

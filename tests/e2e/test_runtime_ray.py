@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import run_in_thread, wait_for
+
 ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -166,27 +168,6 @@ def assert_every_sample_once(out: Path, bus: CountingBus, steps: int = STEPS) ->
     assert logged == list(range(1, steps + 1))
 
 
-def run_in_thread(ctrl):
-    box = {}
-
-    def target():
-        try:
-            box["summary"] = ctrl.train()
-        except BaseException as exc:  # reported by the test
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
-
-
-def wait_for(cond, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_two_replicas_train_four_steps_within_staleness(ray_session, tiny_model_dir, tmp_path):
     ctrl = build(tiny_model_dir, tmp_path, "main", "max_staleness=1", "eval.at_end=true")
     try:
@@ -263,7 +244,7 @@ def test_sigkill_of_a_rollout_replica_mid_step_loses_nothing(ray_session, tiny_m
     """The only replica is killed while it plays step 2's groups: the run can only finish once its
     replacement serves (how fast is measured by benchmarks/runtime.py, not asserted here)."""
     ctrl = build(tiny_model_dir, tmp_path, "kill-rollout", "runtime.rollout_replicas=1")
-    thread, box = run_in_thread(ctrl)
+    thread, box = run_in_thread(ctrl.train)
     try:
         victim = replica_in_step(ctrl, 1)
         os.kill(victim.pid, signal.SIGKILL)
@@ -278,7 +259,7 @@ def test_sigkill_of_a_rollout_replica_mid_step_loses_nothing(ray_session, tiny_m
     finally:
         ctrl.close()
     assert_every_sample_once(tmp_path, ctrl.bus)
-    assert_same_as_local(reference, tmp_path, box["summary"])
+    assert_same_as_local(reference, tmp_path, box["result"])
     assert retried >= 1 and restarts == 1
     failed = [e for e in events if e[1] == "failed"]
     assert [e[2] for e in failed] == [victim.name] and "died" in failed[0][3]
@@ -290,7 +271,7 @@ def test_sigkill_of_a_rollout_replica_mid_step_loses_nothing(ray_session, tiny_m
 def test_a_stopped_replica_is_detected_by_heartbeat_age_and_replaced(ray_session, tiny_model_dir, tmp_path,
                                                                      reference):
     ctrl = build(tiny_model_dir, tmp_path, "stop-rollout", "runtime.rollout_replicas=1", "runtime.heartbeat_timeout_s=6")
-    thread, box = run_in_thread(ctrl)
+    thread, box = run_in_thread(ctrl.train)
     victim = None
     try:
         victim = replica_in_step(ctrl, 1)
@@ -303,7 +284,7 @@ def test_a_stopped_replica_is_detected_by_heartbeat_age_and_replaced(ray_session
         if victim is not None and Path(f"/proc/{victim.pid}").exists():
             os.kill(victim.pid, signal.SIGKILL)  # the supervisor should have; never leave it stopped
     assert_every_sample_once(tmp_path, ctrl.bus)
-    assert_same_as_local(reference, tmp_path, box["summary"])
+    assert_same_as_local(reference, tmp_path, box["result"])
     failed = [e for e in events if e[1] == "failed"]
     assert [e[2] for e in failed] == [victim.name] and "no heartbeat" in failed[0][3], failed
     assert not Path(f"/proc/{victim.pid}").exists() or "zombie" in Path(f"/proc/{victim.pid}/status").read_text()
@@ -311,7 +292,7 @@ def test_a_stopped_replica_is_detected_by_heartbeat_age_and_replaced(ray_session
 
 def test_sigkill_of_the_trainer_restarts_it_from_the_checkpoint(ray_session, tiny_model_dir, tmp_path, reference):
     ctrl = build(tiny_model_dir, tmp_path, "kill-trainer", "runtime.rollout_replicas=1", "checkpoint.every_steps=2")
-    thread, box = run_in_thread(ctrl)
+    thread, box = run_in_thread(ctrl.train)
     try:
         wait_for(lambda: ctrl.step >= 3, 300, "step 3")  # checkpoint at step 2, step 3 only in the redo log
         old = ctrl.runtime.trainer.pid
@@ -323,9 +304,9 @@ def test_sigkill_of_the_trainer_restarts_it_from_the_checkpoint(ray_session, tin
     finally:
         ctrl.close()
     assert new != old
-    assert box["summary"]["last"]["policy_version"] == STEPS
+    assert box["result"]["last"]["policy_version"] == STEPS
     assert_every_sample_once(tmp_path, ctrl.bus)
-    assert_same_as_local(reference, tmp_path, box["summary"])
+    assert_same_as_local(reference, tmp_path, box["result"])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["runtime/trainer_restarts"] for m in metrics] == [0, 0, 0, 1]
     # step 3's rows waited on the bus for the restart to replay them; the checkpoints of steps 2 and 4
@@ -371,7 +352,7 @@ def test_scale_out_and_in_while_training(ray_session, tiny_model_dir, tmp_path, 
     ctrl = build(tiny_model_dir, tmp_path, "scale", "runtime.rollout_replicas=1")
     calls, gates = gate_trainer(ctrl, (2, 3))
     pool = ctrl.runtime.rollout.pool
-    thread, box = run_in_thread(ctrl)
+    thread, box = run_in_thread(ctrl.train)
     try:
         wait_for(lambda: len(calls) >= 2, 300, "step 2's groups played")
         assert scale_cli(tmp_path, 2)["target"] == 2
@@ -393,7 +374,7 @@ def test_scale_out_and_in_while_training(ray_session, tiny_model_dir, tmp_path, 
         ctrl.close()
     assert ("removed", new.name, "drained") in events and not any(e == "failed" for e, _, _ in events)
     assert_every_sample_once(tmp_path, ctrl.bus)
-    assert_same_as_local(reference, tmp_path, box["summary"])
+    assert_same_as_local(reference, tmp_path, box["result"])
     assert not (tmp_path / "runtime.json").exists()  # the control endpoint is gone with the run
 
 
@@ -464,7 +445,7 @@ def test_sigkill_of_a_reward_replica_retries_its_items(ray_session, tiny_model_d
         serve.run(build_app(f"{target}:score", replicas=2, num_cpus_per_replica=0.1), name=APP_NAME, route_prefix="/")
         ctrl = build(tiny_model_dir, tmp_path / "run", "reward", "runtime.rollout_replicas=1", "reward.source=remote",
                      f"reward.url=http://127.0.0.1:{port}")
-        thread, box = run_in_thread(ctrl)
+        thread, box = run_in_thread(ctrl.train)
         try:
             def in_flight():
                 events = reward_events(log)

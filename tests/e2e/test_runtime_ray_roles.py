@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures import run_in_thread, wait_for
 
 ray = pytest.importorskip("ray")
 
@@ -47,27 +48,6 @@ def build(tiny_model_dir, out, name, *extra):
 
     cfg = load_config(REPO / "examples/tiny.yaml", overrides(tiny_model_dir, out, name, *extra))
     return build_controller(cfg, build_run_roles(cfg))
-
-
-def run_in_thread(fn):
-    box = {}
-
-    def target():
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # reported by the test
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
-
-
-def wait_for(cond, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def steps_logged(out: Path) -> list[dict]:

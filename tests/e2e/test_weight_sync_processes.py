@@ -8,7 +8,6 @@ tensor of its engine. The parent compares it with the digest of what it publishe
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import xxhash
 from relax_agent.config import ModelConfig
 from relax_agent.models import load_policy
 from relax_agent.weights import WeightSyncConfig, build_weight_sync
+from tests.fixtures import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,6 @@ engine.close()
 
 def digest(state: dict[str, torch.Tensor]) -> dict[str, str]:
     return {k: xxhash.xxh3_64_hexdigest(v.contiguous().view(-1).view(torch.uint8).numpy()) for k, v in state.items()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def perturbed_state(tiny_model_dir, seed: int) -> dict[str, torch.Tensor]:

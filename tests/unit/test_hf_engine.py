@@ -9,37 +9,19 @@ import time
 import pytest
 import torch
 
-from relax_agent.config import EngineConfig, ModelConfig
+from relax_agent.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
-from relax_agent.models import load_policy
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine, default_stop_ids, sample_tokens, top_p_filter
+from tests.fixtures import chat_prompt, reference_logprobs
 
 
 @pytest.fixture
-def policy(tiny_model_dir):
-    return load_policy(ModelConfig(path=str(tiny_model_dir)))
-
-
-@pytest.fixture
-def engine(policy):
-    model, tokenizer = policy
+def engine(hf_policy):
+    model, tokenizer = hf_policy
     eng = HFEngine(model, tokenizer, EngineConfig(max_batch_size=16, batch_wait_s=0.05), seed=0)
     yield eng
     eng.close()
-
-
-def chat_prompt(tokenizer, words: int) -> list[int]:
-    msgs = [{"role": "user", "content": " ".join(f"word{i}" for i in range(words))}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-
-
-def reference_logprobs(model, prompt: list[int], completion: tuple[int, ...], temperature: float) -> torch.Tensor:
-    """[n] log_softmax(logits / T) at each completion token, from one unpadded forward pass."""
-    ids = torch.tensor([prompt + list(completion)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, dim=-1)
-    return logp[len(prompt) - 1:-1].gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
 async def gather(engine, prompts, params):
@@ -57,8 +39,8 @@ def test_is_an_inference_engine(engine):
     assert isinstance(engine, InferenceEngine)
 
 
-def test_logprobs_equal_a_full_forward_pass_with_mixed_prompt_lengths(policy, engine):
-    model, tok = policy
+def test_logprobs_equal_a_full_forward_pass_with_mixed_prompt_lengths(hf_policy, engine):
+    model, tok = hf_policy
     prompts = [chat_prompt(tok, n) for n in (1, 9, 40, 4)]
     params = [SamplingParams(max_new_tokens=12, temperature=t, top_p=p, seed=i)
               for i, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.3, 1.0), (0.5, 0.5)])]
@@ -71,8 +53,8 @@ def test_logprobs_equal_a_full_forward_pass_with_mixed_prompt_lengths(policy, en
         torch.testing.assert_close(torch.tensor(gen.logprobs), ref, atol=1e-4, rtol=0)
 
 
-def test_batched_generation_equals_unbatched(policy, engine):
-    model, tok = policy
+def test_batched_generation_equals_unbatched(hf_policy, engine):
+    model, tok = hf_policy
     prompts = [chat_prompt(tok, n) for n in (2, 17, 6)]
     batched = asyncio.run(gather(engine, prompts, [SamplingParams(max_new_tokens=10, seed=s) for s in (5, 6, 7)]))
     single = HFEngine(model, tok, EngineConfig(max_batch_size=1), seed=0)
@@ -88,8 +70,8 @@ def test_batched_generation_equals_unbatched(policy, engine):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
-def test_stop_token_ends_its_row_and_the_others_continue_correctly(policy, engine):
-    model, tok = policy
+def test_stop_token_ends_its_row_and_the_others_continue_correctly(hf_policy, engine):
+    model, tok = hf_policy
     prompts = [chat_prompt(tok, n) for n in (3, 12, 25)]
     free = engine.generate_many(prompts, [SamplingParams(max_new_tokens=10, seed=s) for s in (1, 2, 3)])
     first = free[0].token_ids
@@ -104,14 +86,14 @@ def test_stop_token_ends_its_row_and_the_others_continue_correctly(policy, engin
                                    reference_logprobs(model, prompt, gen.token_ids, 1.0), atol=1e-4, rtol=0)
 
 
-def test_default_stop_ids_are_eos_and_im_end(policy):
-    _, tok = policy
+def test_default_stop_ids_are_eos_and_im_end(hf_policy):
+    _, tok = hf_policy
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert default_stop_ids(tok) == sorted({tok.eos_token_id, im_end}) == [2]
 
 
-def test_engine_stop_ids_apply_to_every_request(policy):
-    model, tok = policy
+def test_engine_stop_ids_apply_to_every_request(hf_policy):
+    model, tok = hf_policy
     prompt = chat_prompt(tok, 5)
     probe = HFEngine(model, tok, EngineConfig(), stop_token_ids=())
     free = probe.generate_many([prompt], SamplingParams(max_new_tokens=8, seed=9))[0]
@@ -122,8 +104,8 @@ def test_engine_stop_ids_apply_to_every_request(policy):
     assert gen.token_ids == free.token_ids[:1] and gen.finish_reason == "stop"
 
 
-def test_max_new_tokens_is_respected_per_row(policy, engine):
-    _, tok = policy
+def test_max_new_tokens_is_respected_per_row(hf_policy, engine):
+    _, tok = hf_policy
     budgets = (1, 3, 7, 2)
     gens = engine.generate_many([chat_prompt(tok, 4)] * 4, [SamplingParams(max_new_tokens=n) for n in budgets])
     assert [len(g.token_ids) for g in gens] == list(budgets)
@@ -132,8 +114,8 @@ def test_max_new_tokens_is_respected_per_row(policy, engine):
     assert engine.stats.prefills == 4 and engine.stats.forward_passes == 4 + max(budgets) - 1
 
 
-def test_eight_concurrent_requests_share_one_batch_and_one_forward_per_step(policy, engine):
-    _, tok = policy
+def test_eight_concurrent_requests_share_one_batch_and_one_forward_per_step(hf_policy, engine):
+    _, tok = hf_policy
     prompts = [chat_prompt(tok, n) for n in range(1, 9)]
     gens = asyncio.run(gather(engine, prompts, SamplingParams(max_new_tokens=6)))
     assert len(gens) == 8
@@ -143,8 +125,8 @@ def test_eight_concurrent_requests_share_one_batch_and_one_forward_per_step(poli
     assert len({g.token_ids for g in gens}) == 8  # each request drew its own seed
 
 
-def test_max_batch_size_bounds_the_rows_of_every_forward_pass(policy):
-    model, tok = policy
+def test_max_batch_size_bounds_the_rows_of_every_forward_pass(hf_policy):
+    model, tok = hf_policy
     eng = HFEngine(model, tok, EngineConfig(max_batch_size=3, batch_wait_s=0.05))
     rows = []
     hook = model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
@@ -158,8 +140,8 @@ def test_max_batch_size_bounds_the_rows_of_every_forward_pass(policy):
     assert max(rows) == eng.stats.max_batch_rows == 3 and eng.stats.sequences == 7
 
 
-def test_load_weights_changes_outputs_and_bumps_the_version(policy, engine):
-    model, tok = policy
+def test_load_weights_changes_outputs_and_bumps_the_version(hf_policy, engine):
+    model, tok = hf_policy
     prompt = chat_prompt(tok, 6)
     params = SamplingParams(max_new_tokens=8, seed=4)
     before = engine.generate_many([prompt], params)[0]
@@ -174,8 +156,8 @@ def test_load_weights_changes_outputs_and_bumps_the_version(policy, engine):
                                reference_logprobs(model, prompt, after.token_ids, 1.0), atol=1e-4, rtol=0)
 
 
-def test_load_weights_refuses_unknown_keys_and_shapes_without_copying(policy, engine):
-    model, _ = policy
+def test_load_weights_refuses_unknown_keys_and_shapes_without_copying(hf_policy, engine):
+    model, _ = hf_policy
     w = model.state_dict()["model.norm.weight"].clone()
     with pytest.raises(WeightSyncError, match="not in the model"):
         engine.load_weights({"model.norm.weight": w + 1, "nope.weight": w}, version=1)
@@ -185,8 +167,8 @@ def test_load_weights_refuses_unknown_keys_and_shapes_without_copying(policy, en
     assert engine.policy_version == 0
 
 
-def test_a_generation_never_sees_two_weight_versions(policy, engine):
-    model, tok = policy
+def test_a_generation_never_sees_two_weight_versions(hf_policy, engine):
+    model, tok = hf_policy
     prompt = chat_prompt(tok, 5)
     old_state = {k: v.clone() for k, v in model.state_dict().items()}
     new_state = {k: v * 1.5 for k, v in old_state.items() if k.endswith("mlp.down_proj.weight")}
@@ -222,8 +204,8 @@ def test_a_generation_never_sees_two_weight_versions(policy, engine):
                                reference_logprobs(model, prompt, gen.token_ids, 1.0), atol=1e-4, rtol=0)
 
 
-def test_close_fails_in_flight_and_queued_requests(policy):
-    model, tok = policy
+def test_close_fails_in_flight_and_queued_requests(hf_policy):
+    model, tok = hf_policy
     eng = HFEngine(model, tok, EngineConfig(max_batch_size=1, batch_wait_s=0.0))
     hook = slow_forward(model, 0.01)
 
@@ -246,8 +228,8 @@ def test_close_fails_in_flight_and_queued_requests(policy):
     eng.close()  # idempotent
 
 
-def test_cancelled_request_leaves_the_batch(policy, engine):
-    model, tok = policy
+def test_cancelled_request_leaves_the_batch(hf_policy, engine):
+    model, tok = hf_policy
     hook = slow_forward(model, 0.01)
 
     async def main():
@@ -271,8 +253,8 @@ def test_cancelled_request_leaves_the_batch(policy, engine):
     assert engine.generate_many([chat_prompt(tok, 1)], SamplingParams(max_new_tokens=2))[0].token_ids
 
 
-def test_reseed_reproduces_sampling_without_per_request_seeds(policy, engine):
-    _, tok = policy
+def test_reseed_reproduces_sampling_without_per_request_seeds(hf_policy, engine):
+    _, tok = hf_policy
     prompts = [chat_prompt(tok, 3), chat_prompt(tok, 8)]
     engine.reseed(11)
     a = engine.generate_many(prompts, SamplingParams(max_new_tokens=6))
@@ -282,8 +264,8 @@ def test_reseed_reproduces_sampling_without_per_request_seeds(policy, engine):
     assert [g.token_ids for g in a] == [g.token_ids for g in b] != [g.token_ids for g in c]
 
 
-def test_engine_under_inference_mode_leaves_the_model_trainable(policy, engine):
-    model, tok = policy
+def test_engine_under_inference_mode_leaves_the_model_trainable(hf_policy, engine):
+    model, tok = hf_policy
     prompt = chat_prompt(tok, 4)
     with torch.inference_mode():
         gen = engine.generate_many([prompt], SamplingParams(max_new_tokens=4))[0]
@@ -338,8 +320,8 @@ def test_generate_many_checks_the_params_count(engine):
         engine.generate_many([[1], [2]], [SamplingParams()])
 
 
-def test_requests_from_several_threads_are_served(policy, engine):
-    _, tok = policy
+def test_requests_from_several_threads_are_served(hf_policy, engine):
+    _, tok = hf_policy
     results: list = []
 
     def worker(n: int) -> None:

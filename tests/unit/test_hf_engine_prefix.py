@@ -13,39 +13,22 @@ import pytest
 import torch
 
 from relax_agent import metrics as M
-from relax_agent.config import EngineConfig, ModelConfig
-from relax_agent.models import load_policy
+from relax_agent.config import EngineConfig
 from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.engines.hf import HFEngine
+from tests.fixtures import chat_prompt, reference_logprobs
 
 
-@pytest.fixture
-def policy(tiny_model_dir):
-    return load_policy(ModelConfig(path=str(tiny_model_dir)))
-
-
-def make_engine(policy, **cfg) -> HFEngine:
-    model, tok = policy
+def make_engine(hf_policy, **cfg) -> HFEngine:
+    model, tok = hf_policy
     return HFEngine(model, tok, EngineConfig(**{"max_batch_size": 8, "batch_wait_s": 0.05, **cfg}), seed=0,
                     stop_token_ids=())
-
-
-def chat_prompt(tokenizer, words: int, offset: int = 0) -> list[int]:
-    msgs = [{"role": "user", "content": " ".join(f"word{offset + i}" for i in range(words))}]
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
 def observation(tokenizer, text: str) -> list[int]:
     """The ids an env appends after a reply: the end of the turn, a user turn, the generation prompt."""
     return tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
                             add_special_tokens=False)
-
-
-def reference_logprobs(model, prompt: list[int], completion: tuple[int, ...]) -> torch.Tensor:
-    """[n] log_softmax(logits) at each completion token, from one full forward pass (T = 1)."""
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt + list(completion)])).logits[0].float(), dim=-1)
-    return logp[len(prompt) - 1:-1].gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
 def run_turns(engine: HFEngine, tok, turns: int, between=None, offset: int = 0) -> list[tuple[list[int], Generation]]:
@@ -63,9 +46,9 @@ def run_turns(engine: HFEngine, tok, turns: int, between=None, offset: int = 0) 
     return out
 
 
-def test_a_later_turn_prefills_only_its_new_tokens(policy):
-    model, tok = policy
-    with make_engine(policy) as engine:
+def test_a_later_turn_prefills_only_its_new_tokens(hf_policy):
+    model, tok = hf_policy
+    with make_engine(hf_policy) as engine:
         prefilled = []
         turns = run_turns(engine, tok, 3, between=lambda k: prefilled.append(engine.stats.prefill_tokens))
     assert prefilled[0] == len(turns[0][0])
@@ -82,19 +65,19 @@ def test_a_later_turn_prefills_only_its_new_tokens(policy):
     for prompt, gen in turns:
         torch.testing.assert_close(torch.tensor(gen.logprobs), reference_logprobs(model, prompt, gen.token_ids),
                                    atol=1e-4, rtol=0)
-    with make_engine(policy, prefix_cache=False) as plain:
+    with make_engine(hf_policy, prefix_cache=False) as plain:
         again = run_turns(plain, tok, 3)
     assert plain.stats.prefix_hit_tokens == 0 and plain.stats.prefill_tokens == sum(len(p) for p, _ in again)
     assert plain.metrics() == {}  # no prefix cache, no hit rate to report
     assert [g.token_ids for _, g in again] == [g.token_ids for _, g in turns]  # same seeds, same tokens
 
 
-def test_a_weight_update_between_turns_forces_a_full_prefill(policy):
-    model, tok = policy
+def test_a_weight_update_between_turns_forces_a_full_prefill(hf_policy):
+    model, tok = hf_policy
     gen = torch.Generator().manual_seed(0)
     new_state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
                  if "layers.0." in k}
-    with make_engine(policy) as engine:
+    with make_engine(hf_policy) as engine:
         counts = []
 
         def update_after_first_turn(k):
@@ -113,10 +96,10 @@ def test_a_weight_update_between_turns_forces_a_full_prefill(policy):
                                    atol=1e-4, rtol=0)
 
 
-def test_a_group_prefills_its_shared_prompt_once(policy):
-    _, tok = policy
+def test_a_group_prefills_its_shared_prompt_once(hf_policy):
+    _, tok = hf_policy
     prompt = chat_prompt(tok, 20)
-    with make_engine(policy) as engine:
+    with make_engine(hf_policy) as engine:
         gens = engine.generate_many([prompt] * 4, [SamplingParams(max_new_tokens=4, seed=s) for s in range(4)])
     assert len({g.token_ids for g in gens}) == 4
     assert engine.stats.prefills == 4 and engine.stats.prefill_tokens == len(prompt) + 3  # then 1 token each
@@ -124,23 +107,23 @@ def test_a_group_prefills_its_shared_prompt_once(policy):
     assert engine.stats.decode_steps == 3 and engine.stats.max_batch_rows == 4
 
 
-def test_prefix_cache_is_off_by_default_when_requests_decode_alone(policy):
-    _, tok = policy
+def test_prefix_cache_is_off_by_default_when_requests_decode_alone(hf_policy):
+    _, tok = hf_policy
     assert EngineConfig(max_batch_size=1).uses_prefix_cache() is False
     assert EngineConfig(max_batch_size=1, prefix_cache=True).uses_prefix_cache() is True
     assert EngineConfig(max_batch_size=2).uses_prefix_cache() is True
     prompt = chat_prompt(tok, 10)
-    with make_engine(policy, max_batch_size=1) as engine:
+    with make_engine(hf_policy, max_batch_size=1) as engine:
         engine.generate_many([prompt, prompt], SamplingParams(max_new_tokens=3))
     assert engine.stats.prefix_hit_tokens == 0 and engine.stats.prefill_tokens == 2 * len(prompt)
 
 
-def test_the_prefix_cache_is_bounded_least_recently_used_first(policy):
-    _, tok = policy
+def test_the_prefix_cache_is_bounded_least_recently_used_first(hf_policy):
+    _, tok = hf_policy
     a, b = chat_prompt(tok, 12, offset=0), chat_prompt(tok, 12, offset=100)
     shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # the chat template's common start
     # room for one finished sequence (prompt + 6 sampled - 1 never fed), not for two
-    with make_engine(policy, prefix_cache_max_tokens=max(len(a), len(b)) + 5) as engine:
+    with make_engine(hf_policy, prefix_cache_max_tokens=max(len(a), len(b)) + 5) as engine:
         hits = []
         for prompt in (a, b, a):
             before = engine.stats.prefix_hit_tokens
@@ -149,14 +132,14 @@ def test_the_prefix_cache_is_bounded_least_recently_used_first(policy):
     assert 0 < shared < len(a) - 1
     # A's KV was evicted by B's: the second A finds only the template start (in B's entry), not A's prompt
     assert hits == [0, shared, shared]
-    with make_engine(policy) as roomy:
+    with make_engine(hf_policy) as roomy:
         for prompt in (a, b, a):
             roomy.generate_many([prompt], SamplingParams(max_new_tokens=6, seed=0))
     assert roomy.stats.prefix_hit_tokens == shared + len(a) - 1
 
 
-def test_a_request_arriving_mid_batch_starts_before_the_batch_finishes(policy):
-    _, tok = policy
+def test_a_request_arriving_mid_batch_starts_before_the_batch_finishes(hf_policy):
+    _, tok = hf_policy
     long_tokens: list[int] = []
     long_at_short_end: list[int] = []
     started, submitted = threading.Event(), threading.Event()
@@ -170,7 +153,7 @@ def test_a_request_arriving_mid_batch_starts_before_the_batch_finishes(policy):
     def on_short_token(*_):
         long_at_short_end.append(len(long_tokens))
 
-    with make_engine(policy) as engine:
+    with make_engine(hf_policy) as engine:
         async def main():
             long = asyncio.create_task(engine.generate(chat_prompt(tok, 3), SamplingParams(max_new_tokens=60),
                                                        on_token=on_long_token))
@@ -187,8 +170,8 @@ def test_a_request_arriving_mid_batch_starts_before_the_batch_finishes(policy):
     assert engine.stats.batches == 1 and engine.stats.admitted_mid_batch == 1 and engine.stats.max_batch_rows == 2
 
 
-def test_a_pending_weight_load_admits_nothing_and_runs_before_new_requests(policy):
-    model, tok = policy
+def test_a_pending_weight_load_admits_nothing_and_runs_before_new_requests(hf_policy):
+    model, tok = hf_policy
     gen = torch.Generator().manual_seed(1)
     new_state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
                  if "layers.1." in k}
@@ -200,7 +183,7 @@ def test_a_pending_weight_load_admits_nothing_and_runs_before_new_requests(polic
             started.set()
             release.wait(30)
 
-    with make_engine(policy) as engine:
+    with make_engine(hf_policy) as engine:
         async def main():
             long = asyncio.create_task(engine.generate(chat_prompt(tok, 3), SamplingParams(max_new_tokens=20),
                                                        on_token=on_long_token))

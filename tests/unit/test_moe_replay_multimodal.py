@@ -14,15 +14,12 @@ import pytest
 import torch
 
 from relax_agent import records as R
-from relax_agent.config import ModelConfig
-from relax_agent.models import load_media_processor, load_policy, make_tiny_media_model
+from relax_agent.models import make_tiny_media_model
 from relax_agent.moe import REPLAYED_TOKENS, ROUTE_FLIP_FRAC, find_routers, replay_weights
 from relax_agent.multimodal.batch import MediaTrainBatch, media_model_kwargs
 from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part, video_part
-from relax_agent.multimodal.render import MediaRenderer
-from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.parsers import HermesParser
@@ -30,6 +27,7 @@ from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MAX
 from relax_agent.train.backends.torch_backend import TorchTrainer
 from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
+from tests.fixtures import load_media_policy
 
 
 def _image(seed: int, h: int = 64, w: int = 64) -> np.ndarray:
@@ -58,10 +56,7 @@ class ImageToolEnv:
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    cfg = ModelConfig(path=str(make_tiny_media_model(tmp_path_factory.mktemp("vl3moe"), kind="tiny-vl3-moe", seed=3)))
-    model, tok = load_policy(cfg)
-    renderer = MediaRenderer(ChatRenderer(tok, accepts_media=True), load_media_processor(cfg, model.config))
-    return model, tok, renderer
+    return load_media_policy(make_tiny_media_model(tmp_path_factory.mktemp("vl3moe"), kind="tiny-vl3-moe", seed=3))
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,15 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from relax_agent.config import ModelConfig
 from relax_agent.errors import ConfigError
-from relax_agent.models import load_media_processor, load_policy, main, make_tiny_media_model
+from relax_agent.models import main, make_tiny_media_model
 from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part, video_part
 from relax_agent.multimodal.processor import MediaFamily, MediaProcessor
-from relax_agent.multimodal.render import MediaRenderer
-from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.train.backends.torch_backend import token_logprobs
+from tests.fixtures import load_media_policy
 
 KINDS = {"tiny-vl3": "qwen3_vl", "tiny-vl3-moe": "qwen3_vl_moe"}
 
@@ -31,10 +29,7 @@ KINDS = {"tiny-vl3": "qwen3_vl", "tiny-vl3-moe": "qwen3_vl_moe"}
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def policy(request, tmp_path_factory):
     folder = make_tiny_media_model(tmp_path_factory.mktemp(request.param), kind=request.param, seed=2)
-    cfg = ModelConfig(path=str(folder))
-    model, tok = load_policy(cfg)
-    renderer = MediaRenderer(ChatRenderer(tok, accepts_media=True), load_media_processor(cfg, model.config))
-    return request.param, folder, model, tok, renderer
+    return (request.param, folder, *load_media_policy(folder))
 
 
 def _image(seed: int, h: int = 64, w: int = 96) -> np.ndarray:

@@ -11,27 +11,22 @@ import numpy as np
 import pytest
 import torch
 
-from relax_agent.config import ModelConfig
-from relax_agent.models import load_media_processor, load_policy, make_tiny_media_model
+from relax_agent.models import make_tiny_media_model
 from relax_agent.multimodal.batch import MediaTrainBatch
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import audio_part, image_part
-from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.records import MEDIA, MediaInputs
-from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.train.backends.torch_backend import TorchTrainer, token_logprobs
 from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
+from tests.fixtures import load_media_policy
 
 
 @pytest.fixture(scope="module", params=["tiny-vl", "tiny-vl3", "tiny-vl3-moe", "tiny-omni"])
 def policy(request, tmp_path_factory):
     folder = make_tiny_media_model(tmp_path_factory.mktemp(request.param), kind=request.param, seed=1)
-    cfg = ModelConfig(path=str(folder))
-    model, tok = load_policy(cfg)
-    renderer = MediaRenderer(ChatRenderer(tok, accepts_media=True), load_media_processor(cfg, model.config))
-    return request.param, model, tok, renderer
+    return (request.param, *load_media_policy(folder))
 
 
 def _image(seed: int) -> np.ndarray:

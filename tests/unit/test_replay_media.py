@@ -12,14 +12,12 @@ import copy
 import numpy as np
 import pytest
 
-from relax_agent.config import ModelConfig
 from relax_agent.control.reporting import write_token_record
-from relax_agent.models import load_media_processor, load_policy, make_tiny_media_model
+from relax_agent.models import make_tiny_media_model
 from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part
 from relax_agent.multimodal.record import split_items
-from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.records import MediaInputs
 from relax_agent.replay import (
     DELTA,
@@ -34,6 +32,7 @@ from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.parsers import HermesParser
+from tests.fixtures import load_media_policy
 
 
 def _image(seed: int) -> np.ndarray:
@@ -64,11 +63,7 @@ class LookAgain:
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory):
-    folder = make_tiny_media_model(tmp_path_factory.mktemp("tiny-vl"), kind="tiny-vl", seed=1)
-    cfg = ModelConfig(path=str(folder))
-    model, tok = load_policy(cfg)
-    renderer = MediaRenderer(ChatRenderer(tok, accepts_media=True), load_media_processor(cfg, model.config))
-    return model, tok, renderer
+    return load_media_policy(make_tiny_media_model(tmp_path_factory.mktemp("tiny-vl"), kind="tiny-vl", seed=1))
 
 
 @pytest.fixture(scope="module")

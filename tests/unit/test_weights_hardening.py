@@ -24,16 +24,11 @@ from relax_agent.weights import (
 )
 from relax_agent.weights.meta import VersionMeta, plan_layout
 from relax_agent.weights.service import serve_coordinator
+from tests.fixtures import free_port
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
     return {"w": torch.full((4, 4), value), "b": torch.full((4,), value)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
