@@ -11,8 +11,8 @@ import torch
 
 from relax_agent.config import EngineConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
-from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
-from relax_agent.rollout.engines.hf import HFEngine, default_stop_ids, sample_tokens, top_p_filter
+from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams, default_stop_ids
+from relax_agent.rollout.engines.hf import HFEngine, sample_tokens, top_p_filter
 from tests.fixtures import chat_prompt, reference_logprobs
 
 

@@ -1,0 +1,310 @@
+"""The HF engine's public face: :class:`HFEngine` takes requests, loads weights, reports stats.
+
+Callers' threads (or event loops) submit requests to a queue and are answered by the worker
+thread (:mod:`relax_agent.rollout.engines.hf.scheduler`); :meth:`HFEngine.load_weights` copies
+weights in under the lock a running batch holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from relax_agent import metrics as M
+from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.moe.record import build_route_recorder
+from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf.batch import _Request
+from relax_agent.rollout.engines.hf.kv_cache import _check_cache_layout, _PrefixCache
+from relax_agent.rollout.engines.hf.scheduler import _STOP, EngineStats, _Scheduler
+from relax_agent.weights.digest import Expected, TensorDigest, load_failure, tensor_digest
+
+_CLOSE_JOIN_S = 60.0
+"""Seconds :meth:`HFEngine.close` waits for the worker thread to end."""
+
+
+class HFEngine(_Scheduler):
+    """Batched sampling from a Hugging Face causal LM (implements ``InferenceEngine``).
+
+    Args:
+        model: a ``*ForCausalLM`` (eval mode) already on ``device``.
+        tokenizer: its tokenizer; EOS and ``<|im_end|>`` are the default stop ids.
+        cfg: ``max_batch_size`` (rows per forward pass), ``batch_wait_s`` (how long an idle
+            engine waits for more requests before it starts), ``prefix_cache`` and
+            ``prefix_cache_max_tokens`` (KV reuse across turns and requests).
+        device: where input tensors are built ("cpu", "cuda:0").
+        seed: seeds the engine's generator; each request without ``params.seed`` draws its
+            own sampling seed from it in arrival order.
+        stop_token_ids: replaces the default stop ids; ``params.stop_token_ids`` add to them.
+        record_routes: MoE policies: record each sampled token's top-k experts per MoE layer
+            into ``Generation.routed_experts`` for routing replay (see :mod:`relax_agent.moe.record`);
+            ignored, with a warning, for a dense model.
+
+    Sampling is reproducible per request: a row samples from its own ``torch.Generator``
+    seeded with ``params.seed`` (or a seed drawn from the engine generator), so what it
+    samples does not depend on which other rows share its batch.
+
+    Raises:
+        ConfigError: a model whose cache is not plain attention KV (linear attention layers).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: EngineConfig, device: str = "cpu", seed: int = 0,
+                 stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._cfg = cfg
+        self._device = torch.device(device)
+        self._vocab_size = int(model.config.get_text_config().vocab_size)
+        self._max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        # transformers >= 5.24 names the KV cache `cache` (argument and output); older: `past_key_values`.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._default_stop = frozenset(default_stop_ids(tokenizer) if stop_token_ids is None else stop_token_ids)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._seed_lock = threading.Lock()
+        self._weights_lock = threading.Lock()
+        self._submit_lock = threading.Lock()
+        self._version = 0
+        self._unverified: str | None = None
+        """Why the weights held failed verification (then no request is served), else None."""
+        self._closed = False
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self.stats = EngineStats()
+        self._metrics_mark = (0, 0)
+        _check_cache_layout(model)
+        self._prefix = _PrefixCache(cfg.prefix_cache_max_tokens) if cfg.uses_prefix_cache() else None
+        self._loads_pending = 0
+        self._loads_cv = threading.Condition()
+        self._routes = build_route_recorder(model) if record_routes else None
+        self._worker = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the next batch will use."""
+        return self._version
+
+    @property
+    def route_layout(self) -> tuple[tuple[int, int], str] | None:
+        """``((moe_layers, top_k), dtype name)`` of the routes this engine records (routing
+        replay), or None when it records none."""
+        if self._routes is None:
+            return None
+        return (len(self._routes.routers), self._routes.routers[0].top_k), self._routes.dtype.name
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int, float, int], None] | None = None) -> Generation:
+        """Sample a continuation of ``prompt_ids`` ([n] token ids); batched with concurrent calls.
+
+        Cancelling the awaiting task drops the row from its batch at the next decode step.
+        ``on_token(token_id, logprob, policy_version)`` (token streaming) is called from the
+        engine's worker thread as each token is sampled, before the result is delivered; it must
+        be quick and thread-safe (e.g. ``loop.call_soon_threadsafe``).
+
+        Raises:
+            ConfigError: invalid sampling parameters.
+            DataError: empty prompt, token id outside the vocabulary, or too long for the model.
+            EngineError: the engine is closed or the forward pass failed.
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Generation] = loop.create_future()
+
+        def deliver(result: Generation | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, result)
+            except RuntimeError:  # the caller's loop is gone; nobody is waiting
+                pass
+
+        req = self._submit(prompt_ids, params, deliver, on_token)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
+
+    def generate_many(self, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
+        """Blocking batch generation for evaluation code: one :class:`Generation` per prompt, in order.
+
+        Raises:
+            ConfigError: ``params`` is a sequence of the wrong length, or invalid.
+            DataError, EngineError: as :meth:`generate`.
+        """
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ConfigError(f"generate_many got {len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        futures = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            fut: concurrent.futures.Future[Generation] = concurrent.futures.Future()
+            futures.append(fut)
+            self._submit(list(prompt), p, functools.partial(_resolve, fut))
+        return [f.result() for f in futures]
+
+    def load_weights(self, state_dict: Mapping[str, Any], version: int,
+                     expected_digests: Expected | None = None) -> None:
+        """Copy ``state_dict`` into the model between decode batches and set ``policy_version``.
+
+        Blocks until the running rows (if any) have finished; no new request joins them
+        meanwhile. Clears the prefix cache (its KV came from the old weights). Keys may be a subset of the
+        model's (partial updates); values are cast to the parameter's dtype and device.
+
+        Args:
+            expected_digests: name -> digest of what was sent, in this engine's dtypes, or a future of
+                them (``weights.verify``, :mod:`relax_agent.weights.digest`). After the copy, still holding
+                the lock no batch decodes without, the engine digests the parameters it now holds and
+                compares; on a mismatch the version is not served: ``policy_version`` stays, and every
+                request fails with :class:`EngineError` until a later load verifies (the parameters are
+                already overwritten, so the previous version cannot be served either).
+
+        Raises:
+            WeightSyncError: an unknown key or a shape mismatch (nothing is copied then); a digest
+                that differs after the copy (names the version and each tensor).
+        """
+        target = self._model.state_dict()
+        unknown = [k for k in state_dict if k not in target]
+        if unknown:
+            raise WeightSyncError(f"load_weights: {len(unknown)} keys are not in the model, e.g. {unknown[:3]}")
+        for name, value in state_dict.items():
+            if tuple(value.shape) != tuple(target[name].shape):
+                raise WeightSyncError(f"load_weights: {name} has shape {tuple(value.shape)}, "
+                                      f"the model expects {tuple(target[name].shape)}")
+        with self._loads_cv:
+            self._loads_pending += 1
+        try:
+            with self._weights_lock, torch.no_grad():
+                start = time.perf_counter()
+                self._copy_weights(target, state_dict)
+                if self._prefix is not None:
+                    self._prefix.clear()
+                if expected_digests is not None:
+                    spent, failure = load_failure(expected_digests, lambda want: self.weight_digest(want, target), version)
+                    self.stats.weight_verify_s += spent
+                    if failure is not None:
+                        self._unverified = failure.unverified  # type: ignore[attr-defined]
+                        self.stats.weight_load_s += time.perf_counter() - start
+                        raise failure
+                self._unverified = None
+                self._version = int(version)
+                self.stats.weight_loads += 1
+                self.stats.weight_load_s += time.perf_counter() - start
+        finally:
+            with self._loads_cv:
+                self._loads_pending -= 1
+                self._loads_cv.notify_all()
+
+    def _copy_weights(self, target: Mapping[str, torch.Tensor], state_dict: Mapping[str, Any]) -> None:
+        """Copy (and cast) each of ``state_dict`` into the model's tensor of that name (lock held)."""
+        for name, value in state_dict.items():
+            target[name].copy_(value)
+
+    def weight_digest(self, expected: Mapping[str, TensorDigest],
+                      held: Mapping[str, torch.Tensor] | None = None) -> dict[str, TensorDigest | None]:
+        """Digests of the model's tensors named in ``expected`` as this engine holds them (its dtype),
+        each with that entry's sample count; None for a name the model does not have. ``held``: the
+        model's ``state_dict()`` if the caller has it."""
+        held = self._model.state_dict() if held is None else held
+        return {name: tensor_digest(held[name], samples=want.samples) if name in held else None
+                for name, want in expected.items()}
+
+    def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (weight sync checks it)."""
+        return {name: (tuple(t.shape), t.dtype) for name, t in self._model.state_dict().items()}
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/prefix_cache_hit_rate`` (prompt tokens whose KV was reused / prompt tokens)
+        since the previous call; empty with ``engine.prefix_cache`` off."""
+        if self._prefix is None:
+            return {}
+        hit, run = self.stats.prefix_hit_tokens, self.stats.prefill_tokens
+        d_hit, d_run = hit - self._metrics_mark[0], run - self._metrics_mark[1]
+        self._metrics_mark = (hit, run)
+        return {M.PREFIX_CACHE_HIT_RATE: d_hit / (d_hit + d_run) if d_hit + d_run else 0.0}
+
+    def reseed(self, seed: int) -> None:
+        """Restart the engine generator (seeds of requests submitted from now on)."""
+        with self._seed_lock:
+            self._generator.manual_seed(seed)
+
+    def close(self) -> None:
+        """Stop the worker; pending and in-flight requests fail with :class:`EngineError`. Idempotent."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
+        if threading.current_thread() is not self._worker:
+            self._worker.join(_CLOSE_JOIN_S)
+            if self._worker.is_alive():
+                warnings.warn(f"HFEngine worker still running {_CLOSE_JOIN_S}s after close()", stacklevel=2)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Request):
+                item.deliver(EngineError("the engine was closed before this request ran"))
+
+    def __enter__(self) -> HFEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ submission
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams,
+                deliver: Callable[[Generation | BaseException], None],
+                on_token: Callable[[int, float, int], None] | None = None) -> _Request:
+        self._check_request(prompt_ids, params)
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            with self._seed_lock:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        req = _Request(list(prompt_ids), params, self._default_stop | frozenset(params.stop_token_ids), seed, deliver,
+                       on_token)
+        with self._submit_lock:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            self._queue.put(req)
+        return req
+
+    def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if not params.temperature > 0:
+            raise ConfigError(f"SamplingParams.temperature={params.temperature} must be > 0")
+        if not 0 < params.top_p <= 1:
+            raise ConfigError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
+        if params.max_new_tokens < 1:
+            raise ConfigError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
+        if not prompt_ids:
+            raise DataError("prompt_ids is empty; the engine needs at least one prompt token")
+        lo, hi = min(prompt_ids), max(prompt_ids)
+        if lo < 0 or hi >= self._vocab_size:
+            raise DataError(f"prompt_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary "
+                            f"[0, {self._vocab_size})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if self._max_positions is not None and total > self._max_positions:
+            raise DataError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                            f"{total} exceeds the model's max_position_embeddings={self._max_positions}")
+
+
+def _resolve(fut: asyncio.Future[Generation] | concurrent.futures.Future[Generation],
+             result: Generation | BaseException) -> None:
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)
