@@ -18,12 +18,17 @@ import torch
 
 from relax_agent.config import ModelConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.engines.config import EngineConfig, VLLMConfig
 from relax_agent.rollout.engines.hf import top_p_filter
-from relax_agent.rollout.engines.vllm import (PREFIX_CACHE_HIT_RATE, VLLMGeneration, check_vllm_model,
-                                               find_vllm_python, write_safetensors)
+from relax_agent.rollout.engines.vllm_engine import (
+    VLLMGeneration,
+    check_vllm_model,
+    find_vllm_python,
+    write_safetensors,
+)
 
 try:
     find_vllm_python()
