@@ -43,7 +43,7 @@ from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.engines.config import VLLMConfig
 from relax_agent.rollout.engines.hf import HFEngine
-from relax_agent.rollout.engines.vllm import VLLMEngine
+from relax_agent.rollout.engines.vllm_engine import VLLMEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from weight_sync import raw_loopback  # noqa: E402

@@ -151,12 +151,12 @@ def check_vllm_engine(cfg: RelaxConfig) -> None:
     """``engine.kind: vllm``: its venv exists (``engine.vllm.python``) and ``engine.vllm.weights_dir``
     is a writable folder; ConfigError naming the key otherwise. Routing replay
     (``moe.routing_replay: rollout``) is checked when the server starts: the model's routers and
-    whether this vLLM can capture routes (:class:`~relax_agent.rollout.engines.vllm.VLLMEngine`)."""
+    whether this vLLM can capture routes (:class:`~relax_agent.rollout.engines.vllm_engine.VLLMEngine`)."""
     if cfg.engine.kind != "vllm":
         return
     import os
 
-    from relax_agent.rollout.engines.vllm import find_vllm_python
+    from relax_agent.rollout.engines.vllm_engine import find_vllm_python
 
     find_vllm_python(cfg.engine.vllm.python)
     folder = cfg.engine.vllm.weights_dir

@@ -18,11 +18,11 @@ import torch
 
 from relax_agent.config import ModelConfig
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
 from relax_agent.models import load_policy, make_tiny_model
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.engines.config import EngineConfig, VLLMConfig
-from relax_agent.rollout.engines.vllm import (
-    PREFIX_CACHE_HIT_RATE,
+from relax_agent.rollout.engines.vllm_engine import (
     VLLMGeneration,
     check_vllm_model,
     find_vllm_python,
@@ -380,16 +380,18 @@ def test_weight_sync_verifies_what_the_server_loads_and_refuses_a_corrupted_tens
 
 
 _STALE_RELOAD = """
-import importlib.util, sys
+import importlib.util, os, sys
 import torch
 from safetensors import safe_open
 server, argv = sys.argv[1], sys.argv[2:]
-spec = importlib.util.spec_from_file_location("vllm_server", server)
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
+sys.path.insert(0, server)  # the server folder, as when python runs it
+import engine_loop
+spec = importlib.util.spec_from_file_location("vllm_server_main", os.path.join(server, "__main__.py"))
+main = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(main)
 with safe_open(argv[argv.index("--model") + 1] + "/model.safetensors", framework="pt") as f:
     stale = f.get_tensor({module!r} + ".weight")
-reload, calls = mod.EngineLoop._reload, []
+reload, calls = engine_loop.EngineLoop._reload, []
 
 def reload_one_stale(self, tensors):
     took = reload(self, tensors)
@@ -402,8 +404,8 @@ def reload_one_stale(self, tensors):
         self.llm.apply_model(repack)
     return took
 
-mod.EngineLoop._reload = reload_one_stale
-mod.main(argv)
+engine_loop.EngineLoop._reload = reload_one_stale
+main.main(argv)
 """
 
 

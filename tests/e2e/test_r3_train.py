@@ -11,7 +11,7 @@ import pytest
 
 from relax_agent.errors import ConfigError
 from relax_agent.models import make_tiny_model
-from relax_agent.rollout.engines.vllm import find_vllm_python
+from relax_agent.rollout.engines.vllm_engine import find_vllm_python
 from relax_agent.train.algorithms import (
     MISMATCH_ABS_DIFF_MAX,
     MISMATCH_ABS_DIFF_MEAN,

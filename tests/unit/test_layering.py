@@ -28,7 +28,7 @@ RULES = [
     ("relax_agent.runtime", ("relax_agent.cli", "relax_agent.control"), "services do not drive the loop"),
     ("relax_agent.multimodal", WIRING, "media codecs and placeholder arithmetic know no wiring"),
     ("relax_agent.control", ("relax_agent.models", "relax_agent.roles", "relax_agent.train.backends",
-                             "relax_agent.rollout.engines.hf", "relax_agent.rollout.engines.vllm",
+                             "relax_agent.rollout.engines.hf", "relax_agent.rollout.engines.vllm_engine",
                              "relax_agent.rollout.engines.vllm_server"),
      "the loop drives services; it loads no model (the caller hands it the roles)"),
     ("relax_agent.viewer", ("relax_agent.train", "relax_agent.rollout", "relax_agent.control", "relax_agent.runtime",

@@ -11,7 +11,7 @@ from relax_agent.configbase import Dtype, Section
 
 class VLLMConfig(Section):
     """``engine.vllm``: the vLLM server process behind ``engine.kind: vllm``
-    (:mod:`relax_agent.rollout.engines.vllm`)."""
+    (:mod:`relax_agent.rollout.engines.vllm_engine`)."""
 
     python: str | None = None
     """Python of the vLLM venv that runs the server; None: ``$RELAX_VLLM_PYTHON``, else
@@ -47,7 +47,7 @@ class EngineConfig(Section):
 
     kind: Literal["hf", "vllm", "fake"] = "hf"
     """"hf": the batched Hugging Face engine (:mod:`relax_agent.rollout.engines.hf`); "vllm": vLLM in
-    its own process and venv (:mod:`relax_agent.rollout.engines.vllm`, settings in ``engine.vllm``);
+    its own process and venv (:mod:`relax_agent.rollout.engines.vllm_engine`, settings in ``engine.vllm``);
     "fake": scripted replies without a model, for tests (:mod:`relax_agent.rollout.engines.fake`)."""
     dtype: Dtype = "fp32"
     max_batch_size: int = Field(default=64, ge=1)
@@ -91,7 +91,7 @@ class EngineConfig(Section):
             stop = default_stop_ids(tokenizer) if tokenizer is not None else (2,)
             return FakeEngine(echo_reply(stop), stop_token_ids=stop)
         if self.kind == "vllm":
-            from relax_agent.rollout.engines.vllm import VLLMEngine
+            from relax_agent.rollout.engines.vllm_engine import VLLMEngine
 
             return VLLMEngine(model, tokenizer, self, device=device, seed=seed, record_routes=record_routes)
         from relax_agent.rollout.engines.hf import HFEngine
