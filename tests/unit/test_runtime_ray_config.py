@@ -143,7 +143,7 @@ class _Supervisor:
 
 
 def _trainer_service(tmp_path, allow=True):
-    from relax_agent.runtime.ray_trainer import RayTrainerService, _Base
+    from relax_agent.runtime.ray_trainer.service import RayTrainerService, _Base
 
     svc = RayTrainerService.__new__(RayTrainerService)  # no actor: the restart bookkeeping only
     svc.cfg = load_config(None, ["runtime.kind=ray", f"run.output_dir={tmp_path}", "runtime.max_trainer_restarts=2"])

@@ -16,6 +16,7 @@ from relax_agent.train import reference_grpo as ref
 from relax_agent.train.algorithms import CLIP_FRAC, MISMATCH_ABS_DIFF_MAX, RATIO_MEAN
 from relax_agent.train.backends import torch_backend as tb
 from relax_agent.train.backends.torch_backend import TorchTrainer, token_logprobs, token_logprobs_and_entropy
+from relax_agent.train.backends.torch_backend.logprobs import _TokenLogprob
 from relax_agent.train.batch import TrainBatch, collate, trajectory_advantages
 
 VOCAB = 128
@@ -219,7 +220,7 @@ def test_token_logprob_gradient_is_exact():
     targets = torch.randint(0, 5, (7,), generator=g)
 
     def f(x):
-        return tb._TokenLogprob.apply(x, targets, 0.6, 3, False)[0]
+        return _TokenLogprob.apply(x, targets, 0.6, 3, False)[0]
 
     assert torch.autograd.gradcheck(f, (logits,), eps=1e-6, atol=1e-5)
     upstream = torch.randn(7, dtype=torch.float64, generator=g)

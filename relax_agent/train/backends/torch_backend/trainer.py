@@ -1,4 +1,4 @@
-"""The torch trainer backend: token log-probs and one policy-gradient step per batch.
+"""The torch trainer: one policy-gradient step per batch, on one process and one device.
 
 The objective is ``trainer.loss`` (PPO-clip, GSPO or CISPO; :func:`~relax_agent.train.algorithms.policy_loss`),
 optionally corrected for the rollout/trainer mismatch (``trainer.mismatch``;
@@ -19,7 +19,6 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,201 +42,40 @@ from relax_agent.train.algorithms import (
     mismatch_metrics,
     policy_loss,
 )
+from relax_agent.train.backends.torch_backend.logprobs import (
+    first_scored_position,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
+from relax_agent.train.backends.torch_backend.metrics import (
+    ENTROPY,
+    GRAD_NORM,
+    KL_REF,
+    LOSS,
+    LOSS_SCALE,
+    LR,
+    PG_LOSS,
+    POLICY_TOKENS,
+    RESIDENT_GB,
+    SEQUENCES,
+    SKIPPED_STEP,
+    STEP,
+    STEP_TIME_S,
+    TOKENS,
+    _Totals,
+)
+from relax_agent.train.backends.torch_backend.policy import (
+    _freeze_input_embeddings,
+    _LinearWarmup,
+    _warn_on_dropout,
+    _with_lora,
+    _with_master_weights,
+)
 from relax_agent.train.batch import TrainBatch
 from relax_agent.train.config import TrainerConfig
 from relax_agent.train.memory import release_free_heap, resident_gb
 
-LOSS = "train/loss"
-PG_LOSS = "train/pg_loss"
-KL_REF = "train/kl_ref"
-GRAD_NORM = "train/grad_norm"
-ENTROPY = "train/entropy"
-LR = "train/lr"
-TOKENS = "train/tokens"
-POLICY_TOKENS = "train/policy_tokens"
-SEQUENCES = "train/sequences"
-LOSS_SCALE = "train/loss_scale"
-SKIPPED_STEP = "train/skipped_step"
-STEP = "train/step"
-STEP_TIME_S = "timing/train_step_s"
-RESIDENT_GB = "memory/trainer_resident_gb"
-
-_CHUNK_ELEMENTS = 1 << 24
-"""Logit elements (64 MiB in fp32) processed at once by :func:`token_logprobs`."""
-
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """fp32, or the logits' own dtype when it is wider (fp64)."""
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
-class _TokenLogprob(torch.autograd.Function):
-    """``log_softmax(logits / temperature)[target]`` in fp32 (at least), chunked over rows.
-
-    Forward keeps only the logits (already alive) and one fp32 log-normaliser per row;
-    backward rebuilds the softmax chunk by chunk. Peak extra memory is one fp32 chunk,
-    instead of the full [N, V] fp32 log-softmax a plain ``log_softmax`` + ``gather`` saves.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk_rows: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        n, dtype = logits.shape[0], _compute_dtype(logits)
-        logp = torch.empty(n, dtype=dtype, device=logits.device)
-        lse = torch.empty(n, dtype=dtype, device=logits.device)
-        entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=logits.device)
-        with torch.autocast(logits.device.type, enabled=False):
-            for s in range(0, n, chunk_rows):
-                z = logits[s:s + chunk_rows].to(dtype) / temperature
-                lse_c = torch.logsumexp(z, dim=-1)
-                lse[s:s + chunk_rows] = lse_c
-                logp[s:s + chunk_rows] = z.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse_c
-                if with_entropy:
-                    p = torch.exp(z - lse_c[:, None])
-                    entropy[s:s + chunk_rows] = lse_c - (p * z).sum(-1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor) -> tuple:
-        logits, targets, lse = ctx.saved_tensors
-        temperature, rows, dtype = ctx.temperature, ctx.chunk_rows, _compute_dtype(logits)
-        grad = torch.empty_like(logits)
-        with torch.autocast(logits.device.type, enabled=False):
-            for s in range(0, logits.shape[0], rows):
-                z = logits[s:s + rows].to(dtype) / temperature
-                g_out = grad_logp[s:s + rows].to(dtype)[:, None]
-                g = torch.exp(z - lse[s:s + rows, None]).mul_(-g_out)
-                g.scatter_add_(-1, targets[s:s + rows, None], g_out)
-                grad[s:s + rows] = g.div_(temperature)
-        return grad, None, None, None, None
-
-
-def token_logprobs_and_entropy(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    temperature: float = 1.0,
-    with_entropy: bool = True,
-    chunk_tokens: int | None = None,
-    media: Any = None,
-    first_position: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (with gradient) and entropies (without) of a causal LM.
-
-    Args:
-        model: a causal LM whose forward takes ``input_ids``, ``attention_mask`` and
-            ``use_cache`` and returns ``.logits`` [B, T, V] (any Hugging Face ``*ForCausalLM``).
-        input_ids: [B, T] right-padded token ids.
-        attention_mask: [B, T] 1 on real tokens, 0 on padding.
-        temperature: the rollout's sampling temperature; logits are divided by it so the
-            log-probs are those of the distribution the tokens were sampled from.
-        with_entropy: also return the entropy of each position's distribution.
-        chunk_tokens: positions per chunk of the log-softmax (default: 16M logits / V).
-        media: multimodal policies: [B] each row's :class:`~relax_agent.records.MediaInputs` (or
-            None); their arrays are fed to the forward so the log-probs see the media (see
-            :func:`relax_agent.multimodal.batch.checked_media_kwargs`).
-        first_position: the first position whose log-prob is wanted (see
-            :func:`first_scored_position`); the logits are computed from the position before it on
-            only (the model's ``logits_to_keep`` when its forward takes it), which spares the
-            vocabulary projection and log-softmax of a long prompt.
-
-    Returns:
-        ``(logprobs, entropy)``, both [B, T] float32 (float64 for a float64 model): position ``t`` holds
-        ``log p(token t | tokens < t)`` and the entropy (nats) of that distribution;
-        position 0, positions before ``first_position`` and padding hold 0. ``entropy`` is None
-        when ``with_entropy`` is False.
-
-    Raises:
-        ConfigError: ``temperature`` <= 0.
-        DataError: ``input_ids`` and ``attention_mask`` are not the same [B, T] shape.
-    """
-    if not temperature > 0:
-        raise ConfigError(f"temperature must be > 0; got {temperature}")
-    if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-        raise DataError(
-            f"input_ids and attention_mask must share one [B, T] shape; got "
-            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
-        )
-    extra: dict[str, Any] = {}
-    if media is not None:
-        from relax_agent.multimodal.batch import checked_media_kwargs
-
-        extra = checked_media_kwargs(model, input_ids, attention_mask, media)
-    b, t = input_ids.shape
-    start = min(max(first_position, 1), t) - 1  # logits from here on: position p predicts token p + 1
-    if start and _takes_logits_to_keep(model):
-        extra["logits_to_keep"] = t - start
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-    if logits.shape[1] != t - start:
-        logits = logits[:, start:]
-    k, v = logits.shape[1], logits.shape[2]
-    # Row (b, p) of the flat logits predicts token start + p + 1; the last row of each sequence
-    # predicts nothing and is dropped after the fact (cheaper than copying a shifted view).
-    targets = torch.cat([input_ids[:, start + 1:], input_ids.new_zeros(b, 1)], dim=1).reshape(-1)
-    rows = chunk_tokens or max(1, _CHUNK_ELEMENTS // v)
-    logp, entropy = _TokenLogprob.apply(logits.reshape(b * k, v), targets, float(temperature), rows, with_entropy)
-    real = attention_mask.bool()
-    logp = _shift_right(_left_pad(logp.view(b, k), start), real)
-    entropy = _shift_right(_left_pad(entropy.view(b, k), start), real) if with_entropy else None
-    return logp, entropy
-
-
-def first_scored_position(loss_mask: torch.Tensor) -> int:
-    """The first position (over all rows) under ``loss_mask`` [B, T]; 1 when none is: the
-    ``first_position`` of :func:`token_logprobs_and_entropy` that keeps every log-prob the loss reads."""
-    cols = loss_mask.bool().any(dim=0).nonzero()
-    return int(cols[0]) if len(cols) else 1
-
-
-def _takes_logits_to_keep(model: nn.Module) -> bool:
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def _left_pad(values: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, K] -> [B, n + K] with zeros in front."""
-    return torch.cat([values.new_zeros(values.shape[0], n), values], dim=1) if n else values
-
-
-def _shift_right(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """[B, T] predictions for token t+1 -> values for token t; 0 at t = 0 and on padding."""
-    shifted = torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
-    return torch.where(real, shifted, torch.zeros_like(shifted))
-
-
-def token_logprobs(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    media: Any = None, first_position: int = 1,
-) -> torch.Tensor:
-    """[B, T] float32 (at least) ``log p(token t | tokens < t)`` of ``softmax(logits / temperature)``.
-
-    Position 0, positions before ``first_position`` and padding hold 0. Differentiable; see
-    :func:`token_logprobs_and_entropy`.
-    """
-    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, with_entropy=False,
-                                      media=media, first_position=first_position)[0]
-
-
-class _Totals:
-    """Sums of per-micro-batch values, some weighted by policy tokens."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.train_lp: list[torch.Tensor] = []
-        self.rollout_lp: list[torch.Tensor] = []
-
-    def add(self, key: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
-        value = value.detach().double() * weight
-        self.sums[key] = self.sums[key] + value if key in self.sums else value
-
-    def get(self, key: str, divide_by: float = 1.0) -> float:
-        return float(self.sums[key]) / divide_by
 
 
 class TorchTrainer:
@@ -576,58 +414,3 @@ class TorchTrainer:
 
             return merged_state_dict(self.model)
         return self.model.state_dict()
-
-
-def _with_lora(model: nn.Module, cfg: TrainerConfig) -> tuple[nn.Module, Any, str]:
-    """(base model with adapters injected, the peft wrapper, sha256 of the base weights)."""
-    from relax_agent.train.lora import apply_lora, base_fingerprint
-
-    fingerprint = base_fingerprint(model)
-    wrapper = apply_lora(model, cfg.lora)
-    return wrapper.get_base_model(), wrapper, fingerprint
-
-
-class _LinearWarmup:
-    """lr multiplier: (k + 1) / warmup_steps for update k < warmup_steps, then 1."""
-
-    def __init__(self, warmup_steps: int) -> None:
-        self.warmup_steps = warmup_steps
-
-    def __call__(self, k: int) -> float:
-        return 1.0 if self.warmup_steps <= 0 else min(1.0, (k + 1) / self.warmup_steps)
-
-
-def _with_master_weights(model: nn.Module) -> nn.Module:
-    """The model with fp16/bf16 floating-point weights upcast to fp32 (fp32/fp64 kept)."""
-    if any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
-        model = model.float()
-    return model
-
-
-def _freeze_input_embeddings(model: nn.Module) -> None:
-    """requires_grad=False on the input embeddings (also on a tied output head)."""
-    get = getattr(model, "get_input_embeddings", None)
-    emb = get() if get is not None else None
-    if emb is None:
-        raise ConfigError(
-            f"trainer.freeze_embeddings is set but {type(model).__name__} has no get_input_embeddings()"
-        )
-    emb.requires_grad_(False)
-
-
-def _dropout_modules(model: nn.Module) -> Iterator[str]:
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            yield name
-
-
-def _warn_on_dropout(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    attn = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-    named = list(_dropout_modules(model))
-    if attn > 0 or named:
-        warnings.warn(
-            f"the policy has dropout (attention_dropout={attn}, modules {named[:3]}): its log-probs "
-            "will not match the rollout's; set dropout to 0 in the model config",
-            stacklevel=3,
-        )
