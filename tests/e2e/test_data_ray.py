@@ -326,7 +326,7 @@ def test_a_value_the_channel_cannot_carry_is_refused_at_put(tq, value):
 
 
 def test_a_row_the_reader_cannot_unpickle_fails_that_read_and_is_released_at_once(tq, monkeypatch):
-    import relax_agent.data.ray as ray_bus
+    import relax_agent.data.ray.wire as ray_wire
 
     slow = RayTransferQueue(DataConfig(backend="ray", ray_actor_name="poison-get", lease_timeout_s=300))
     slow.create_partition("poison-get", 4)
@@ -335,7 +335,7 @@ def test_a_row_the_reader_cannot_unpickle_fails_that_read_and_is_released_at_onc
     def cannot_load(blob: bytes) -> list:
         raise ModuleNotFoundError("No module named 'only_on_the_producer'")
 
-    monkeypatch.setattr(ray_bus, "unpickle_rows", cannot_load)  # this reader lacks a module the values need
+    monkeypatch.setattr(ray_wire, "unpickle_rows", cannot_load)  # this reader lacks a module the values need
     with pytest.raises(DataError, match=r"rows \['p0', 'p1'\] hold values this process cannot unpickle.*released"):
         slow.get("poison-get", ["meta"], "t", 2, timeout_s=10)
     monkeypatch.undo()

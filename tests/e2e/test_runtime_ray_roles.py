@@ -60,7 +60,7 @@ def test_a_killed_weight_coordinator_ends_the_run_naming_it_and_restarts_no_trai
     """Was: the trainer's publish raised the coordinator's ActorDiedError inside the trainer actor,
     read as the trainer dying: three restarts (each failing to register with the dead coordinator),
     then "trainer ... restarts are used up"."""
-    from relax_agent import cli
+    from relax_agent.commands import common
     from relax_agent.errors import RoleDiedError
 
     ctrl = build(tiny_model_dir, tmp_path, "coord")
@@ -85,8 +85,8 @@ def test_a_killed_weight_coordinator_ends_the_run_naming_it_and_restarts_no_trai
     died = [e for e in status["events"] if e["event"] == "role_died"]
     assert [e["detail"] for e in died] == [text] and status["fatal"] == text
     # the CLI's one line: the cause and the command that resumes
-    with cli.console.capture() as captured, pytest.raises(cli.typer.Exit) as ended:
-        cli._fail(exc, resume=cli._resume_command(Path("run.yaml"), ["runtime.kind=ray", "run.output_dir=a b"]))
+    with common.console.capture() as captured, pytest.raises(common.typer.Exit) as ended:
+        common._fail(exc, resume=common._resume_command(Path("run.yaml"), ["runtime.kind=ray", "run.output_dir=a b"]))
     assert ended.value.exit_code == 1
     assert captured.get().splitlines() == [
         f"error: {text}; resume from the last checkpoint with: relax-agent train run.yaml runtime.kind=ray "

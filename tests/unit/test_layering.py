@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"relax_agent": "relax_agent", "envs": "relax_agent.envs", "sandboxes": "relax_agent.sandboxes",
          "reward_services": "relax_agent.reward_services"}
 
-WIRING = ("relax_agent.cli", "relax_agent.config", "relax_agent.control", "relax_agent.runtime",
-          "relax_agent.roles", "relax_agent.preflight")
+WIRING = ("relax_agent.cli", "relax_agent.commands", "relax_agent.config", "relax_agent.control",
+          "relax_agent.runtime", "relax_agent.roles", "relax_agent.preflight")
 RULES = [
     # (importer prefix, forbidden prefixes, why)
     *[(p, ("relax_agent.train", "relax_agent.rollout", "relax_agent.control", "relax_agent.runtime",
@@ -25,7 +25,8 @@ RULES = [
     ("relax_agent.weights", ("relax_agent.train", "relax_agent.control", "relax_agent.runtime", *WIRING),
      "weight sync knows tensors, not trainers"),
     ("relax_agent.records", ("relax_agent.rollout", "relax_agent.train", *WIRING), "records are neutral"),
-    ("relax_agent.runtime", ("relax_agent.cli", "relax_agent.control"), "services do not drive the loop"),
+    ("relax_agent.runtime", ("relax_agent.cli", "relax_agent.commands", "relax_agent.control"),
+     "services do not drive the loop"),
     ("relax_agent.multimodal", WIRING, "media codecs and placeholder arithmetic know no wiring"),
     ("relax_agent.control", ("relax_agent.models", "relax_agent.roles", "relax_agent.train.backends",
                              "relax_agent.rollout.engines.hf", "relax_agent.rollout.engines.vllm_engine",

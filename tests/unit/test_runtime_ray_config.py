@@ -335,7 +335,7 @@ unexpectedly exits with a connection error code 2. End of file. Some common caus
 
 def test_a_failure_across_ray_is_told_by_its_root_cause_not_ray_s_wrapper():
     ray = pytest.importorskip("ray")
-    from relax_agent.cli import _unwrapped
+    from relax_agent.commands.common import _unwrapped
     from relax_agent.errors import WeightSyncError
     from relax_agent.runtime.ray_roles import describe_failure
 

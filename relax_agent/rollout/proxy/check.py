@@ -37,7 +37,8 @@ from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.parsers import ToolCallParser
 from relax_agent.rollout.proxy.openai_api import ChatRequest
-from relax_agent.rollout.proxy.session import AgentSession, _call_text
+from relax_agent.rollout.proxy.session import AgentSession
+from relax_agent.rollout.proxy.session.calls import _call_text
 
 FINAL_ANSWER = "Answer: 42"
 """What the scripted policy answers once no tool call is pending."""

@@ -1,0 +1,95 @@
+"""``relax-agent envs``: the registered environments, and one's tools, tasks and reward (with the
+tool-call format a given policy gets for them)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from relax_agent.commands.common import _fail
+from relax_agent.errors import ConfigError, RelaxError
+
+envs_app = typer.Typer(help="Registered environments.", no_args_is_help=True)
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Registered environments: relax-agent's and those of installed plugin packages."""
+    from relax_agent.envs import env_ids
+
+    for env_id in env_ids():
+        typer.echo(env_id)
+
+
+@envs_app.command("show")
+def envs_show(
+    env_id: str = typer.Argument(..., help="Environment id, e.g. relax/Calculator-v0 (or module:ns/Name-v0)."),
+    kwargs: str = typer.Option("{}", "--kwargs", help='Constructor kwargs as JSON, e.g. \'{"difficulty": 3}\'.'),
+    as_json: bool = typer.Option(False, "--json", is_flag=True, help="Print the description as JSON."),
+    model: str | None = typer.Option(None, "--model", help="A policy (model.path): also print the tool-call parser "
+                                        "and tools rendering it gets (its tokenizer only is loaded)."),
+    tool_parser: str = typer.Option("auto", "--tool-parser", help="rollout.tool_parser to resolve for --model."),
+    tools_in: str = typer.Option("auto", "--tools-in", help="rollout.tools_in for --model (auto, template, system)."),
+) -> None:
+    """Tool schemas, tasks per split and reward of one environment (and, with --model, the tool-call
+    parser that ``rollout.tool_parser: auto`` chooses for that policy and how its tools are rendered)."""
+    import gymnasium
+
+    from relax_agent.envs import describe
+
+    try:
+        info = describe(env_id, **json.loads(kwargs))
+        if model is not None:
+            info["policy"] = _policy_tool_format(model, tool_parser, tools_in)
+    except RelaxError as exc:
+        _fail(exc)
+        return
+    except (gymnasium.error.Error, json.JSONDecodeError, ImportError, TypeError) as exc:
+        _fail(ConfigError(f"{env_id}: {exc}"))
+        return
+    if as_json:
+        typer.echo(json.dumps(info, indent=2, default=str))
+        return
+    typer.echo(f"{info['id']}  ({info['entry_point']}, max_episode_steps={info['max_episode_steps']})")
+    typer.echo(f"kwargs: {json.dumps(info['kwargs'], default=str)}")
+    if "tasks" in info:
+        typer.echo("tasks: " + ", ".join(f"{k} {v}" for k, v in info["tasks"].items()))
+    typer.echo(f"reward: {info['reward']}")
+    tools = info.get("tools")
+    typer.echo(f"tools: {info['tools_error']}" if tools is None else f"tools ({len(tools)}):")
+    for tool in tools or []:
+        fn = tool["function"]
+        typer.echo(f"  {fn['name']}({', '.join(fn.get('parameters', {}).get('properties', {}))}): {fn.get('description', '')}")
+    if "policy" in info:
+        p = info["policy"]
+        typer.echo(f"policy: {p['model']}")
+        typer.echo(f"tool parser: {p['tool_parser']} ({p['why']})")
+        typer.echo(f"tools in: {p['tools_in']}")
+
+
+def _policy_tool_format(model: str, tool_parser: str, tools_in: str) -> dict[str, str]:
+    """``{"model", "tool_parser", "why", "tools_in"}``: the parser ``tool_parser`` (``auto`` resolved as a
+    run resolves it) and the tools rendering a policy's tokenizer gets.
+
+    Raises:
+        ConfigError: ``tools_in`` or ``tool_parser`` is not a known value, ``auto`` cannot tell the format,
+            or the chat template lacks what token-in/token-out needs.
+        ModelLoadError: the tokenizer cannot be loaded.
+    """
+    from relax_agent.config import ModelConfig
+    from relax_agent.models import load_tokenizer
+    from relax_agent.rollout.chat import ChatRenderer
+    from relax_agent.rollout.parsers import build_parser
+    from relax_agent.rollout.tool_parsers import resolve_tool_parser
+
+    if tools_in not in ("auto", "template", "system"):
+        raise ConfigError(f"--tools-in={tools_in!r}: expected one of auto, template, system")
+    tokenizer = load_tokenizer(ModelConfig(path=model))
+    renderer = ChatRenderer(tokenizer, tools_in)
+    if tool_parser == "auto":
+        name, why = resolve_tool_parser(tokenizer, tools_in, None, model)
+    else:
+        build_parser(tool_parser)  # an unknown name is refused here
+        name, why = tool_parser, "rollout.tool_parser"
+    return {"model": model, "tool_parser": name, "why": why, "tools_in": renderer.describe_tools_in()}
