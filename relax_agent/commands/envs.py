@@ -26,7 +26,7 @@ def envs_list() -> None:
 def envs_show(
     env_id: str = typer.Argument(..., help="Environment id, e.g. relax/Calculator-v0 (or module:ns/Name-v0)."),
     kwargs: str = typer.Option("{}", "--kwargs", help='Constructor kwargs as JSON, e.g. \'{"difficulty": 3}\'.'),
-    as_json: bool = typer.Option(False, "--json", is_flag=True, help="Print the description as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the description as JSON."),
     model: str | None = typer.Option(None, "--model", help="A policy (model.path): also print the tool-call parser "
                                         "and tools rendering it gets (its tokenizer only is loaded)."),
     tool_parser: str = typer.Option("auto", "--tool-parser", help="rollout.tool_parser to resolve for --model."),

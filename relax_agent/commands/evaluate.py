@@ -18,7 +18,7 @@ def eval_cmd(
     overrides: list[str] | None = OVERRIDES,
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Checkpoint or run folder; default: the untrained policy."),
     output: Path | None = typer.Option(None, "--output", help="Write the results as JSON here."),
-    bfcl: bool = typer.Option(False, "--bfcl", is_flag=True,
+    bfcl: bool = typer.Option(False, "--bfcl",
                               help="Evaluate every registered BFCL category (eval.num_tasks held-out tasks each) "
                                    "and report the leaderboard's groups."),
 ) -> None:

@@ -39,8 +39,8 @@ def _checkpoint_to_resume(cfg: Any, resume: bool) -> Path | None:
 def train(
     config: Path = typer.Argument(..., help="YAML run config (see examples/)."),
     overrides: list[str] | None = OVERRIDES,
-    resume: bool = typer.Option(False, "--resume", is_flag=True, help="Continue from the latest checkpoint in run.output_dir."),
-    quiet: bool = typer.Option(False, "--quiet", is_flag=True, help="No progress bars."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in run.output_dir."),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bars."),
 ) -> None:
     """Train a policy with GRPO on a registered environment."""
     from relax_agent.control import build_controller

@@ -40,11 +40,12 @@ class Browser:
 
         self.profile = tempfile.mkdtemp(prefix="relax-viewer-chromium-")
         self.log = Path(self.profile) / "stderr.log"
-        self.proc = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-             "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
-             f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
+        with self.log.open("w") as stderr:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
+                 f"--window-size={width},{height}", "about:blank"],
+                stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + start_timeout_s
         port = None
         while port is None:
@@ -57,7 +58,9 @@ class Browser:
             else:
                 time.sleep(0.1)
         pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json() if t["type"] == "page"]
-        self.ws = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        # entered as a context manager (websockets >= 17.1 warns on a connection used without one);
+        # close() exits it
+        self.ws = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=30).__enter__()
         self._id = 0
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 

@@ -33,7 +33,7 @@ def start_ray(cfg: DataConfig) -> bool:
     Nothing happens when Ray is already initialised in this process.
 
     Returns:
-        True when this call started (or connected) Ray: the caller ``ray.shutdown()``\ s it.
+        True when this call started (or connected) Ray: the caller shuts it down with ``ray.shutdown()``.
 
     Raises:
         ConfigError: Ray could not start or connect (names ``data.ray_address`` / ``data.ray_num_cpus``).
