@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -26,9 +26,40 @@ from relax_agent.data.config import DataConfig
 from relax_agent.errors import ConfigError
 from relax_agent.moe.config import MoEConfig
 from relax_agent.reward_services.config import RewardConfig
+from relax_agent.rollout.config import (
+    DEFAULT_AGENT_ENV,
+    AgentConfig,
+    DynamicSamplingConfig,
+    OverlongConfig,
+    RolloutConfig,
+)
 from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.runtime.config import AutoscaleConfig, RuntimeConfig
 from relax_agent.train.config import TrainerConfig
 from relax_agent.weights.config import WeightSyncConfig
+
+# The sections of other components (rollout, runtime) are declared beside their code and re-exported here.
+__all__ = [
+    "AgentConfig",
+    "AutoscaleConfig",
+    "CheckpointConfig",
+    "DEFAULT_AGENT_ENV",
+    "DynamicSamplingConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OverlongConfig",
+    "RelaxConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "apply_overrides",
+    "dump_config",
+    "load_config",
+    "parse_override",
+    "validate_config",
+]
 
 
 class RunConfig(Section):
@@ -76,200 +107,6 @@ class EnvConfig(Section):
     past it the episode becomes a failed record naming this key."""
 
 
-DEFAULT_AGENT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM",
-                     "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "CONDA_PREFIX", "SSL_CERT_FILE", "SSL_CERT_DIR",
-                     "REQUESTS_CA_BUNDLE", "HF_HOME", "HF_HUB_OFFLINE")
-"""What ``rollout.agent.inherit_env`` passes by default: what a program needs to run, no credentials."""
-
-
-class AgentConfig(Section):
-    """Bring your own agent (``rollout.driver: agent``): the program that plays each episode.
-
-    Per episode the command runs as its own process group with ``OPENAI_BASE_URL`` (the
-    rollout's OpenAI-compatible endpoint on 127.0.0.1), ``OPENAI_API_KEY`` (a key for this
-    episode only), ``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY`` (the same, for the ``anthropic``
-    SDK), ``RELAX_TASK_FILE`` (JSON: ``id``, ``sample_id``, ``messages``, ``tools``,
-    ``metadata``: the task's ``task_keys``), ``RELAX_OUTPUT_FILE`` (where it may write JSON
-    ``{"reward", "answer", "metrics"}``) and ``TMPDIR`` (the episode's private directory) in an
-    environment of only ``inherit_env`` and ``env``.
-    """
-
-    command: list[str] = Field(default_factory=list)
-    """The agent's argv (no shell); ``{python}`` in an item is replaced by the interpreter running
-    relax-agent, e.g. ``["{python}", "examples/agents/openai_sdk_agent.py"]``."""
-    cwd: str | None = None
-    """Working directory of the agent; None: the directory relax-agent runs in."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables for the agent (added to those of ``inherit_env``)."""
-    inherit_env: list[str] = Field(default_factory=lambda: list(DEFAULT_AGENT_ENV))
-    """Variables of relax-agent's own environment the agent gets (names; a trailing ``*`` matches a
-    prefix, ``["*"]`` everything); nothing else is passed, so the run's credentials and a parent's
-    ``OPENAI_API_BASE`` / proxies never reach it. ``OPENAI_*`` and ``ANTHROPIC_*`` variables are always
-    the episode's."""
-    task_keys: list[str] = Field(default_factory=list)
-    """Keys of the task dict copied to ``metadata`` in the agent's task file. Default none: the
-    ground truth (``answer``...) stays with the env, which scores the agent's answer."""
-    timeout_s: float = Field(default=600.0, gt=0.0)
-    """Most seconds one agent process may run; past it its process group is killed, generations
-    still running for its episode are aborted, and the episode is a failed record (status "timeout")."""
-    kill_grace_s: float = Field(default=2.0, ge=0.0)
-    """Seconds between SIGTERM and SIGKILL when the agent's process group is stopped."""
-    isolation: Literal["auto", "namespace", "none"] = "auto"
-    """How agents are kept apart (:mod:`relax_agent.rollout.agent_jail`). "namespace": each agent in
-    its own pid namespace with its own /proc and no capabilities (it cannot see another agent's
-    processes, key or private directory; everything it spawned dies with it); needs root and
-    util-linux. "auto": "namespace" where it runs, else "none" with a warning. "none": its own
-    process group only."""
-    reward: Literal["env", "agent"] = "env"
-    """"env": the env scores the agent's final answer (``env.step`` on the last assistant message, or
-    on ``answer`` from the output file), then ``reward`` (a reward service) may re-score as for
-    env-driven runs; "agent": the number the agent wrote as ``reward`` in its output file."""
-    train_branches: bool = False
-    """Train the episode's side segments too (abandoned requests, unchosen ``n > 1`` siblings, side calls
-    after the answer: every reply the policy sampled off the trained chain). Group semantics: the
-    group's advantages are computed over the G trained chains only, as without branches; each side
-    segment trains as an extra row with the advantage of the episode it branched from (the same
-    reward), so a segment moves no baseline and an episode with zero advantage trains no segment.
-    False: segments are recorded in the rollout dump, never trained."""
-    port: int = Field(default=0, ge=0, le=65535)
-    """Port of the endpoint on 127.0.0.1; 0 picks a free one."""
-    model_name: str = "policy"
-    """The model id ``/v1/models`` lists; requests may name any model (the policy answers them all)."""
-    honor_request_sampling: bool = False
-    """False: a request's ``temperature``/``top_p`` must equal ``rollout.temperature``/``rollout.top_p``
-    (the trainer scores log-probs at ``rollout.temperature``), else HTTP 400 naming the field;
-    True: requests sample at their own values (evaluation, or when you correct for it)."""
-    max_tokens_over_budget: Literal["cap", "refuse"] = "cap"
-    """A request whose ``max_tokens`` / ``max_completion_tokens`` is above what it may sample
-    (``rollout.max_new_tokens``, or what is left of ``rollout.max_total_tokens``): "cap" samples at
-    most that many and says so in the response header ``x-relax-max-tokens`` (the granted number;
-    counted in ``agent/capped_max_tokens``); "refuse" answers HTTP 400 naming ``max_tokens``."""
-    max_episode_sampled_tokens: int | None = Field(default=None, ge=1)
-    """Most tokens the policy samples for one episode over all its requests (replies, siblings and
-    side branches alike; a running request reserves ``max_tokens x n``): a request's ``max_tokens``
-    is lowered to what is left (``x-relax-max-tokens``), and once nothing is left requests get HTTP
-    400 (``episode_token_budget_exceeded``). None: only ``timeout_s`` bounds an agent that loops."""
-    max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    """Largest request body the endpoint reads; a larger one gets HTTP 413 (OpenAI error body)
-    before anything of it is parsed or tokenized."""
-
-
-class DynamicSamplingConfig(Section):
-    """DAPO's dynamic sampling (Yu et al., arXiv 2503.14476, §3.2): a group whose rewards do not vary
-    (every trainable sample has advantage 0, e.g. all correct or all wrong) carries no GRPO signal,
-    so it is not trained; the producers draw more tasks until the step holds
-    ``rollout.tasks_per_step`` informative groups, or ``max_draws_per_step`` groups were taken for it.
-
-    Filtered groups are retired untrained and written to the step's rollout dump with
-    ``"filtered": true``; the step row counts them (``dynamic_sampling/filtered_groups``,
-    ``dynamic_sampling/drawn_groups``, ``dynamic_sampling/cap_reached``).
-    """
-
-    enabled: bool = False
-    """Filter zero-variance groups and draw replacements."""
-    max_draws_per_step: int | None = Field(default=None, ge=1)
-    """Most groups the trainer takes for one step (informative, filtered and too stale together);
-    None: 3 x ``rollout.tasks_per_step``. When reaching ``tasks_per_step`` informative groups would
-    take more, the step keeps the uniform groups it gets (they add no gradient), trains what it has
-    and says so (``dynamic_sampling/cap_reached``). Must be >= ``tasks_per_step``."""
-
-    def draw_cap(self, tasks_per_step: int) -> int:
-        """Groups the trainer may take for one step."""
-        return self.max_draws_per_step if self.max_draws_per_step is not None else 3 * tasks_per_step
-
-
-class OverlongConfig(Section):
-    """What happens to samples that run into the length limit (DAPO, arXiv 2503.14476, §3.4).
-
-    A sample's length is its longest assistant reply in tokens, the limit ``rollout.max_new_tokens``.
-    The shaping acts on the reward the advantages are computed from; the ``rollout/reward`` metric
-    stays the env's. The step row reports ``overlong/truncated_frac`` (samples cut at the limit or
-    the token budget), and ``overlong/penalty_mean`` (soft) or ``overlong/masked`` (mask).
-    """
-
-    mode: Literal["none", "soft", "mask"] = "none"
-    """"none": no shaping; "soft": DAPO's soft overlong punishment, a penalty growing linearly from 0
-    to ``-penalty`` over the last ``buffer_tokens`` tokens before the limit, added to the reward;
-    "mask": samples truncated at the limit or the token budget (stop reason "length" or
-    "max_total_tokens") leave the loss (not trainable: no gradient, no part in their group's baseline)."""
-    buffer_tokens: int | None = Field(default=None, ge=1)
-    """Length of the soft penalty's ramp, L_cache in DAPO (<= ``max_new_tokens``); None: a quarter of
-    ``rollout.max_new_tokens`` (DAPO used 4096 of 20480)."""
-    penalty: float = Field(default=1.0, ge=0.0)
-    """Penalty at the limit (soft mode); DAPO's is 1 for a 0/1 reward."""
-
-    def ramp_tokens(self, max_new_tokens: int) -> int:
-        """The soft penalty's ramp length in tokens for this ``max_new_tokens``."""
-        return self.buffer_tokens if self.buffer_tokens is not None else max(1, max_new_tokens // 4)
-
-
-class RolloutConfig(Section):
-    """How episodes are sampled: groups, lengths and sampling parameters."""
-
-    driver: Literal["env", "agent"] = "env"
-    """Who plays an episode: "env" (relax-agent's loop between the env and the policy) or "agent"
-    (your program, started per episode, calling the policy through an OpenAI-compatible endpoint;
-    see ``rollout.agent``)."""
-    agent: AgentConfig = Field(default_factory=AgentConfig)
-    """The agent program of ``driver: agent``."""
-
-    tasks_per_step: int = Field(default=8, ge=1)
-    """Distinct tasks (GRPO groups) per training step."""
-    group_size: int = Field(default=8, ge=1)
-    """Samples per task (G in GRPO); advantages are normalised within a group."""
-    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
-    """Skip groups whose rewards do not vary and draw others in their place (DAPO)."""
-    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
-    """Soft punishment or masking of samples that reach the length limit (DAPO)."""
-    max_new_tokens: int = Field(default=128, ge=1)
-    """Tokens the policy may sample in one assistant turn."""
-    max_total_tokens: int = Field(default=2048, ge=16)
-    """Budget for prompt + all turns of an episode; the episode is truncated past it."""
-    prompt_check_tasks: int = Field(default=4, ge=0)
-    """At start-up the opening prompts of the first this-many train and held-out tasks are rendered
-    (text policies) and a prompt that alone fills ``max_total_tokens`` is refused, naming the task
-    (such an episode samples nothing). 0: no check; a step whose episodes sample no token at all
-    still ends the run."""
-    max_image_pixels: int = Field(default=40_000_000, ge=1)
-    """Media policies: an image or video frame with more pixels (width x height, read from its header
-    before decoding) is refused, failing its episode with a record naming the message and part; the
-    default passes a 6000 x 6000 photo and refuses an 8000 x 8000 one."""
-    episode_timeout_s: float = Field(default=1800.0, gt=0.0)
-    """Most seconds one whole episode may take (env and engine calls together); past it the
-    episode becomes a failed record (reward status "timeout") naming this key."""
-    temperature: float = Field(default=1.0, gt=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    tool_parser: str = "hermes"
-    """Name of a registered tool-call parser (``relax_agent.rollout.parsers``; the family parsers
-    ``qwen3``, ``qwen3_coder``, ``llama3``, ``mistral``, ``gpt_oss``, ``deepseek_v3``, ``glm45``,
-    ``kimi_k2``, ``gemma``), or ``auto``: chosen from the policy's chat template, else its name
-    (the run log prints ``tool parser: NAME (why)``; an undecidable policy is refused;
-    ``relax-agent envs show ENV --model PATH`` prints the same choice without a run)."""
-    tools_in: Literal["auto", "template", "system"] = "auto"
-    """"template": pass tools to the chat template; "system": render them into the system
-    prompt (Hermes style); "auto": template when it supports tools, else system (with either
-    ``auto`` the run log prints ``tools in: template (...)`` or ``tools in: system prompt (...)``)."""
-    system_prompt: str | None = None
-    """Overrides the default system prompt that introduces the tools."""
-    tool_example: bool = True
-    """Show one worked tool call as a demonstration exchange before the request (helps small models)."""
-
-    @model_validator(mode="after")
-    def _check_agent(self) -> RolloutConfig:
-        if self.driver == "agent" and not self.agent.command:
-            raise ValueError("rollout.driver=agent needs rollout.agent.command (the agent's argv, e.g. "
-                             "[\"{python}\", \"examples/agents/openai_sdk_agent.py\"])")
-        cap = self.dynamic_sampling.max_draws_per_step
-        if cap is not None and cap < self.tasks_per_step:
-            raise ValueError(f"rollout.dynamic_sampling.max_draws_per_step={cap} must be >= rollout.tasks_per_step="
-                             f"{self.tasks_per_step} (a step trains tasks_per_step groups)")
-        buffer = self.overlong.buffer_tokens
-        if self.overlong.mode == "soft" and buffer is not None and buffer > self.max_new_tokens:
-            raise ValueError(f"rollout.overlong.buffer_tokens={buffer} must be <= rollout.max_new_tokens="
-                             f"{self.max_new_tokens} (the penalty ramps up over the last buffer_tokens before it)")
-        return self
-
-
 class EvalConfig(Section):
     """Held-out evaluation."""
 
@@ -308,129 +145,6 @@ class LoggingConfig(Section):
     token_record: bool = True
     """Write ``rollouts/tokens/step_NNNNNN.jsonl.gz`` each step: every sample's token ids, loss mask,
     rollout log-probs, turns and messages, as the trainer saw them (what ``relax-agent replay`` checks)."""
-
-
-class AutoscaleConfig(Section):
-    """ray: scale rollout replicas while training from the trainer's idle time (``runtime.autoscale``).
-
-    After each step the autoscaler takes the fraction of the step the trainer spent waiting for
-    groups (``timing/data_wait_s / timing/step_s``), averaged over the last ``window_steps`` steps
-    (the first step, which waits for the replicas' start and first rollouts, is not counted). Above
-    ``scale_up_above`` rollout is the bottleneck: one more replica, up to ``max_replicas`` (and what
-    the cluster holds, as for ``relax-agent scale``). Below ``scale_down_below`` the trainer is: the
-    replicas wait at the staleness gate, one is drained, down to ``min_replicas``. After a change
-    the next ``cooldown_steps`` steps are not judged (a new replica loads its model and pulls the
-    weights first). A resumed run starts again from ``runtime.rollout_replicas``.
-    """
-
-    enabled: bool = False
-    """Scale rollout replicas automatically (``runtime.kind: ray`` only; ``relax-agent scale`` still
-    sets the target by hand, and the autoscaler goes on from there)."""
-    min_replicas: int = Field(default=1, ge=1)
-    """Fewest rollout replicas the autoscaler drains down to."""
-    max_replicas: int | None = Field(default=None, ge=1)
-    """Most rollout replicas the autoscaler starts; None: ``runtime.max_rollout_replicas`` (either way
-    no more than the cluster's resources hold)."""
-    scale_up_above: float = Field(default=0.25, ge=0.0, le=1.0)
-    """Trainer idle fraction (mean over the window) above which a replica is added."""
-    scale_down_below: float = Field(default=0.02, ge=0.0, le=1.0)
-    """Trainer idle fraction (mean over the window) below which a replica is drained."""
-    window_steps: int = Field(default=2, ge=1)
-    """Steps whose idle fractions are averaged for a decision."""
-    cooldown_steps: int = Field(default=2, ge=0)
-    """Steps after a change that are not judged (the new replica's start, the drained one's exit)."""
-
-    @model_validator(mode="after")
-    def _bounds_in_order(self) -> AutoscaleConfig:
-        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
-            raise ValueError(f"runtime.autoscale.min_replicas={self.min_replicas} is more than "
-                             f"runtime.autoscale.max_replicas={self.max_replicas}")
-        if self.scale_down_below >= self.scale_up_above:
-            raise ValueError(f"runtime.autoscale.scale_down_below={self.scale_down_below:g} is not below "
-                             f"runtime.autoscale.scale_up_above={self.scale_up_above:g}: the autoscaler would "
-                             "add and drain replicas at the same idle time")
-        return self
-
-
-class RuntimeConfig(Section):
-    """Where the roles run: this process (``local``) or Ray actors (``ray``).
-
-    YAML ``runtime: ray`` is short for ``runtime: {kind: ray}``. With ``kind: ray`` every rollout
-    replica (engine + envs + orchestrator) and the trainer are Ray actors; the data bus, the weight
-    coordinator and the heartbeat table are named actors in ``data.ray_namespace``; Ray is started
-    (``data.ray_num_cpus``) or joined (``data.ray_address``) like the Ray data bus. See
-    :mod:`relax_agent.runtime.ray`.
-    """
-
-    kind: Literal["local", "ray"] = "local"
-    """"local": every role in this process (the embedded default). "ray": Ray actors (mode async,
-    weights.transport tcp)."""
-    rollout_replicas: int = Field(default=1, ge=1)
-    """ray: rollout replicas at start (change it while training with ``relax-agent scale``)."""
-    max_rollout_replicas: int = Field(default=64, ge=1)
-    """ray: most rollout replicas ``rollout_replicas`` and ``relax-agent scale`` may ask for (a scale
-    beyond it, or beyond what the cluster's CPUs hold at ``rollout_num_cpus`` each beside the
-    trainer, is refused with HTTP 422 naming the bound)."""
-    max_groups_per_replica: int | None = Field(default=None, ge=1)
-    """ray: most groups one replica plays at once (its env and sandbox capacity); None: no limit
-    beyond the staleness gate."""
-    rollout_num_cpus: float = Field(default=0.25, gt=0.0)
-    """ray: CPUs Ray reserves per rollout replica (fractional: four replicas fit one core)."""
-    trainer_num_cpus: float = Field(default=0.5, gt=0.0)
-    """ray: CPUs Ray reserves for the trainer actor."""
-    heartbeat_interval_s: float = Field(default=1.0, gt=0.0)
-    """ray: seconds between heartbeats a service sends from its own work loop."""
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0.0)
-    """ray: a rollout replica whose last heartbeat is older than this is hung: killed and replaced."""
-    request_timeout_s: float | None = Field(default=None, gt=0.0)
-    """ray: watchdog of one group on a replica; past it the replica is replaced and the group played
-    again elsewhere. None: ``rollout.episode_timeout_s + 60``."""
-    replica_start_timeout_s: float = Field(default=600.0, gt=0.0)
-    """ray: seconds a new replica (or trainer) may take to load its model and pull the weights."""
-    max_trainer_restarts: int = Field(default=3, ge=0)
-    """ray: times a dead or hung trainer actor is restarted from the last checkpoint before the run
-    fails (0: the first death or hang ends the run)."""
-    trainer_hang_timeout_s: float | None = Field(default=1800.0, gt=0.0)
-    """ray: a trainer call (an update with its publish, a save, a restart's replay: this bound per
-    replayed update) still running after this many seconds is hung: said on the console and in the
-    control endpoint's ``/status``, then the trainer actor is killed and restarted from the last
-    checkpoint (counted against ``max_trainer_restarts``). Must exceed ``weights.publish_timeout_s``
-    (a publish waits that long for slow replicas) plus the longest update. None: never."""
-    drain_timeout_s: float = Field(default=600.0, gt=0.0)
-    """ray: scale-in waits this long for a replica's groups to finish before it hands them back
-    (kills the replica; the groups are played again elsewhere)."""
-    control_port: int | None = Field(default=0, ge=0, le=65535)
-    """ray: port of the controller's HTTP control endpoint on ``control_host`` (0: a free one; its URL
-    and token go to ``run.output_dir/runtime.json`` for ``relax-agent scale``); None: no endpoint."""
-    control_host: str = "127.0.0.1"
-    """ray: address the control endpoint binds. Loopback: only this host can scale the run; another
-    address (``0.0.0.0``: every interface, advertised as the driver's node address) lets hosts that
-    can read ``runtime.json`` reach it. Every request needs the run's bearer token either way."""
-    rollout_resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
-    """ray: Ray custom resources each rollout replica asks for (placement by node): hosts started with
-    ``ray start --resources='{"rollout_host": 4}'`` take replicas when this is ``{"rollout_host": 0.01}``;
-    empty: any node with CPUs."""
-    rollout_spread: bool = False
-    """ray: spread rollout replicas over the nodes that can take them (Ray's SPREAD scheduling) rather
-    than packing them, so losing one host takes as few replicas as possible."""
-    trainer_resources: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
-    """ray: Ray custom resources the trainer actor asks for, e.g. ``{"head_host": 0.01}`` to keep it on
-    the head; empty: any node with CPUs."""
-    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
-    """ray: scale rollout replicas from the trainer's idle time while training (off by default)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_kind(cls, value: Any) -> Any:
-        # `runtime: ray` / `runtime=ray` names the kind alone.
-        return {"kind": value} if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _replicas_within_bound(self) -> RuntimeConfig:
-        if self.rollout_replicas > self.max_rollout_replicas:
-            raise ValueError(f"runtime.rollout_replicas={self.rollout_replicas} is more than "
-                             f"runtime.max_rollout_replicas={self.max_rollout_replicas}; raise the bound to run more")
-        return self
 
 
 class RelaxConfig(Section):
