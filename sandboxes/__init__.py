@@ -14,19 +14,11 @@ opt-in), ``fake`` (tests). :mod:`.testing` is the contract suite any backend can
 
 from __future__ import annotations
 
-from relax_agent.sandboxes.base import (
-    BaseSandbox,
-    ExecResult,
-    PoolConfig,
-    ReportsState,
-    Sandbox,
-    SandboxBackend,
-    SandboxConfig,
-    portal_loop,
-    run_sync,
-)
+from relax_agent.sandboxes.base import BaseSandbox, ExecResult, ReportsState, Sandbox, SandboxBackend
+from relax_agent.sandboxes.config import PoolConfig, SandboxConfig
 from relax_agent.sandboxes.fake import FakeBackend, FakeSandbox
 from relax_agent.sandboxes.pool import PoolStats, SandboxPool, shared_pool
+from relax_agent.sandboxes.portal import portal_loop, run_sync
 from relax_agent.sandboxes.reaper import reap
 
 __all__ = [

@@ -10,7 +10,8 @@ import signal
 import time
 
 from relax_agent.errors import SandboxError
-from relax_agent.sandboxes.base import OutputCap, RawResult, signal_exit_code
+from relax_agent.sandboxes.base import RawResult
+from relax_agent.sandboxes.limits import OutputCap, signal_exit_code
 
 
 def _killpg(pid: int) -> None:

@@ -1,4 +1,4 @@
-"""The Sandbox contract, its config and the pieces every backend shares.
+"""The Sandbox contract and the implementation every backend shares (config: :mod:`.config`; limits: :mod:`.limits`).
 
 A sandbox runs untrusted, model-written commands with limits on by default::
 
@@ -20,23 +20,19 @@ module turns that into ``exec`` / ``run_python`` / ``write_file`` / ``read_file`
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
-import threading
 import time
 import uuid
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from pydantic import Field, model_validator
-
-from relax_agent.configbase import Section
 from relax_agent.errors import SandboxError
+from relax_agent.sandboxes.config import SandboxConfig
+from relax_agent.sandboxes.limits import check_arg_sizes, check_env
 
 T = TypeVar("T")
 Command = str | Sequence[str]
-BackendName = Literal["docker", "bubblewrap", "subprocess", "fake"]
 
 EXEC_MARKER_ENV = "RELAX_SANDBOX_EXEC"
 """Environment variable set on every command; its value identifies the exec so that a
@@ -177,151 +173,6 @@ class SandboxBackend(Protocol):
         """
 
 
-class PoolConfig(Section):
-    """A pool of pre-started sandboxes (see :class:`relax_agent.sandboxes.SandboxPool`)."""
-
-    size: int = Field(default=0, ge=0)
-    """Sandboxes kept started and idle, ready to hand out; 0 creates one per acquire."""
-    max_size: int = Field(default=32, ge=1)
-    """Most sandboxes alive at once (idle + in use); ``acquire`` waits beyond it."""
-    acquire_timeout_s: float = Field(default=60.0, gt=0)
-    """How long ``acquire`` waits for a free slot before raising SandboxTimeoutError."""
-    on_release: Literal["reset", "replace"] = "reset"
-    """"reset": kill processes and wipe the work dir, then reuse; "replace": close and start anew."""
-    health_check_idle_s: float = Field(default=30.0, ge=0)
-    """An idle sandbox older than this is health-checked before it is handed out."""
-    max_uses: int = Field(default=256, ge=1)
-    """Episodes one sandbox serves before it is replaced."""
-
-    @model_validator(mode="after")
-    def _check(self) -> PoolConfig:
-        if self.size > self.max_size:
-            raise ValueError(f"pool.size={self.size} exceeds pool.max_size={self.max_size}")
-        return self
-
-
-class SandboxConfig(Section):
-    """Which sandbox backend to use and its limits (all limits apply per sandbox)."""
-
-    backend: BackendName = "docker"
-    """"docker" (default, strongest), "bubblewrap" (no daemon, light tools), "subprocess"
-    (no isolation; development only, needs ``unsafe: true``), "fake" (in-memory, tests)."""
-    unsafe: bool = False
-    """Must be true to use the "subprocess" backend, which does not isolate anything."""
-    image: str = "relax-agent/python:bookworm"
-    """Docker image; build it offline with ``relax-agent sandbox build-image``."""
-    memory_mb: int = Field(default=512, ge=16)
-    """Memory limit (Docker: RAM == RAM + swap; bubblewrap/subprocess: address space per process)."""
-    cpus: float = Field(default=1.0, gt=0)
-    """CPU quota in cores (Docker only)."""
-    pids_limit: int = Field(default=128, ge=8)
-    """Most processes/threads at once (Docker: cgroup; bubblewrap/subprocess: RLIMIT_NPROC)."""
-    nofile: int = Field(default=256, ge=16)
-    """Most open file descriptors per process."""
-    workdir: str = "/work"
-    """Work directory inside the sandbox (a tmpfs in Docker); relative paths resolve here."""
-    workdir_mb: int = Field(default=128, ge=1)
-    """Size of the work directory (Docker tmpfs; bubblewrap/subprocess: largest file)."""
-    tmp_mb: int = Field(default=32, ge=1)
-    """Size of the /tmp tmpfs (Docker and bubblewrap)."""
-    max_output_bytes: int = Field(default=65536, ge=1)
-    """Bytes of stdout and of stderr kept per command; the rest is dropped (``truncated``)."""
-    max_drain_bytes: int = Field(default=16 * 2**20, ge=1)
-    """Output read past ``max_output_bytes`` before the command is killed to spare the host."""
-    max_file_bytes: int = Field(default=16 * 2**20, ge=1)
-    """Largest file ``read_file`` returns."""
-    timeout_s: float = Field(default=10.0, gt=0)
-    """Default per-command timeout."""
-    max_timeout_s: float = Field(default=600.0, gt=0)
-    """Largest ``timeout_s`` a caller may ask for."""
-    kill_grace_s: float = Field(default=2.0, gt=0)
-    """After ``timeout_s``, how long the host waits for the in-sandbox kill before killing harder."""
-    ttl_s: float = Field(default=3600.0, gt=0)
-    """Longest life of a sandbox: a Docker container exits (and is removed) after this even if
-    the trainer was SIGKILLed, and the reaper removes it once this has passed."""
-    user: str = "65534:65534"
-    """Numeric ``uid:gid`` that commands run as (65534 is ``nobody``)."""
-    python: str = "python3"
-    """Python interpreter inside the sandbox, used by ``run_python``."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment variables for every command (the host environment never leaks in)."""
-    run_id: str | None = None
-    """Label for this run's containers; defaults to ``<host>-<pid>``."""
-    docker_host: str | None = None
-    """Docker daemon URL; None uses DOCKER_HOST or the local socket."""
-    max_workers: int = Field(default=64, ge=1)
-    """Threads (and Docker connections) for blocking Docker calls; bounds concurrent execs."""
-    reap_on_start: bool = True
-    """Remove containers of dead runs when the first Docker sandbox of this process starts."""
-    pool: PoolConfig = Field(default_factory=PoolConfig)
-
-    @model_validator(mode="after")
-    def _check(self) -> SandboxConfig:
-        if self.backend == "subprocess" and not self.unsafe:
-            raise ValueError(
-                "sandbox backend 'subprocess' runs commands on the host without isolation; "
-                "set sandbox.unsafe: true to allow it (development only)"
-            )
-        uid, sep, gid = self.user.partition(":")
-        if not (uid.isdigit() and gid.isdigit() and sep):
-            raise ValueError(f"sandbox.user={self.user!r} must be numeric 'uid:gid', e.g. '65534:65534'")
-        if not self.workdir.startswith("/"):
-            raise ValueError(f"sandbox.workdir={self.workdir!r} must be an absolute path")
-        if self.timeout_s > self.max_timeout_s:
-            raise ValueError(f"sandbox.timeout_s={self.timeout_s} exceeds sandbox.max_timeout_s={self.max_timeout_s}")
-        return self
-
-    @property
-    def uid_gid(self) -> tuple[int, int]:
-        """``user`` as two ints."""
-        uid, _, gid = self.user.partition(":")
-        return int(uid), int(gid)
-
-    def build(self) -> SandboxBackend:
-        """The backend that creates sandboxes with this config (imports its dependencies lazily)."""
-        if self.backend == "docker":
-            from relax_agent.sandboxes.docker import DockerBackend
-
-            return DockerBackend(self)
-        if self.backend == "bubblewrap":
-            from relax_agent.sandboxes.bubblewrap import BubblewrapBackend
-
-            return BubblewrapBackend(self)
-        if self.backend == "subprocess":
-            from relax_agent.sandboxes.local_unsafe import SubprocessBackend
-
-            return SubprocessBackend(self)
-        from relax_agent.sandboxes.fake import FakeBackend
-
-        return FakeBackend(self)
-
-
-class OutputCap:
-    """Keeps the first ``limit`` bytes of a stream and counts the rest."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.kept = bytearray()
-        self.dropped = 0
-
-    def feed(self, chunk: bytes) -> None:
-        """Append ``chunk``, keeping at most ``limit`` bytes in total."""
-        room = self.limit - len(self.kept)
-        if room > 0:
-            self.kept += chunk[:room]
-        self.dropped += max(0, len(chunk) - max(room, 0))
-
-    @property
-    def truncated(self) -> bool:
-        """True when bytes were dropped."""
-        return self.dropped > 0
-
-
-def signal_exit_code(returncode: int) -> int:
-    """Map a Python ``returncode`` (negative N for signal N) to the shell's 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def _as_bytes(data: bytes | str | None) -> bytes | None:
     if data is None or isinstance(data, bytes):
         return data
@@ -375,54 +226,6 @@ def check_launch(raw: RawResult, tag: str, cwd: str, sandbox_id: str) -> RawResu
     if raw.exit_code == LAUNCH_ERROR_EXIT and raw.stderr == f"{tag}\n".encode():
         raise SandboxError(f"cwd={cwd!r} does not exist or is not a directory in sandbox {sandbox_id}")
     return raw
-
-
-MAX_ARG_BYTES = 128 * 1024 - 1
-"""Longest single argument or ``NAME=value`` environment entry (UTF-8 bytes): Linux's
-``MAX_ARG_STRLEN`` (32 pages, the NUL included) caps each one, on the host and in a container."""
-MAX_EXEC_ARG_BYTES = 1024 * 1024
-"""Most UTF-8 bytes of a command's arguments and environment together (each with its NUL). Below
-Linux's ``ARG_MAX`` (a quarter of the 8 MiB default stack, 2 MiB) with room for the launchers'
-own arguments, so a command every backend can start; larger data goes through ``stdin`` or
-``write_file``."""
-
-
-def check_arg_sizes(argv: Sequence[str], env: Mapping[str, str]) -> None:
-    """Refuse an argument list the kernel would refuse (``E2BIG``): the same :class:`SandboxError`
-    on every backend, before anything runs (bubblewrap raised a raw ``OSError``, Docker returned
-    exit 1 with "argument list too long").
-
-    Raises:
-        SandboxError: an argument or ``NAME=value`` entry over :data:`MAX_ARG_BYTES`, or all of them
-            over :data:`MAX_EXEC_ARG_BYTES`; names the item, its size and the limit.
-    """
-    total = 0
-    for i, arg in enumerate(argv):
-        n = len(arg.encode(errors="surrogateescape"))
-        if n > MAX_ARG_BYTES:
-            raise SandboxError(f"argument {i} of cmd ({arg[:40]!r}...) is {n} bytes, over the {MAX_ARG_BYTES}-byte "
-                               "limit of one argument (argument list too long); pass large data through stdin or "
-                               "write_file")
-        total += n + 1
-    for key, value in env.items():
-        n = len(key.encode(errors="surrogateescape")) + 1 + len(value.encode(errors="surrogateescape"))
-        if n > MAX_ARG_BYTES:
-            raise SandboxError(f"environment variable {key!r} is {n} bytes, over the {MAX_ARG_BYTES}-byte limit of "
-                               "one entry (argument list too long); pass large data through stdin or write_file")
-        total += n + 1
-    if total > MAX_EXEC_ARG_BYTES:
-        raise SandboxError(f"cmd's {len(argv)} arguments and {len(env)} environment variables are {total} bytes, over "
-                           f"the {MAX_EXEC_ARG_BYTES}-byte limit (argument list too long); pass large data through "
-                           "stdin or write_file")
-
-
-def _check_env(env: Mapping[str, str]) -> dict[str, str]:
-    out = {}
-    for key, value in env.items():
-        if not key or "=" in key or "\0" in key or not isinstance(value, str) or "\0" in value:
-            raise SandboxError(f"bad environment variable {key!r}={value!r}: names need no '=' or NUL, values must be str")
-        out[key] = value
-    return out
 
 
 _READ_REGULAR = (
@@ -522,7 +325,7 @@ class BaseSandbox:
                    env: Mapping[str, str] | None, cwd: str | None, max_output_bytes: int) -> RawResult:
         self._check_usable()
         argv = _argv(cmd)
-        full_env = {**self.base_env(), **_check_env(self.config.env), **_check_env(env or {})}
+        full_env = {**self.base_env(), **check_env(self.config.env), **check_env(env or {})}
         check_arg_sizes(argv, full_env)
         return await self._run(argv, timeout_s=self._timeout(timeout_s), stdin=_as_bytes(stdin), env=full_env,
                                cwd=self._resolve(cwd) if cwd is not None else self.workdir,
@@ -624,51 +427,3 @@ class BaseSandbox:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("broken" if self.broken else "open")
         return f"{type(self).__name__}(id={self.id!r}, {state})"
-
-
-# -- running coroutines from synchronous code ------------------------------------------------
-
-_portal_lock = threading.Lock()
-_portal_loop: asyncio.AbstractEventLoop | None = None
-
-
-def portal_loop() -> asyncio.AbstractEventLoop:
-    """The background event loop (daemon thread) that :func:`run_sync` uses by default."""
-    global _portal_loop
-    with _portal_lock:
-        if _portal_loop is None or _portal_loop.is_closed():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="relax-sandbox-loop", daemon=True).start()
-            _portal_loop = loop
-        return _portal_loop
-
-
-def run_sync(coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None = None) -> T:
-    """Run ``coro`` to completion from synchronous code and return its result.
-
-    The coroutine runs on ``loop`` (default: :func:`portal_loop`). If the caller is interrupted
-    (Ctrl-C), the coroutine is cancelled and given 10 s to clean up before the interrupt is
-    re-raised, so sandboxes it holds are still closed.
-
-    Raises:
-        SandboxError: called from the thread running ``loop`` (use ``await`` there instead).
-    """
-    loop = loop or portal_loop()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        coro.close()
-        raise SandboxError("run_sync called from inside its own event loop; await the coroutine instead")
-    fut = asyncio.run_coroutine_threadsafe(coro, loop)
-    try:
-        return fut.result()
-    except BaseException:
-        if not fut.done():
-            fut.cancel()
-            try:
-                fut.result(timeout=10.0)
-            except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError, Exception):
-                pass
-        raise

@@ -33,15 +33,8 @@ import uuid
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import reaper
 from relax_agent.sandboxes._process import run_process, wipe_dir
-from relax_agent.sandboxes.base import (
-    CD_OR_FAIL,
-    EXEC_MARKER_ENV,
-    BaseSandbox,
-    RawResult,
-    SandboxConfig,
-    check_launch,
-    launch_tag,
-)
+from relax_agent.sandboxes.base import CD_OR_FAIL, EXEC_MARKER_ENV, BaseSandbox, RawResult, check_launch, launch_tag
+from relax_agent.sandboxes.config import SandboxConfig
 from relax_agent.sandboxes.local_unsafe import HOST_PATH, prlimit_prefix
 
 WORK_DIR_PREFIX = "relax-bwrap-"

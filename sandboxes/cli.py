@@ -12,7 +12,7 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False,
 
 
 def _client(docker_host: str | None):
-    from relax_agent.sandboxes.base import SandboxConfig
+    from relax_agent.sandboxes.config import SandboxConfig
     from relax_agent.sandboxes.docker import docker_client
 
     client, _ = docker_client(SandboxConfig(docker_host=docker_host, reap_on_start=False))

@@ -43,16 +43,9 @@ from typing import Any, TypeVar
 
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import reaper
-from relax_agent.sandboxes.base import (
-    CD_OR_FAIL,
-    EXEC_MARKER_ENV,
-    BaseSandbox,
-    OutputCap,
-    RawResult,
-    SandboxConfig,
-    check_launch,
-    launch_tag,
-)
+from relax_agent.sandboxes.base import CD_OR_FAIL, EXEC_MARKER_ENV, BaseSandbox, RawResult, check_launch, launch_tag
+from relax_agent.sandboxes.config import SandboxConfig
+from relax_agent.sandboxes.limits import OutputCap
 
 T = TypeVar("T")
 KEEPER_USER = "65533:65533"

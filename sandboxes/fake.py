@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_agent.errors import SandboxError
-from relax_agent.sandboxes.base import BaseSandbox, OutputCap, RawResult, SandboxConfig
+from relax_agent.sandboxes.base import BaseSandbox, RawResult
+from relax_agent.sandboxes.config import SandboxConfig
+from relax_agent.sandboxes.limits import OutputCap
 
 _NOT_FOUND = 127
 

@@ -21,7 +21,8 @@ import warnings
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import reaper
 from relax_agent.sandboxes._process import run_process, wipe_dir
-from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, RawResult, SandboxConfig
+from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, RawResult
+from relax_agent.sandboxes.config import SandboxConfig
 
 HOST_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 """Where host-side helpers (prlimit, setpriv) are looked up: never a caller's PATH."""

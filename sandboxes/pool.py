@@ -32,15 +32,9 @@ from typing import Any
 
 from relax_agent.errors import SandboxError, SandboxTimeoutError
 from relax_agent.sandboxes import reaper
-from relax_agent.sandboxes.base import (
-    PoolConfig,
-    ReportsState,
-    Sandbox,
-    SandboxBackend,
-    SandboxConfig,
-    portal_loop,
-    run_sync,
-)
+from relax_agent.sandboxes.base import ReportsState, Sandbox, SandboxBackend
+from relax_agent.sandboxes.config import PoolConfig, SandboxConfig
+from relax_agent.sandboxes.portal import portal_loop, run_sync
 
 
 @dataclass
@@ -314,7 +308,7 @@ _shared: dict[str, SandboxPool] = {}
 
 
 def shared_pool(config: SandboxConfig) -> SandboxPool:
-    """A process-wide pool for ``config``, started on :func:`~relax_agent.sandboxes.base.portal_loop`.
+    """A process-wide pool for ``config``, started on :func:`~relax_agent.sandboxes.portal.portal_loop`.
 
     For synchronous users (gymnasium envs) that make one env per episode: they share warm
     sandboxes through it with ``run_sync(pool.acquire(), loop=pool.loop)``. Closed at exit.

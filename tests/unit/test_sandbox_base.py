@@ -13,7 +13,7 @@ import pytest
 import relax_agent.sandboxes as sandboxes
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import ExecResult, FakeSandbox, SandboxConfig, run_sync
-from relax_agent.sandboxes.base import OutputCap, signal_exit_code
+from relax_agent.sandboxes.limits import OutputCap, signal_exit_code
 
 
 def test_public_api_is_pinned():
