@@ -6,7 +6,7 @@ which cannot signal the keeper. Defaults: ``network_mode="none"``, memory == mem
 CPU quota, pids limit, ``nofile`` ulimit, read-only root with tmpfs ``workdir`` and ``/tmp``,
 ``cap_drop=ALL``, ``no-new-privileges``, labels for the reaper (:mod:`.reaper`).
 
-Every exec runs under a small launcher shell (:data:`_LAUNCHER`; one more process per exec
+Every exec runs under a small launcher shell (:data:`~relax_agent.sandboxes.docker_scripts.LAUNCHER`; one more process per exec
 counts against ``pids_limit``): it checks ``cwd``, runs the command under ``timeout -s KILL`` in
 its own process group and, when the command ends for any reason, kills that group, every
 process carrying the exec's marker variable and every process still holding the exec's output,
@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 import re
 import select
 import socket
@@ -43,74 +42,14 @@ from typing import Any, TypeVar
 
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes import reaper
-from relax_agent.sandboxes.base import CD_OR_FAIL, EXEC_MARKER_ENV, BaseSandbox, RawResult, check_launch, launch_tag
+from relax_agent.sandboxes.base import EXEC_MARKER_ENV, BaseSandbox, RawResult, check_launch, launch_tag
 from relax_agent.sandboxes.config import SandboxConfig
+from relax_agent.sandboxes.docker_scripts import KILL_MARKED, LAUNCHER, OOM_PROBE, timeout_arg
 from relax_agent.sandboxes.limits import OutputCap
 
 T = TypeVar("T")
 KEEPER_USER = "65533:65533"
 """uid:gid of the container's main process (``sleep TTL``); must differ from ``config.user``."""
-_OOM_PROBE = "cat /sys/fs/cgroup/memory.events 2>/dev/null || cat /sys/fs/cgroup/memory/memory.oom_control"
-_SCAN = r"""
-has() {
-  l=
-  while IFS= read -r l || [ -n "$l" ]; do case $l in *"$2"*) return 0 ;; esac; l=; done 2>/dev/null <"$1"
-  return 1
-}
-holds() {
-  [ -n "$o" ] || return 1
-  for k in 0 1 2 3 4 5 6 7 8 9; do
-    [ "$1/fd/$k" -ef "$o" ] || [ "$1/fd/$k" -ef "$e" ] && return 0
-  done 2>/dev/null
-  return 1
-}
-prev= n=0
-while [ "$n" -lt 20 ]; do
-  pids=
-  for d in /proc/[0-9]*; do
-    q=${d#/proc/}
-    if [ "$q" != "$$" ] && ! skip "$d" && { has "$d/environ" "$m" || holds "$d"; }; then pids="$pids $q"; fi
-  done
-  [ "$pids" = "$prev" ] && break
-  kill -STOP $pids 2>/dev/null
-  prev=$pids n=$((n + 1))
-done
-[ -n "$prev" ] && kill -KILL $prev 2>/dev/null
-"""
-"""Kill every process whose environment holds ``$m`` (``NAME=marker``) or that has one of the files
-``$o`` / ``$e`` (the exec's output pipes; none when ``$o`` is empty) open as fd 0-9, except ``$$``
-and those for which ``skip /proc/PID`` succeeds. Shell builtins only (``read`` skips the NULs
-of ``environ``), so it still works when a fork bomb holds every pid of ``pids_limit``.
-Processes are stopped first and the scan is repeated until it finds no new ones, so a fork bomb
-cannot outrun it; then all of them are killed at once."""
-
-_KILL_MARKED = ('m="$1" t="$2" o= e=\nskip() { has "$1/cmdline" "$t"; }' + _SCAN + "true\n")
-"""Host-side helper exec (``$1`` ``NAME=marker``, ``$2`` launch tag): kill the exec's processes but
-not its launcher, which then kills whatever else holds the exec's output and exits."""
-
-_LAUNCHER = CD_OR_FAIL + r"""
-t=$3; shift 3
-exec 3<&0
-timeout -s KILL "$t" "$@" <&3 3<&- &
-p=$!
-exec 3<&- </dev/null 4>&2 2>/dev/null
-wait "$p"; rc=$?
-kill -KILL -"$p"
-o=/proc/$$/fd/1 e=/proc/$$/fd/4
-skip() { false; }
-""" + f'm="{EXEC_MARKER_ENV}=${EXEC_MARKER_ENV}"' + _SCAN + 'exit "$rc"\n'
-"""Runs every exec: ``$1`` cwd, ``$2`` launch tag, ``$3`` timeout, then argv. The command runs under
-``timeout -s KILL`` (in its own process group); when it ends, that group, every process carrying
-the exec's marker and every process still holding the exec's stdout/stderr are killed, so nothing
-it started (a detached fork bomb, a daemon that left the group) outlives it. The launcher's own
-stderr goes to /dev/null once the command started (the shell would report "Killed" jobs there)."""
-
-
-def _timeout_arg(timeout_s: float) -> str:
-    """``timeout_s`` for coreutils ``timeout``, rounded up to whole ms (``0.000`` would mean no limit)."""
-    return f"{max(math.ceil(timeout_s * 1000), 1) / 1000:.3f}"
-
-
 _shared_lock = threading.Lock()
 _shared: dict[str | None, tuple[Any, ThreadPoolExecutor]] = {}
 _started: set[str | None] = set()
@@ -325,7 +264,7 @@ class DockerSandbox(BaseSandbox):
         """Kill the exec's processes (its launcher, named by ``tag``, then cleans up and exits);
         append the end time to ``done``."""
         try:
-            self._quick(["/bin/sh", "-c", _KILL_MARKED, "sh", f"{EXEC_MARKER_ENV}={marker}", tag], timeout_s=5.0)
+            self._quick(["/bin/sh", "-c", KILL_MARKED, "sh", f"{EXEC_MARKER_ENV}={marker}", tag], timeout_s=5.0)
         except SandboxError:
             pass
         finally:
@@ -333,7 +272,7 @@ class DockerSandbox(BaseSandbox):
                 done.append(time.monotonic())
 
     def _oom_kills(self) -> int:
-        out = self._quick(["/bin/sh", "-c", _OOM_PROBE]).decode(errors="replace")
+        out = self._quick(["/bin/sh", "-c", OOM_PROBE]).decode(errors="replace")
         m = re.search(r"^oom_kill (\d+)$", out, re.M)
         return int(m.group(1)) if m else 0
 
@@ -378,7 +317,7 @@ class DockerSandbox(BaseSandbox):
         marker, tag = uuid.uuid4().hex, launch_tag()
         env = {**env, EXEC_MARKER_ENV: marker}
         if wrap:
-            full, workdir = ["/bin/sh", "-c", _LAUNCHER, "relax-exec", cwd, tag, _timeout_arg(timeout_s), *argv], "/"
+            full, workdir = ["/bin/sh", "-c", LAUNCHER, "relax-exec", cwd, tag, timeout_arg(timeout_s), *argv], "/"
         else:
             full, workdir = argv, cwd
         start = time.monotonic()
