@@ -17,7 +17,7 @@ from typing import Any
 
 import gymnasium
 
-from relax_agent.envs.base import DeclaresTools, DescribesReward, HasTasks, TextEnv
+from relax_agent.envs.base import DeclaresTools, DescribesReward, HasTasks, SteppedAsync, TextEnv, steps_async
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
 from relax_agent.envs.tool_env import ToolEnv, tool_schema
 
@@ -154,5 +154,5 @@ def load_plugins() -> list[str]:
 register_envs()
 load_plugins()
 
-__all__ = ["ConversationSpace", "DeclaresTools", "DescribesReward", "HasTasks", "MessageSpace", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "register",
-           "register_envs", "tool_schema"]
+__all__ = ["ConversationSpace", "DeclaresTools", "DescribesReward", "HasTasks", "MessageSpace", "SteppedAsync", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "register",
+           "register_envs", "steps_async", "tool_schema"]

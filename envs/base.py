@@ -12,11 +12,33 @@ env with :mod:`relax_agent.envs.testing`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol, runtime_checkable
 
 import gymnasium as gym
 
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
+
+
+@runtime_checkable
+class SteppedAsync(Protocol):
+    """An env with ``async def areset`` and ``async def astep`` (the same returns as ``reset`` and
+    ``step``): the rollout driver awaits them instead of running the sync methods in a thread.
+    :func:`steps_async` also checks that both are coroutine functions."""
+
+    async def areset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        """Like ``reset``, awaited."""
+        ...
+
+    async def astep(self, action: dict[str, Any]) -> Any:
+        """Like ``step``, awaited."""
+        ...
+
+
+def steps_async(env: Any) -> bool:
+    """True when ``env`` is :class:`SteppedAsync` with both methods ``async def``."""
+    return (isinstance(env, SteppedAsync) and inspect.iscoroutinefunction(env.areset)
+            and inspect.iscoroutinefunction(env.astep))
 
 
 @runtime_checkable

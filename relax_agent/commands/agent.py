@@ -47,6 +47,7 @@ def agent_check(
 def _check_setup(target: Path, overrides: list[str] | None, num_tasks: int, model: str) -> tuple[Any, Any, Any, Any]:
     """(rollout.agent config, tasks, renderer, parser) of ``relax-agent agent check``."""
     from relax_agent.config import AgentConfig, ModelConfig
+    from relax_agent.envs import HasTasks
     from relax_agent.models import load_tokenizer
     from relax_agent.rollout.chat import ChatRenderer
     from relax_agent.rollout.parsers import build_parser
@@ -61,8 +62,8 @@ def _check_setup(target: Path, overrides: list[str] | None, num_tasks: int, mode
         r = cfg.rollout
         renderer = ChatRenderer(load_tokenizer(cfg.model), r.tools_in, r.system_prompt, r.tool_example)
         make_env = make_env_factory(cfg)
-        listed = getattr(make_env().unwrapped, "tasks", None)
-        pool = list(listed("train"))[:num_tasks] if callable(listed) else []
+        inner = make_env().unwrapped
+        pool = list(inner.tasks("train"))[:num_tasks] if isinstance(inner, HasTasks) else []
         run_tasks = []
         for k in range(num_tasks):
             env = make_env()

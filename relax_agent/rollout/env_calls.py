@@ -9,13 +9,13 @@ turn a malformed return value into an :class:`EnvError` naming what was expected
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from relax_agent.envs.base import steps_async
 from relax_agent.envs.spaces import is_message
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.errors import EnvError
@@ -73,16 +73,13 @@ class EnvCalls:
 
 def _async_target(env: Any) -> tuple[Any, int | None]:
     """(object whose ``areset``/``astep`` to await, TimeLimit steps to apply) or (None, None)."""
-    def has_async(obj: Any) -> bool:
-        return all(inspect.iscoroutinefunction(getattr(obj, name, None)) for name in ("areset", "astep"))
-
-    if has_async(env):
+    if steps_async(env):
         return env, None
     chain, inner = [], env
     while hasattr(inner, "env") and inner is not getattr(inner, "unwrapped", inner):
         chain.append(type(inner).__name__)
         inner = inner.env
-    if inner is env or not has_async(inner) or not set(chain) <= _MAKE_WRAPPERS:
+    if inner is env or not steps_async(inner) or not set(chain) <= _MAKE_WRAPPERS:
         return None, None
     spec = getattr(env, "spec", None)
     return inner, (spec.max_episode_steps if "TimeLimit" in chain and spec is not None else None)

@@ -94,6 +94,16 @@ class SplitsReasoning(Protocol):
     THINK: tuple[str, str]
 
 
+@runtime_checkable
+class WritesCalls(Protocol):
+    """A :class:`ToolCallParser` that can also write calls in its family's format (the inverse of
+    ``parse``): what demonstrations and re-rendered history need."""
+
+    def format(self, calls: list[dict[str, Any]]) -> str:
+        """The text a policy writes for ``calls`` (``[{"name", "arguments"}]``, arguments a dict)."""
+        ...
+
+
 def decodes_special_tokens(parser: Any) -> bool:
     """True when ``parser`` reads special tokens (:class:`ReadsSpecialTokens`): decode its text with
     ``skip_special_tokens=False``."""
@@ -129,7 +139,7 @@ def format_message(parser: Any, message: dict[str, Any]) -> str:
     calls = _plain_calls(message)
     if not calls:
         return message.get("content") or ""
-    if not hasattr(parser, "format"):
+    if not isinstance(parser, WritesCalls):
         raise ConfigError(f"tool parser {type(parser).__name__} cannot write calls (no format method); "
                           "use a built-in parser (hermes, json, json_fenced or a family parser) for demonstrations")
     return parser.format(calls)

@@ -21,7 +21,7 @@ import ray
 from relax_agent.errors import RuntimeServiceError
 from relax_agent.runtime.base import TrainRef
 from relax_agent.runtime.ray import weight_server_host
-from relax_agent.weights.auth import same_secret
+from relax_agent.weights.auth import RunCredential, same_secret
 
 log = logging.getLogger("relax_agent.runtime")
 
@@ -33,7 +33,8 @@ def _run_only(method: Callable[..., Any]) -> Callable[..., Any]:
     (``state_dict``), train it on its own rows or publish."""
 
     def guarded(self: TrainerActor, *args: Any, credential: Any = None, **kwargs: Any) -> Any:
-        if not same_secret(self.coordinator.credential.publisher, getattr(credential, "publisher", None)):
+        held = credential.publisher if isinstance(credential, RunCredential) else None
+        if not same_secret(self.coordinator.credential.publisher, held):
             log.warning("trainer actor: refused %s: the caller does not hold the run's publisher credential",
                         method.__name__)
             raise RuntimeServiceError(f"trainer actor: {method.__name__} refused: it needs the run's publisher "

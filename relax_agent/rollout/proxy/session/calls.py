@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from relax_agent.rollout.chat import text_of
-from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser
+from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser, WritesCalls
 
 
 def normalise(message: dict[str, Any]) -> str:
@@ -54,6 +54,6 @@ def _call_text(parser: ToolCallParser, call: dict[str, Any]) -> str:
         return f"```json\n{body}\n```"
     if isinstance(parser, JsonParser):
         return body
-    if getattr(parser, "family", None) and not isinstance(parser, HermesParser) and hasattr(parser, "format"):
+    if not isinstance(parser, HermesParser) and isinstance(parser, WritesCalls):
         return parser.format([{"name": call["function"]["name"], "arguments": _decoded(call["function"].get("arguments"))}])
     return f"{HermesParser.OPEN}\n{body}\n{HermesParser.CLOSE}"

@@ -133,6 +133,7 @@ class TorchTrainer:
         check_mismatch_bounds(self.mismatch.mode, self.mismatch.low, self.mismatch.high)
         self.ref_model = self._setup_ref_model(ref_model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self._sft_optimizer = None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LinearWarmup(cfg.warmup_steps))
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.dtype == "fp16" else None
         self.step = 0
@@ -358,7 +359,7 @@ class TorchTrainer:
         n_tokens = batch.num_policy_tokens
         if n_tokens == 0:
             raise DataError("the SFT batch has no loss tokens (loss_mask is all 0)")
-        opt = getattr(self, "_sft_optimizer", None)
+        opt = self._sft_optimizer
         if opt is None:
             opt = self._sft_optimizer = torch.optim.AdamW(self.params, lr=lr, betas=self.cfg.betas,
                                                           weight_decay=self.cfg.weight_decay)
