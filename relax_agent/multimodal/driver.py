@@ -19,20 +19,17 @@ trajectory's metrics (:data:`AUDIO_CLIPS_CUT`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from relax_agent.envs.tool_env import call_in_thread
-from relax_agent.multimodal.render import MediaRenderer, MediaSegment
-from relax_agent.records import MediaInputs, StopReason, Trajectory
+from relax_agent.multimodal.render import MediaRenderer
+from relax_agent.records import StopReason, Trajectory
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
 from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
-
-log = logging.getLogger("relax_agent.media")
 
 AUDIO_CLIPS_CUT = "media/audio_clips_cut"
 """Trajectory metric: audio clips of the episode cut to the model's window (absent when none)."""
@@ -40,35 +37,6 @@ AUDIO_CLIPS_CUT = "media/audio_clips_cut"
 
 class _PolicyError(Exception):
     """The policy sampled what the episode cannot go on with; becomes a "policy_error" record."""
-
-
-class MediaRecorder(TrajectoryRecorder):
-    """A :class:`TrajectoryRecorder` that also keeps each segment's media, in token order."""
-
-    def __init__(self, spec: EpisodeSpec) -> None:
-        super().__init__(spec)
-        self.segments: list[MediaInputs] = []
-        self.notes: list[str] = []
-
-    @property
-    def media(self) -> MediaInputs | None:
-        """The media of every recorded segment so far, in placeholder order (None without media)."""
-        return MediaInputs.concat(self.segments)
-
-    def add_segment(self, seg: MediaSegment, prompt: bool = False) -> None:
-        """A rendered prompt (``prompt=True``) or observation delta, with its media."""
-        if prompt:
-            self.add_prompt(seg.token_ids, seg.messages)
-        else:
-            self.add_context(seg.token_ids)
-        if seg.media is not None:
-            self.segments.append(seg.media)
-        if seg.notes and not self.notes:  # once per episode: the first cut, and how many in all at the end
-            log.warning("episode %s: %s", self.spec.sample_id, seg.notes[0])
-        self.notes += seg.notes
-
-    def _record(self, **fields: Any) -> Trajectory:
-        return super()._record(media=self.media, **fields)
 
 
 class MediaEnvDriver:
@@ -94,11 +62,12 @@ class MediaEnvDriver:
             env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, step_timeout_cause(spec))
         except Exception as exc:  # a broken env constructor is a failed episode, not a crashed run
             return failed_episode(spec, exc, during="make_env")
-        rec = MediaRecorder(spec)
+        rec = TrajectoryRecorder(spec)
         calls = EnvCalls(env, spec, deadline)
         try:
             obs, info = check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
-            rec.add_segment(await self.renderer.render_prompt_async(obs, info.get("tools", ())), prompt=True)
+            seg = await self.renderer.render_prompt_async(obs, info.get("tools", ()))
+            rec.add_prompt(seg.token_ids, seg.messages, seg.media, seg.notes)
             reward, metrics, stop = await self._turns(rec, calls, spec, params, deadline)
         except _PolicyError as exc:  # the policy's fault, not the env's: masked all the same
             return rec.fail(str(exc), stop=StopReason.POLICY_ERROR)
@@ -117,7 +86,7 @@ class MediaEnvDriver:
         tok = self.renderer.tokenizer
         return [f"{tok.convert_ids_to_tokens(t)} (id {t}) x{token_ids.count(t)}" for t in found]
 
-    async def _turns(self, rec: MediaRecorder, calls: EnvCalls, spec: EpisodeSpec, params: Any,
+    async def _turns(self, rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpec, params: Any,
                      deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
         reward = 0.0
         metrics: dict[str, float] = {}
@@ -150,5 +119,5 @@ class MediaEnvDriver:
                                                               calls=action["tool_calls"])
             if rec.num_tokens + len(seg.token_ids) >= spec.max_total_tokens:
                 return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # media are never cut: the whole delta or none
-            rec.add_segment(seg)
+            rec.add_context(seg.token_ids, seg.media, seg.notes)
         return reward, metrics, rec.ended(StopReason.MAX_TURNS)
