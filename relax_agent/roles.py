@@ -337,11 +337,11 @@ def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
 def _media_driver(cfg: RelaxConfig, model_cfg: Any, engine: Any, renderer: Any, parser: Any) -> Any:
     """The env driver of a multimodal policy: media rendered, recorded and sent to the engine."""
     from relax_agent.models import load_media_processor
-    from relax_agent.multimodal.driver import MediaEnvDriver
     from relax_agent.multimodal.render import MediaRenderer
+    from relax_agent.rollout.env_driver import EnvDriver
 
     processor = load_media_processor(model_cfg, engine.model_config, max_image_pixels=cfg.rollout.max_image_pixels)
-    return MediaEnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
+    return EnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
 
 
 def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bool,

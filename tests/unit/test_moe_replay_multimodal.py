@@ -17,11 +17,11 @@ from relax_agent import records as R
 from relax_agent.models import make_tiny_media_model
 from relax_agent.moe import REPLAYED_TOKENS, ROUTE_FLIP_FRAC, find_routers, replay_weights
 from relax_agent.multimodal.batch import MediaTrainBatch, media_model_kwargs
-from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part, video_part
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MAX
 from relax_agent.train.backends.torch_backend import TorchTrainer
@@ -66,7 +66,7 @@ def episode(policy):
     engine = MediaEngine(copy.deepcopy(model), tok, record_routes=True)
     spec = EpisodeSpec("g/0", "g", "t", {}, seed=0, max_turns=2, max_total_tokens=4096)
     try:
-        traj = asyncio.run(MediaEnvDriver(ImageToolEnv, engine, renderer, HermesParser()).play(spec, SamplingParams(6)))
+        traj = asyncio.run(EnvDriver(ImageToolEnv, engine, renderer, HermesParser()).play(spec, SamplingParams(6)))
     finally:
         engine.close()
     assert traj.error is None and len(traj.turns) == 2 and traj.media.kinds == ("image", "video", "image")

@@ -13,12 +13,12 @@ from transformers import AutoConfig, AutoTokenizer
 import relax_agent.envs  # noqa: F401
 from relax_agent.config import ModelConfig
 from relax_agent.models import load_media_processor, make_tiny_media_model
-from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.processor import check_placeholders
 from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams
+from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 
 
@@ -53,7 +53,7 @@ def _play(renderer, engine, env_kwargs=None):
     make_env = lambda: gymnasium.make("relax/VisualCount-v0", **(env_kwargs or {}))  # noqa: E731
     task = make_env().unwrapped.tasks("train")[0]
     spec = EpisodeSpec("g/0", "g", task["id"], task, seed=0, max_turns=3, max_total_tokens=4096)
-    driver = MediaEnvDriver(make_env, engine, renderer, HermesParser())
+    driver = EnvDriver(make_env, engine, renderer, HermesParser())
     return task, asyncio.run(driver.play(spec, SamplingParams(16)))
 
 
@@ -162,7 +162,7 @@ def test_media_are_decoded_off_the_event_loop_so_other_episodes_keep_running(ren
                 await asyncio.sleep(0.001)
 
         other = asyncio.create_task(other_episode())
-        traj = await MediaEnvDriver(make_env, engine, renderer, HermesParser()).play(spec, SamplingParams(16))
+        traj = await EnvDriver(make_env, engine, renderer, HermesParser()).play(spec, SamplingParams(16))
         done.set()
         await other
         return traj

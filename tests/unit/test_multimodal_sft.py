@@ -46,7 +46,7 @@ def test_media_demonstrations_are_the_episode_prompt_with_its_media_plus_a_corre
     assert demos["task_id"] == [t["id"] for t in tasks]
     for task, ids, mask, media in zip(tasks, demos["token_ids"], demos["loss_mask"], demos[MEDIA], strict=True):
         obs, info = env.reset(seed=0, options={"task": task})
-        seg = renderer.render_prompt(obs, info.get("tools", ()))  # what MediaEnvDriver records for the prompt
+        seg = renderer.render_prompt(obs, info.get("tools", ()))  # what the env driver records for the prompt
         n = len(seg.token_ids)
         assert list(ids[:n]) == list(seg.token_ids) and not mask[:n].any() and mask[n:].all()
         assert media.kinds == seg.media.kinds and media.num_tokens == seg.media.num_tokens and len(media) == 1
