@@ -14,13 +14,13 @@ import torch
 import relax_agent.envs  # noqa: F401
 from relax_agent.config import ModelConfig
 from relax_agent.models import load_media_processor, load_policy, make_tiny_media_model
-from relax_agent.multimodal.batch import MediaTrainBatch
 from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.records import MEDIA
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.demonstrations import demonstration_fields
 from relax_agent.rollout.parsers import build_parser
 from relax_agent.train.backends.torch_backend import TorchTrainer, token_logprobs
+from relax_agent.train.batch import TrainBatch
 from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
 
@@ -90,7 +90,7 @@ def test_a_media_sft_step_lowers_the_demonstrations_nll_through_the_vision_encod
     tasks = gymnasium.make(env_id).unwrapped.tasks("train")[:8]
     demos = demonstration_fields(lambda: gymnasium.make(env_id), renderer, build_parser("hermes"), tasks, seed=0)
     batch = collate_fields(demos, tok.pad_token_id, advantages=[1.0] * len(tasks))
-    assert isinstance(batch, MediaTrainBatch) and all(m.kinds == ("image",) for m in batch.media)
+    assert isinstance(batch, TrainBatch) and batch.media is not None and all(m.kinds == ("image",) for m in batch.media)
     reply = len(tok("Answer: 1", add_special_tokens=False)["input_ids"]) + 1  # one digit, then <|im_end|>
     trainer = _RecordingTrainer(model, TrainerConfig(micro_batch_size=4))
     before = _nll(model, batch)
