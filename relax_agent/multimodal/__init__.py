@@ -6,8 +6,9 @@
 - :mod:`~relax_agent.multimodal.render`: token-in/token-out rendering that processes each new
   message's media once and expands its placeholders (the env driver,
   :mod:`relax_agent.rollout.env_driver`, plays media episodes with it and records media beside tokens);
-- :mod:`~relax_agent.multimodal.engine`: the rollout engine that generates with media;
 - :mod:`~relax_agent.multimodal.batch`: media in training batches and the trainer's forward.
+
+The HF engine serves a multimodal policy with media (:mod:`relax_agent.rollout.engines.hf.media`).
 
 The per-sample record is :class:`relax_agent.records.MediaInputs` (the bus field ``media``).
 """

@@ -17,10 +17,11 @@ from relax_agent import records as R
 from relax_agent.models import make_tiny_media_model
 from relax_agent.moe import REPLAYED_TOKENS, ROUTE_FLIP_FRAC, find_routers, replay_weights
 from relax_agent.multimodal.batch import media_model_kwargs
-from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part, video_part
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MAX
@@ -64,7 +65,7 @@ def policy(tmp_path_factory):
 def episode(policy):
     """A two-turn episode played by the media engine (fp32, its own copy of the weights, recording routes)."""
     model, tok, renderer = policy
-    engine = MediaEngine(copy.deepcopy(model), tok, record_routes=True)
+    engine = HFEngine(copy.deepcopy(model), tok, EngineConfig(), record_routes=True)
     spec = EpisodeSpec("g/0", "g", "t", {}, seed=0, max_turns=2, max_total_tokens=4096)
     try:
         traj = asyncio.run(EnvDriver(ImageToolEnv, engine, renderer, HermesParser()).play(spec, SamplingParams(6)))

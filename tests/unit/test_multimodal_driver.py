@@ -99,8 +99,9 @@ def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
     import torch
 
     from relax_agent.models import load_policy
-    from relax_agent.multimodal.engine import MediaEngine
     from relax_agent.multimodal.parts import image_part
+    from relax_agent.rollout.engines.config import EngineConfig
+    from relax_agent.rollout.engines.hf import HFEngine
 
     folder = make_tiny_media_model(tmp_path, kind=kind, seed=1)
     cfg = ModelConfig(path=str(folder))
@@ -120,7 +121,7 @@ def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
     seg = r.render_prompt([{"role": "user", "content": [
         {"type": "text", "text": "How many?"},
         image_part(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8))]}])
-    engine = MediaEngine(model, tok)
+    engine = HFEngine(model, tok, EngineConfig())
     try:
         gen = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=8, seed=3),
                                           media=seg.media))

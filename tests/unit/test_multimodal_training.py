@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from relax_agent.models import make_tiny_media_model
-from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import audio_part, image_part
 from relax_agent.records import MEDIA, MediaInputs
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.train.backends.torch_backend import TorchTrainer, token_logprobs
 from relax_agent.train.batch import TrainBatch
 from relax_agent.train.collate import collate_fields
@@ -124,7 +125,7 @@ def test_micro_batches_keep_each_rows_media(policy):
 def test_engine_logprobs_are_the_trainers_with_media(policy):
     kind, model, tok, r = policy
     seg = _prompt(r, kind)
-    engine = MediaEngine(model, tok)
+    engine = HFEngine(model, tok, EngineConfig())
     try:
         gen = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=6, seed=3), media=seg.media))
         again = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=6, seed=3), media=seg.media))
