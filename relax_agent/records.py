@@ -79,7 +79,7 @@ class Turn:
         token_versions: [n] policy version of each token when a weight update landed inside
             this turn (``policy_version`` is then the oldest); empty when one version sampled it all.
         context_routed_experts: MoE routing replay from an engine that reports its prefill's routes
-            (the multimodal engine): [d, layers, top_k] experts for the d context tokens right
+            (the HF engine serving a multimodal policy): [d, layers, top_k] experts for the d context tokens right
             before this turn that no earlier turn routed (prompt, observation deltas, their media
             tokens): row i is token ``start - d + i``, routed at position ``start - d + i - 1``
             by this turn's prefill. The first token of an episode has none (no position scores it).

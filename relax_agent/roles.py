@@ -161,7 +161,7 @@ def build_roles(cfg: RelaxConfig, model_path: str | Path | None = None, train: b
         on_tasks(train_tasks, heldout_tasks)
     if on_load is not None:
         on_load(model_cfg.path)
-    engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train, media)
+    engine, trainer, tokenizer = _build_policy_roles(cfg, model_cfg, device, train)
     renderer = ChatRenderer(tokenizer, cfg.rollout.tools_in, cfg.rollout.system_prompt, cfg.rollout.tool_example,
                             accepts_media=media)
     if not media and not checked:
@@ -324,7 +324,7 @@ def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
         return False
     if cfg.engine.kind != "hf":
         raise ConfigError(f"engine.kind={cfg.engine.kind!r}: a multimodal policy ({model_cfg.path}) rolls out on "
-                          "engine.kind: hf (the media engine); set engine.kind: hf")
+                          "engine.kind: hf (its HF engine serves media requests); set engine.kind: hf")
     if cfg.rollout.driver != "env":
         raise ConfigError(f"rollout.driver={cfg.rollout.driver!r}: a multimodal policy plays env-driven episodes; "
                           "set rollout.driver: env")
@@ -337,17 +337,16 @@ def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
 def _media_driver(cfg: RelaxConfig, model_cfg: Any, engine: Any, renderer: Any, parser: Any) -> Any:
     """The env driver of a multimodal policy: media rendered, recorded and sent to the engine."""
     from relax_agent.models import load_media_processor
-    from relax_agent.multimodal.driver import MediaEnvDriver
     from relax_agent.multimodal.render import MediaRenderer
+    from relax_agent.rollout.env_driver import EnvDriver
 
     processor = load_media_processor(model_cfg, engine.model_config, max_image_pixels=cfg.rollout.max_image_pixels)
-    return MediaEnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
+    return EnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
 
 
-def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bool,
-                        media: bool = False) -> tuple[Any, Any, Any]:
+def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bool) -> tuple[Any, Any, Any]:
     """(engine, trainer or None, tokenizer); loads the policy only when a real engine or trainer needs it;
-    a multimodal policy (``media``) rolls out on the media engine."""
+    a multimodal policy rolls out on the HF engine, which serves it unbatched with media."""
     from relax_agent.models import load_policy, load_tokenizer
 
     needs_model = cfg.engine.kind != "fake" or (train and cfg.trainer.backend != "fake")
@@ -361,14 +360,8 @@ def _build_policy_roles(cfg: RelaxConfig, model_cfg: Any, device: str, train: bo
         from relax_agent.models import torch_dtype
 
         engine_model = copy.deepcopy(model).to(torch_dtype(cfg.engine.dtype)) if train else model
-    if media:
-        from relax_agent.multimodal.engine import MediaEngine
-
-        engine: Any = MediaEngine(engine_model, tokenizer, device=device, seed=cfg.run.seed,
-                                  record_routes=cfg.moe.replay)
-    else:
-        engine = cfg.engine.build(model=engine_model, tokenizer=tokenizer, device=device, seed=cfg.run.seed,
-                                  record_routes=cfg.moe.replay)
+    engine = cfg.engine.build(model=engine_model, tokenizer=tokenizer, device=device, seed=cfg.run.seed,
+                              record_routes=cfg.moe.replay)  # a multimodal policy's HF engine serves it unbatched
     trainer = None
     if train:
         if cfg.trainer.lora.enabled and model_cfg is not cfg.model:

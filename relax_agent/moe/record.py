@@ -6,7 +6,7 @@ recorded for token ``t`` are those of *that* forward position, in every MoE laye
 trainer, which scores token ``t`` from position ``t - 1`` too, can replay exactly the
 computation that produced the token's rollout log-prob (see :mod:`relax_agent.moe.replay`).
 The text engine records only those positions (prompt and observations are context). The
-multimodal engine, which prefills the whole episode for every turn, also keeps its prefill's routes
+HF engine serving a multimodal policy, which prefills the whole episode for every turn, also keeps its prefill's routes
 (:meth:`RouteRecorder.start_collecting`): they go on the turn as ``context_routed_experts``, so
 the context tokens, media tokens included, are replayed too.
 """

@@ -19,7 +19,7 @@ that scored token ``t`` (see :mod:`relax_agent.moe.record`). Forward position ``
 replayed when token ``q + 1`` has recorded routes. From the text engine those are the policy
 tokens only; prompt and observation positions are routed by the trainer itself (they feed the
 replayed ones only through attention, and recording skips the engine's prefill to keep the
-trajectory small). The multimodal engine also records its prefill (``Turn.context_routed_experts``),
+trajectory small). The HF engine serving a multimodal policy also records its prefill (``Turn.context_routed_experts``),
 so there every position before the last sampled token is replayed, media tokens included.
 """
 

@@ -4,10 +4,11 @@
 - :mod:`~relax_agent.multimodal.processor`: the model family (placeholder ids, patching) and the
   processor that turns one part into features and its placeholder-token count;
 - :mod:`~relax_agent.multimodal.render`: token-in/token-out rendering that processes each new
-  message's media once and expands its placeholders;
-- :mod:`~relax_agent.multimodal.driver`: the episode loop recording media beside tokens;
-- :mod:`~relax_agent.multimodal.engine`: the rollout engine that generates with media;
+  message's media once and expands its placeholders (the env driver,
+  :mod:`relax_agent.rollout.env_driver`, plays media episodes with it and records media beside tokens);
 - :mod:`~relax_agent.multimodal.batch`: media in training batches and the trainer's forward.
+
+The HF engine serves a multimodal policy with media (:mod:`relax_agent.rollout.engines.hf.media`).
 
 The per-sample record is :class:`relax_agent.records.MediaInputs` (the bus field ``media``).
 """

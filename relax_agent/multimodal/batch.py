@@ -1,5 +1,5 @@
-"""Media in training batches: a :class:`MediaTrainBatch` keeps each row's
-:class:`~relax_agent.records.MediaInputs`, and :func:`media_model_kwargs` turns the rows of a
+"""Media in training batches: a :class:`~relax_agent.train.batch.TrainBatch`'s ``media`` keeps each
+row's :class:`~relax_agent.records.MediaInputs`, and :func:`media_model_kwargs` turns the rows of a
 (micro-)batch into the keyword arguments of the model's forward.
 
 Rows' arrays are concatenated along dim 0 in row order: the Qwen families consume image grids,
@@ -11,51 +11,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
 from relax_agent.records import MediaInputs
-from relax_agent.train.batch import TrainBatch
-
-
-@dataclass(frozen=True)
-class MediaTrainBatch(TrainBatch):
-    """A :class:`~relax_agent.train.batch.TrainBatch` whose rows carry media.
-
-    Attributes:
-        media: [B] each row's :class:`~relax_agent.records.MediaInputs` (None for a row without media).
-    """
-
-    media: tuple[MediaInputs | None, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        assert len(self.media) == self.size, "one media entry per row"
-
-    def to(self, device: torch.device | str) -> MediaTrainBatch:
-        """The same batch with every tensor on ``device`` (media arrays move at forward time)."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in moved.items():
-            if isinstance(value, torch.Tensor):
-                moved[name] = value.to(device)
-        return MediaTrainBatch(**moved)
-
-    def split(self, micro_batch_size: int, max_tokens: int | None = None) -> list[MediaTrainBatch]:
-        """:meth:`TrainBatch.split` keeping each micro-batch's rows' media."""
-        out: list[MediaTrainBatch] = []
-        for rows, micro in zip(self.micro_slices(micro_batch_size, max_tokens), super().split(micro_batch_size, max_tokens), strict=True):
-            parts = {f.name: getattr(micro, f.name) for f in fields(TrainBatch)}
-            out.append(MediaTrainBatch(**parts, media=self.media[rows]))
-        return out
-
-
-def batch_media(batch: Any) -> tuple[MediaInputs | None, ...] | None:
-    """The rows' media of a batch, or None when it has none (a text batch)."""
-    media = getattr(batch, "media", None)
-    return media if media and any(m is not None for m in media) else None
 
 
 def media_model_kwargs(model: Any, family: Any, input_ids: torch.Tensor,

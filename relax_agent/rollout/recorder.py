@@ -4,17 +4,25 @@ A driver feeds the recorder the rendered prompt, each sampled turn exactly as th
 returned it, and each observation's token delta; :meth:`TrajectoryRecorder.finish` makes the
 record of a played episode, :meth:`TrajectoryRecorder.fail` the failed record of one that
 could not be played (the tokens so far are kept for inspection).
+
+Media episodes (a multimodal policy) hand the prompt and each observation delta with their media
+(:class:`~relax_agent.records.MediaInputs`) and the processor's notes: the recorder keeps them beside
+the tokens, in placeholder order, and the record's ``media`` is their concatenation. A text
+episode records none, and its record's ``media`` is None.
 """
 
 from __future__ import annotations
 
+import logging
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from relax_agent.records import RewardStatus, StopReason, Trajectory, Turn
+from relax_agent.records import MediaInputs, RewardStatus, StopReason, Trajectory, Turn
 from relax_agent.rollout.driver import EpisodeSpec, EpisodeTimeout
 from relax_agent.rollout.engines.base import Generation
+
+log = logging.getLogger("relax_agent.media")
 
 
 class TrajectoryRecorder:
@@ -33,15 +41,26 @@ class TrajectoryRecorder:
         self.messages: list[dict[str, Any]] = []
         self.env_reason: str | None = None
         """The env's latest ``info["reason"]`` (set by the driver after each step)."""
+        self.segments: list[MediaInputs] = []
+        """The media of each recorded segment that has any, in token order."""
+        self.notes: list[str] = []
+        """One line per change the media processor made to a part (an audio clip cut), in order."""
 
     @property
     def num_tokens(self) -> int:
         """Tokens recorded so far (prompt, turns and observation deltas)."""
         return len(self.token_ids)
 
-    def add_prompt(self, token_ids: Sequence[int], messages: Sequence[dict[str, Any]]) -> None:
-        """The rendered prompt: [P] token ids (masked out) and the messages it renders."""
-        self.add_context(token_ids)
+    @property
+    def media(self) -> MediaInputs | None:
+        """The media of every recorded segment so far, in placeholder order (None without media)."""
+        return MediaInputs.concat(self.segments)
+
+    def add_prompt(self, token_ids: Sequence[int], messages: Sequence[dict[str, Any]],
+                   media: MediaInputs | None = None, notes: Sequence[str] = ()) -> None:
+        """The rendered prompt: [P] token ids (masked out) and the messages it renders; with its
+        media and the processor's notes (see :meth:`add_context`)."""
+        self.add_context(token_ids, media, notes)
         self.messages.extend(messages)
 
     def add_turn(self, gen: Generation, opening: int = 0, closed: bool | None = None) -> None:
@@ -70,11 +89,21 @@ class TrajectoryRecorder:
         covered = last.start + len(last.token_ids) if last is not None else 1  # token 0: no position scores it
         return gen.prompt_routed_experts[covered - 1:] if covered < start else None
 
-    def add_context(self, token_ids: Sequence[int]) -> None:
-        """[d] tokens the policy did not sample (an observation delta): masked out, log-prob 0."""
+    def add_context(self, token_ids: Sequence[int], media: MediaInputs | None = None,
+                    notes: Sequence[str] = ()) -> None:
+        """[d] tokens the policy did not sample (an observation delta): masked out, log-prob 0.
+
+        ``media``: the items whose placeholders ``token_ids`` hold (None: none); ``notes``: the
+        processor's changes to them (the episode's first is logged on the ``relax_agent.media``
+        logger; all are kept in :attr:`notes`)."""
         self.token_ids += token_ids
         self.loss_mask += [0] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+        if media is not None:
+            self.segments.append(media)
+        if notes and not self.notes:  # once per episode: the first cut, and how many in all in the metrics
+            log.warning("episode %s: %s", self.spec.sample_id, notes[0])
+        self.notes += notes
 
     def add_messages(self, messages: Sequence[dict[str, Any]]) -> None:
         """Messages of the conversation (the assistant's, the env's) for logs and rewards."""
@@ -106,7 +135,7 @@ class TrajectoryRecorder:
             sample_id=self.spec.sample_id, group_id=self.spec.group_id, task_id=self.spec.task_id,
             token_ids=tuple(self.token_ids), loss_mask=tuple(self.loss_mask), rollout_logprobs=tuple(self.logprobs),
             prompt_len=self.turns[0].start if self.turns else len(self.token_ids), turns=tuple(self.turns),
-            messages=tuple(self.messages), **fields,
+            messages=tuple(self.messages), media=self.media, **fields,
         )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from relax_agent.errors import DataError
-from relax_agent.records import Trajectory
+from relax_agent.records import MediaInputs, Trajectory
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class TrainBatch:
         routed_experts: MoE routing replay only: [B, T, layers, top_k] uint8/int16 experts of
             the rollout forward that scored token ``t`` (see :mod:`relax_agent.moe.record`); else None.
         routes_mask: [B, T] bool, True where ``routed_experts`` holds recorded routes; None with it.
+        media: multimodal policies: [B] each row's :class:`~relax_agent.records.MediaInputs` (None for
+            a row without media), fed to the forward with the rows (see
+            :func:`relax_agent.multimodal.batch.checked_media_kwargs`); None for a text batch.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +41,7 @@ class TrainBatch:
     advantages: torch.Tensor
     routed_experts: torch.Tensor | None = None
     routes_mask: torch.Tensor | None = None
+    media: tuple[MediaInputs | None, ...] | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -56,6 +60,8 @@ class TrainBatch:
                 or tuple(self.routes_mask.shape) != shape):
             raise DataError(f"routed_experts must be [B, T, layers, top_k] and routes_mask [B, T] with "
                             f"[B, T]={shape}; got {tuple(self.routed_experts.shape)} and {tuple(self.routes_mask.shape)}")
+        if self.media is not None and len(self.media) != shape[0]:
+            raise DataError(f"media must have one entry per row, B={shape[0]}; got {len(self.media)}")
 
     @property
     def size(self) -> int:
@@ -73,8 +79,11 @@ class TrainBatch:
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        """The same batch with every tensor on ``device``."""
-        moved: dict[str, Any] = {f.name: _to(getattr(self, f.name), device) for f in fields(self)}
+        """The same batch with every tensor on ``device`` (media arrays move at forward time)."""
+        moved: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.to(device)
         return TrainBatch(**moved)
 
     def micro_slices(self, micro_batch_size: int, max_tokens: int | None = None) -> list[slice]:
@@ -104,7 +113,7 @@ class TrainBatch:
 
     def split(self, micro_batch_size: int, max_tokens: int | None = None) -> Sequence[TrainBatch]:
         """The micro-batches of :meth:`micro_slices`, each trimmed to its own longest sequence,
-        so short sequences batched together cost no padding compute.
+        so short sequences batched together cost no padding compute (each keeps its rows' media).
 
         Raises:
             DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
@@ -121,13 +130,10 @@ class TrainBatch:
                     advantages=self.advantages[rows],
                     routed_experts=None if self.routed_experts is None else self.routed_experts[rows, :length],
                     routes_mask=None if self.routes_mask is None else self.routes_mask[rows, :length],
+                    media=None if self.media is None else self.media[rows],
                 )
             )
         return out
-
-
-def _to(value: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
-    return None if value is None else value.to(device)
 
 
 def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: bool = True,

@@ -101,8 +101,7 @@ def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any
             row that is not trainable keeps its place with an all-zero loss mask); optional
             ``routed_experts`` (rows [T_i, layers, top_k]) with ``routes_mask`` (rows [T_i]);
             optional ``media`` (B rows, each a :class:`~relax_agent.records.MediaInputs` or None):
-            when a row has media the batch is a
-            :class:`~relax_agent.multimodal.batch.MediaTrainBatch` carrying every row's media.
+            when a row has media the batch's ``media`` carries every row's media (else it is None).
         pad_token_id: written into padding positions (masked out by ``attention_mask``).
         advantages: [B] overrides the ``advantage`` field.
 
@@ -142,11 +141,9 @@ def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any
     routes = _collate_routes(fields, lengths, t_max)
     media = fields.get(R.MEDIA)
     if media is not None and any(m is not None for m in media):
-        from relax_agent.multimodal.batch import MediaTrainBatch
-
         if len(media) != b:
             raise DataError(f"got {len(media)} media rows for {b} rows")
-        return MediaTrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv, *routes, media=tuple(media))
+        return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv, *routes, media=tuple(media))
     return TrainBatch(input_ids, attention_mask, loss_mask, rollout_logprobs, adv, *routes)
 
 

@@ -107,10 +107,11 @@ def test_verify_off_does_not_check(tiny_model_dir, trainer_state):
 
 def test_media_engine_verifies_its_loads_and_serves_no_corrupted_version(tmp_path):
     from relax_agent.models import make_tiny_media_model
-    from relax_agent.multimodal.engine import MediaEngine
+    from relax_agent.rollout.engines.config import EngineConfig
+    from relax_agent.rollout.engines.hf import HFEngine
 
     model, tok = load_policy(ModelConfig(path=str(make_tiny_media_model(tmp_path, kind="tiny-vl", seed=1))))
-    engine = MediaEngine(model, tok)
+    engine = HFEngine(model, tok, EngineConfig())
     state = {k: v + 0.01 for k, v in model.state_dict().items()}
     name = next(k for k, v in state.items() if v.dim() == 2 and "visual" in k)
     sync = build_weight_sync(WeightSyncConfig(transport="inproc"), [engine])

@@ -16,15 +16,17 @@ import torch
 from relax_agent import records as R
 from relax_agent.models import make_tiny_media_model
 from relax_agent.moe import REPLAYED_TOKENS, ROUTE_FLIP_FRAC, find_routers, replay_weights
-from relax_agent.multimodal.batch import MediaTrainBatch, media_model_kwargs
-from relax_agent.multimodal.driver import MediaEnvDriver
-from relax_agent.multimodal.engine import MediaEngine
+from relax_agent.multimodal.batch import media_model_kwargs
 from relax_agent.multimodal.parts import image_part, video_part
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf import HFEngine
+from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 from relax_agent.train.algorithms import MISMATCH_ABS_DIFF_MAX
 from relax_agent.train.backends.torch_backend import TorchTrainer
+from relax_agent.train.batch import TrainBatch
 from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
 from tests.fixtures import load_media_policy
@@ -63,10 +65,10 @@ def policy(tmp_path_factory):
 def episode(policy):
     """A two-turn episode played by the media engine (fp32, its own copy of the weights, recording routes)."""
     model, tok, renderer = policy
-    engine = MediaEngine(copy.deepcopy(model), tok, record_routes=True)
+    engine = HFEngine(copy.deepcopy(model), tok, EngineConfig(), record_routes=True)
     spec = EpisodeSpec("g/0", "g", "t", {}, seed=0, max_turns=2, max_total_tokens=4096)
     try:
-        traj = asyncio.run(MediaEnvDriver(ImageToolEnv, engine, renderer, HermesParser()).play(spec, SamplingParams(6)))
+        traj = asyncio.run(EnvDriver(ImageToolEnv, engine, renderer, HermesParser()).play(spec, SamplingParams(6)))
     finally:
         engine.close()
     assert traj.error is None and len(traj.turns) == 2 and traj.media.kinds == ("image", "video", "image")
@@ -127,7 +129,7 @@ def test_recorded_routes_are_the_routers_choice_at_the_previous_position(episode
         assert torch.equal(own[:-1], recorded)  # token t's route is position t - 1's choice, for every t
 
 
-def _batch(traj, layout) -> MediaTrainBatch:
+def _batch(traj, layout) -> TrainBatch:
     fields = R.trajectory_fields([traj], layout)
     return collate_fields({**fields, R.ADVANTAGE: np.asarray([1.0], np.float32)}, pad_token_id=0)
 

@@ -13,12 +13,12 @@ from transformers import AutoConfig, AutoTokenizer
 import relax_agent.envs  # noqa: F401
 from relax_agent.config import ModelConfig
 from relax_agent.models import load_media_processor, make_tiny_media_model
-from relax_agent.multimodal.driver import MediaEnvDriver
 from relax_agent.multimodal.processor import check_placeholders
 from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams
+from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 
 
@@ -53,7 +53,7 @@ def _play(renderer, engine, env_kwargs=None):
     make_env = lambda: gymnasium.make("relax/VisualCount-v0", **(env_kwargs or {}))  # noqa: E731
     task = make_env().unwrapped.tasks("train")[0]
     spec = EpisodeSpec("g/0", "g", task["id"], task, seed=0, max_turns=3, max_total_tokens=4096)
-    driver = MediaEnvDriver(make_env, engine, renderer, HermesParser())
+    driver = EnvDriver(make_env, engine, renderer, HermesParser())
     return task, asyncio.run(driver.play(spec, SamplingParams(16)))
 
 
@@ -99,8 +99,9 @@ def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
     import torch
 
     from relax_agent.models import load_policy
-    from relax_agent.multimodal.engine import MediaEngine
     from relax_agent.multimodal.parts import image_part
+    from relax_agent.rollout.engines.config import EngineConfig
+    from relax_agent.rollout.engines.hf import HFEngine
 
     folder = make_tiny_media_model(tmp_path, kind=kind, seed=1)
     cfg = ModelConfig(path=str(folder))
@@ -120,7 +121,7 @@ def test_the_media_engine_never_samples_a_placeholder_id(tmp_path, kind):
     seg = r.render_prompt([{"role": "user", "content": [
         {"type": "text", "text": "How many?"},
         image_part(np.random.default_rng(0).integers(0, 255, (56, 56, 3), dtype=np.uint8))]}])
-    engine = MediaEngine(model, tok)
+    engine = HFEngine(model, tok, EngineConfig())
     try:
         gen = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=8, seed=3),
                                           media=seg.media))
@@ -162,7 +163,7 @@ def test_media_are_decoded_off_the_event_loop_so_other_episodes_keep_running(ren
                 await asyncio.sleep(0.001)
 
         other = asyncio.create_task(other_episode())
-        traj = await MediaEnvDriver(make_env, engine, renderer, HermesParser()).play(spec, SamplingParams(16))
+        traj = await EnvDriver(make_env, engine, renderer, HermesParser()).play(spec, SamplingParams(16))
         done.set()
         await other
         return traj

@@ -22,13 +22,13 @@ from relax_agent.config import ModelConfig, RolloutConfig, load_config
 from relax_agent.control.reporting import rollout_metrics
 from relax_agent.errors import DataError
 from relax_agent.models import load_media_processor, make_tiny_media_model
-from relax_agent.multimodal.driver import AUDIO_CLIPS_CUT, MediaEnvDriver
 from relax_agent.multimodal.parts import AUDIO_RATE_HZ, MAX_IMAGE_PIXELS, audio_part, decode_image, image_part
 from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.roles import _media_driver
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import Generation, SamplingParams
+from relax_agent.rollout.env_driver import AUDIO_CLIPS_CUT, EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 
 
@@ -169,7 +169,7 @@ def test_cut_audio_is_logged_once_per_episode_and_counted(omni_dir, caplog):
     spec = EpisodeSpec("g/0", "g", "t", {}, seed=0, max_turns=2, max_total_tokens=4096)
 
     def play(seconds):
-        driver = MediaEnvDriver(lambda: _AudioEnv(seconds), _OneReply(r.tokenizer), r, HermesParser())
+        driver = EnvDriver(lambda: _AudioEnv(seconds), _OneReply(r.tokenizer), r, HermesParser())
         return asyncio.run(driver.play(spec, SamplingParams(8)))
 
     with caplog.at_level(logging.WARNING, logger="relax_agent.media"):

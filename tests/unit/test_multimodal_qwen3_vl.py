@@ -16,10 +16,11 @@ from transformers import AutoConfig
 from relax_agent.errors import ConfigError
 from relax_agent.models import main, make_tiny_media_model
 from relax_agent.multimodal.batch import media_model_kwargs
-from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part, video_part
 from relax_agent.multimodal.processor import MediaFamily, MediaProcessor
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.train.backends.torch_backend import token_logprobs
 from tests.fixtures import load_media_policy
 
@@ -117,7 +118,7 @@ def test_the_policy_sees_the_video_and_the_engine_agrees_with_the_trainer(policy
 
     assert (logprobs(0) - logprobs(10)).abs().max() > 1e-4, "the log-probs did not depend on the video"
     seg = _video_prompt(r)
-    engine = MediaEngine(model, tok)
+    engine = HFEngine(model, tok, EngineConfig())
     try:
         gen = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=5, seed=4), media=seg.media))
     finally:

@@ -14,13 +14,13 @@ import torch
 import relax_agent.envs  # noqa: F401
 from relax_agent.config import ModelConfig
 from relax_agent.models import load_media_processor, load_policy, make_tiny_media_model
-from relax_agent.multimodal.batch import MediaTrainBatch
 from relax_agent.multimodal.render import MediaRenderer
 from relax_agent.records import MEDIA
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.demonstrations import demonstration_fields
 from relax_agent.rollout.parsers import build_parser
 from relax_agent.train.backends.torch_backend import TorchTrainer, token_logprobs
+from relax_agent.train.batch import TrainBatch
 from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
 
@@ -46,7 +46,7 @@ def test_media_demonstrations_are_the_episode_prompt_with_its_media_plus_a_corre
     assert demos["task_id"] == [t["id"] for t in tasks]
     for task, ids, mask, media in zip(tasks, demos["token_ids"], demos["loss_mask"], demos[MEDIA], strict=True):
         obs, info = env.reset(seed=0, options={"task": task})
-        seg = renderer.render_prompt(obs, info.get("tools", ()))  # what MediaEnvDriver records for the prompt
+        seg = renderer.render_prompt(obs, info.get("tools", ()))  # what the env driver records for the prompt
         n = len(seg.token_ids)
         assert list(ids[:n]) == list(seg.token_ids) and not mask[:n].any() and mask[n:].all()
         assert media.kinds == seg.media.kinds and media.num_tokens == seg.media.num_tokens and len(media) == 1
@@ -90,7 +90,7 @@ def test_a_media_sft_step_lowers_the_demonstrations_nll_through_the_vision_encod
     tasks = gymnasium.make(env_id).unwrapped.tasks("train")[:8]
     demos = demonstration_fields(lambda: gymnasium.make(env_id), renderer, build_parser("hermes"), tasks, seed=0)
     batch = collate_fields(demos, tok.pad_token_id, advantages=[1.0] * len(tasks))
-    assert isinstance(batch, MediaTrainBatch) and all(m.kinds == ("image",) for m in batch.media)
+    assert isinstance(batch, TrainBatch) and batch.media is not None and all(m.kinds == ("image",) for m in batch.media)
     reply = len(tok("Answer: 1", add_special_tokens=False)["input_ids"]) + 1  # one digit, then <|im_end|>
     trainer = _RecordingTrainer(model, TrainerConfig(micro_batch_size=4))
     before = _nll(model, batch)

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from relax_agent.models import make_tiny_media_model
-from relax_agent.multimodal.batch import MediaTrainBatch
-from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import audio_part, image_part
 from relax_agent.records import MEDIA, MediaInputs
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.train.backends.torch_backend import TorchTrainer, token_logprobs
+from relax_agent.train.batch import TrainBatch
 from relax_agent.train.collate import collate_fields
 from relax_agent.train.config import TrainerConfig
 from tests.fixtures import load_media_policy
@@ -93,7 +94,7 @@ def _fields(r, tok, kind, rows):
 def test_the_encoders_get_gradients_from_the_policy_loss(policy):
     kind, model, tok, r = policy
     batch = collate_fields(_fields(r, tok, kind, 3), tok.pad_token_id)
-    assert isinstance(batch, MediaTrainBatch) and len(batch.media) == 3
+    assert isinstance(batch, TrainBatch) and batch.media is not None and len(batch.media) == 3
     trainer = TorchTrainer(model, TrainerConfig(micro_batch_size=2))
     trainer.compute_gradients(batch)
     towers = {"visual": [p for n, p in model.named_parameters() if ".visual." in f".{n}"]}
@@ -124,7 +125,7 @@ def test_micro_batches_keep_each_rows_media(policy):
 def test_engine_logprobs_are_the_trainers_with_media(policy):
     kind, model, tok, r = policy
     seg = _prompt(r, kind)
-    engine = MediaEngine(model, tok)
+    engine = HFEngine(model, tok, EngineConfig())
     try:
         gen = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=6, seed=3), media=seg.media))
         again = asyncio.run(engine.generate(list(seg.token_ids), SamplingParams(max_new_tokens=6, seed=3), media=seg.media))

@@ -14,8 +14,6 @@ import pytest
 
 from relax_agent.control.reporting import write_token_record
 from relax_agent.models import make_tiny_media_model
-from relax_agent.multimodal.driver import MediaEnvDriver
-from relax_agent.multimodal.engine import MediaEngine
 from relax_agent.multimodal.parts import image_part
 from relax_agent.multimodal.record import split_items
 from relax_agent.records import MediaInputs
@@ -31,6 +29,9 @@ from relax_agent.replay import (
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.engines.config import EngineConfig
+from relax_agent.rollout.engines.hf import HFEngine
+from relax_agent.rollout.env_driver import EnvDriver
 from relax_agent.rollout.parsers import HermesParser
 from tests.fixtures import load_media_policy
 
@@ -69,8 +70,8 @@ def policy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def records(policy, tmp_path_factory):
     model, tok, renderer = policy
-    engine = MediaEngine(model, tok)
-    driver = MediaEnvDriver(LookAgain, engine, renderer, HermesParser())
+    engine = HFEngine(model, tok, EngineConfig())
+    driver = EnvDriver(LookAgain, engine, renderer, HermesParser())
     trajs = []
     for seed in (0, 1):
         spec = EpisodeSpec(f"g/{seed}", "g", "t", {}, seed=seed, max_turns=4, max_total_tokens=4096)

@@ -38,7 +38,7 @@ class Generation:
         routed_experts: optional [n, layers, top_k] uint8/int16 expert indices (MoE).
         prompt_routed_experts: optional [P - 1, layers, top_k] experts the prefill chose at prompt
             positions 0 .. P - 2, i.e. for prompt tokens 1 .. P - 1 (MoE; an engine that prefills
-            the whole prompt each request, as the multimodal engine does); the last prompt position
+            the whole prompt each request, as the HF engine does for a multimodal policy); the last prompt position
             scored the first sampled token and is ``routed_experts[0]``.
         token_versions: [n] policy version of each token, for an engine that can swap weights
             inside a request (vLLM under ``update_policy: abort_resume``); then

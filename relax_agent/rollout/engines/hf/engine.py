@@ -2,7 +2,8 @@
 
 Callers' threads (or event loops) submit requests to a queue and are answered by the worker
 thread (:mod:`relax_agent.rollout.engines.hf.scheduler`); :meth:`HFEngine.load_weights` copies
-weights in under the lock a running batch holds.
+weights in under the lock a running batch holds. A multimodal policy's requests are served
+unbatched, media and all, by :mod:`relax_agent.rollout.engines.hf.media`, under the same lock.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,8 +28,12 @@ from relax_agent.rollout.engines.base import Generation, SamplingParams, default
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.rollout.engines.hf.batch import _Request
 from relax_agent.rollout.engines.hf.kv_cache import _check_cache_layout, _PrefixCache
+from relax_agent.rollout.engines.hf.media import MediaPath, is_media_model
 from relax_agent.rollout.engines.hf.scheduler import _STOP, EngineStats, _Scheduler
 from relax_agent.weights.digest import Expected, TensorDigest, load_failure, tensor_digest
+
+if TYPE_CHECKING:
+    from relax_agent.records import MediaInputs
 
 _CLOSE_JOIN_S = 60.0
 """Seconds :meth:`HFEngine.close` waits for the worker thread to end."""
@@ -54,6 +59,11 @@ class HFEngine(_Scheduler):
     Sampling is reproducible per request: a row samples from its own ``torch.Generator``
     seeded with ``params.seed`` (or a seed drawn from the engine generator), so what it
     samples does not depend on which other rows share its batch.
+
+    A multimodal policy (a ``*ForConditionalGeneration`` of a family in
+    :data:`~relax_agent.multimodal.processor.FAMILIES`) is served one request at a time, with or
+    without media, by ``transformers`` ``generate`` (:mod:`relax_agent.rollout.engines.hf.media`:
+    placeholder ids never sampled, no prefix cache); :meth:`generate` takes its ``media=``.
 
     Raises:
         ConfigError: a model whose cache is not plain attention KV (linear attention layers).
@@ -86,6 +96,7 @@ class HFEngine(_Scheduler):
         self._loads_pending = 0
         self._loads_cv = threading.Condition()
         self._routes = build_route_recorder(model) if record_routes else None
+        self._media = MediaPath(model, tokenizer, self._device, self._routes) if is_media_model(model.config) else None
         self._worker = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._worker.start()
 
@@ -97,6 +108,11 @@ class HFEngine(_Scheduler):
         return self._version
 
     @property
+    def model_config(self) -> Any:
+        """The policy's transformers config."""
+        return self._model.config
+
+    @property
     def route_layout(self) -> tuple[tuple[int, int], str] | None:
         """``((moe_layers, top_k), dtype name)`` of the routes this engine records (routing
         replay), or None when it records none."""
@@ -105,7 +121,8 @@ class HFEngine(_Scheduler):
         return (len(self._routes.routers), self._routes.routers[0].top_k), self._routes.dtype.name
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       on_token: Callable[[int, float, int], None] | None = None) -> Generation:
+                       on_token: Callable[[int, float, int], None] | None = None,
+                       media: MediaInputs | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids`` ([n] token ids); batched with concurrent calls.
 
         Cancelling the awaiting task drops the row from its batch at the next decode step.
@@ -113,11 +130,21 @@ class HFEngine(_Scheduler):
         engine's worker thread as each token is sampled, before the result is delivered; it must
         be quick and thread-safe (e.g. ``loop.call_soon_threadsafe``).
 
+        A multimodal policy's request (``media``: the items whose placeholders ``prompt_ids``
+        holds, in order; None without) is served unbatched (:mod:`relax_agent.rollout.engines.hf.media`);
+        ``on_token`` is then called for each token once the generation is done.
+
         Raises:
             ConfigError: invalid sampling parameters.
-            DataError: empty prompt, token id outside the vocabulary, or too long for the model.
+            DataError: empty prompt, token id outside the vocabulary, or too long for the model;
+                ``media`` for a text policy; placeholder tokens that do not match ``media``.
             EngineError: the engine is closed or the forward pass failed.
         """
+        if self._media is not None:
+            return await self._generate_media(prompt_ids, params, on_token, media)
+        if media is not None:
+            raise DataError(f"generate got {len(media)} media item(s) for a text policy "
+                            f"({self._model.config.model_type}); a multimodal family is needed")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Generation] = loop.create_future()
 
@@ -133,6 +160,38 @@ class HFEngine(_Scheduler):
         except asyncio.CancelledError:
             req.cancelled = True
             raise
+
+    async def _generate_media(self, prompt_ids: list[int], params: SamplingParams,
+                              on_token: Callable[[int, float, int], None] | None,
+                              media: MediaInputs | None) -> Generation:
+        """:meth:`generate` of a multimodal policy: one request at a time in the media path's thread."""
+        assert self._media is not None
+        if self._closed:
+            raise EngineError("the engine is closed")
+        self._check_request(prompt_ids, params)
+        self._media.check(prompt_ids, media)
+        seed = self._draw_seed(params)
+        stop = self._default_stop | frozenset(params.stop_token_ids)
+        loop = asyncio.get_running_loop()
+        gen = await loop.run_in_executor(self._media.pool, self._serve_media, list(prompt_ids), params, media, seed,
+                                         stop)
+        if on_token is not None:
+            for token, logprob in zip(gen.token_ids, gen.logprobs, strict=True):
+                on_token(token, logprob, gen.policy_version)
+        return gen
+
+    def _serve_media(self, prompt_ids: list[int], params: SamplingParams, media: MediaInputs | None, seed: int,
+                     stop: frozenset[int]) -> Generation:
+        """One media request under the weights lock (the media path's worker thread)."""
+        assert self._media is not None
+        with self._weights_lock:
+            if self._unverified is not None:
+                raise EngineError(f"the engine's weights are not verified: {self._unverified}")
+            gen = self._media.generate(prompt_ids, params, media, seed, stop, self._version)
+            self.stats.sequences += 1
+            self.stats.new_tokens += len(gen.token_ids)
+            self.stats.media_items += 0 if media is None else len(media)
+        return gen
 
     def generate_many(self, prompts: Sequence[Sequence[int]],
                       params: SamplingParams | Sequence[SamplingParams]) -> list[Generation]:
@@ -255,6 +314,8 @@ class HFEngine(_Scheduler):
                 break
             if isinstance(item, _Request):
                 item.deliver(EngineError("the engine was closed before this request ran"))
+        if self._media is not None:
+            self._media.close()
 
     def __enter__(self) -> HFEngine:
         return self
@@ -268,11 +329,7 @@ class HFEngine(_Scheduler):
                 deliver: Callable[[Generation | BaseException], None],
                 on_token: Callable[[int, float, int], None] | None = None) -> _Request:
         self._check_request(prompt_ids, params)
-        if params.seed is not None:
-            seed = params.seed
-        else:
-            with self._seed_lock:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        seed = self._draw_seed(params)
         req = _Request(list(prompt_ids), params, self._default_stop | frozenset(params.stop_token_ids), seed, deliver,
                        on_token)
         with self._submit_lock:
@@ -280,6 +337,13 @@ class HFEngine(_Scheduler):
                 raise EngineError("the engine is closed")
             self._queue.put(req)
         return req
+
+    def _draw_seed(self, params: SamplingParams) -> int:
+        """``params.seed``, else the next seed of the engine generator."""
+        if params.seed is not None:
+            return params.seed
+        with self._seed_lock:
+            return int(torch.randint(0, 2**62, (1,), generator=self._generator))
 
     def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if not params.temperature > 0:

@@ -48,6 +48,7 @@ class EngineStats:
         weight_loads: :meth:`HFEngine.load_weights` calls applied.
         weight_load_s: seconds spent copying weights in, during which no batch could decode.
         weight_verify_s: part of ``weight_load_s`` spent on digests of the loaded weights (``weights.verify``).
+        media_items: media items encoded (a multimodal policy's requests).
     """
 
     batches: int = 0
@@ -63,6 +64,7 @@ class EngineStats:
     weight_loads: int = 0
     weight_load_s: float = 0.0
     weight_verify_s: float = 0.0
+    media_items: int = 0
 
 
 class _Closed(Exception):

@@ -236,7 +236,7 @@ class TorchTrainer:
         cfg = self.cfg
         with self._autocast():
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                                           media=getattr(mb, "media", None),
+                                                           media=mb.media,
                                                            first_position=first_scored_position(mb.loss_mask))
         old, weights = mb.rollout_logprobs, None
         corr_metrics: dict[str, torch.Tensor] = {}
@@ -272,7 +272,7 @@ class TorchTrainer:
         assert self.ref_model is not None  # called only when there is a reference model
         with torch.no_grad(), self._autocast():
             return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature,
-                                  media=getattr(mb, "media", None), first_position=first_scored_position(mb.loss_mask))
+                                  media=mb.media, first_position=first_scored_position(mb.loss_mask))
 
     def _summarize(self, totals: _Totals, batch: TrainBatch) -> dict[str, float]:
         n_policy = float(batch.num_policy_tokens)
@@ -372,7 +372,7 @@ class TorchTrainer:
             micro = micro.to(self.device)
             with self._autocast():
                 logp = token_logprobs(self.model, micro.input_ids, micro.attention_mask, 1.0,
-                                      media=getattr(micro, "media", None),
+                                      media=micro.media,
                                       first_position=first_scored_position(micro.loss_mask))
             nll = -(logp * micro.loss_mask).sum() / n_tokens
             nll.backward()
