@@ -22,6 +22,7 @@ import numpy as np
 from relax_agent import records as R
 from relax_agent.errors import ConfigError
 from relax_agent.rollout.engines.base import default_stop_ids
+from relax_agent.rollout.env_driver import MediaRendering
 from relax_agent.rollout.parsers import format_message
 
 
@@ -71,7 +72,7 @@ def demonstration_fields(make_env: Callable[[], Any], renderer: Any, parser: Any
             out[R.TOKEN_IDS].append(np.asarray(tokens, dtype=np.int64))
             out[R.LOSS_MASK].append(np.asarray(mask, dtype=np.int8))
             out[R.ROLLOUT_LOGPROBS].append(np.zeros(len(tokens), dtype=np.float32))
-            out[R.MEDIA].append(getattr(rendered, "media", None))
+            out[R.MEDIA].append(rendered.media if isinstance(renderer, MediaRendering) else None)
             out["task_id"].append(str(task["id"]))
     finally:
         env.close()
