@@ -7,6 +7,8 @@ are imported inside the functions, so collecting a test that needs none of them 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import socket
 import threading
 import time
@@ -98,3 +100,14 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def require_dev_tools(*modules: str, what: str, extra: str = "dev") -> pytest.MarkDecorator:
+    """A skip mark for tests that need the dev tools ``modules`` (``"ruff"``, ``"mypy"``): a no-op mark
+    when all are installed; skipped without them, except under ``CI=true``, where a missing tool is a
+    broken set-up and fails at once (``scripts/setup.sh`` installs them with the dev extra)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing and os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true but {what} is not installed ({', '.join(missing)}): scripts/setup.sh installs it "
+                    "with the dev extra", pytrace=False)
+    return pytest.mark.skipif(bool(missing), reason=f"{what} is not installed (pip install -e '.[{extra}]' installs it)")

@@ -86,9 +86,15 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, **o
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
+    return save_seeded_model(AutoModelForCausalLM, config, tokenizer, seed, out_dir)
+
+
+def save_seeded_model(auto_class: Any, config: Any, tokenizer: Any, seed: int, out_dir: str | Path) -> Path:
+    """Build ``auto_class.from_config(config)`` in float32 with weights drawn from ``seed`` (the global
+    torch RNG is left as it was), and save it with ``tokenizer`` to folder ``out_dir``; returns that path."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class.from_config(config, dtype=torch.float32)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -7,11 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from relax_agent.config import ModelConfig
 from relax_agent.errors import ConfigError
 from relax_agent.models.policy import load_tokenizer
+from relax_agent.models.tiny import save_seeded_model
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -141,13 +140,7 @@ def make_tiny_media_model(out_dir: str | Path, kind: str = "tiny-vl", seed: int 
         template = template.replace("{{ " + key + " }}", token)
     tokenizer.chat_template = template.replace("{{ AUDIO_START }}{{ AUDIO }}{{ AUDIO_END }}", "")
     config = _tiny_media_config(kind, tokenizer, ids, text, vision)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    out = save_seeded_model(AutoModelForImageTextToText, config, tokenizer, seed, out_dir)
     _save_preprocessor(out, config)
     return out
 

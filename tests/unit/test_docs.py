@@ -8,7 +8,6 @@ Without mkdocs (the ``docs`` and ``dev`` extras install it) the build test skips
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,20 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import require_dev_tools
+
 REPO = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 OUTSIDE = b"../" + b"shared"  # spelt in two parts so that this file does not match itself
 
-HAS_MKDOCS = all(importlib.util.find_spec(m) is not None for m in ("mkdocs", "material", "mkdocstrings_handlers"))
+NEEDS_MKDOCS = require_dev_tools("mkdocs", "material", "mkdocstrings_handlers",
+                                 what="mkdocs, mkdocs-material or mkdocstrings[python]", extra="docs")
 
 
 @pytest.mark.slow
+@NEEDS_MKDOCS
 def test_the_site_builds_strict(tmp_path: Path) -> None:
-    if not HAS_MKDOCS:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI=true but mkdocs, mkdocs-material or mkdocstrings[python] is not installed: "
-                        "scripts/setup.sh installs them with the dev extra", pytrace=False)
-        pytest.skip("mkdocs is not installed (pip install -e '.[docs]' installs it)")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner, not a build warning
     res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

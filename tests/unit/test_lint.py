@@ -6,21 +6,15 @@ missing ruff fails it.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.fixtures import require_dev_tools
 
 REPO = Path(__file__).resolve().parents[2]
 
-if importlib.util.find_spec("ruff") is None:
-    if os.environ.get("CI") == "true":
-        pytest.fail("CI=true but ruff is not installed: scripts/setup.sh installs it with the dev extra",
-                    pytrace=False)
-    pytestmark = pytest.mark.skip(reason="ruff is not installed (pip install -e '.[dev]' installs it)")
+pytestmark = require_dev_tools("ruff", what="ruff")
 
 
 def test_ruff_finds_nothing() -> None:

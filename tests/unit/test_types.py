@@ -6,21 +6,17 @@ missing mypy fails it.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures import require_dev_tools
+
 REPO = Path(__file__).resolve().parents[2]
 
-if importlib.util.find_spec("mypy") is None:
-    if os.environ.get("CI") == "true":
-        pytest.fail("CI=true but mypy is not installed: scripts/setup.sh installs it with the dev extra",
-                    pytrace=False)
-    pytestmark = pytest.mark.skip(reason="mypy is not installed (pip install -e '.[dev]' installs it)")
+pytestmark = require_dev_tools("mypy", what="mypy")
 
 
 @pytest.mark.slow

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from relax_agent.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,35 @@ def default_stop_ids(tokenizer: Any) -> list[int]:
     vocab = tokenizer.get_vocab()
     ids.extend(vocab[t] for t in TURN_END_TOKENS if t in vocab)
     return sorted(set(ids))
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_len: int | None,
+                  limit_name: str, hint: str = "") -> None:
+    """Refuse a request no engine can serve, before it is queued.
+
+    Args:
+        prompt_ids: [n] prompt token ids.
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        max_len: most tokens of prompt plus ``max_new_tokens``; None: no bound.
+        limit_name: what ``max_len`` is, for the message (``"the model's max_position_embeddings"``).
+        hint: appended to that message (where the bound is set).
+
+    Raises:
+        ConfigError: ``temperature <= 0``, ``top_p`` outside (0, 1], or ``max_new_tokens < 1``.
+        DataError: an empty prompt, an id outside the vocabulary, or prompt + ``max_new_tokens`` over ``max_len``.
+    """
+    if not params.temperature > 0:
+        raise ConfigError(f"SamplingParams.temperature={params.temperature} must be > 0")
+    if not 0 < params.top_p <= 1:
+        raise ConfigError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
+    if params.max_new_tokens < 1:
+        raise ConfigError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
+    if not prompt_ids:
+        raise DataError("prompt_ids is empty; the engine needs at least one prompt token")
+    lo, hi = min(prompt_ids), max(prompt_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise DataError(f"prompt_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {vocab_size})")
+    total = len(prompt_ids) + params.max_new_tokens
+    if max_len is not None and total > max_len:
+        raise DataError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                        f"{total} exceeds {limit_name}={max_len}{hint}")

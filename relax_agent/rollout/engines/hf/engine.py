@@ -24,7 +24,7 @@ import torch
 from relax_agent import metrics as M
 from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
 from relax_agent.moe.record import build_route_recorder
-from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.rollout.engines.base import Generation, SamplingParams, check_request, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.rollout.engines.hf.batch import _Request
 from relax_agent.rollout.engines.hf.kv_cache import _check_cache_layout, _PrefixCache
@@ -346,22 +346,8 @@ class HFEngine(_Scheduler):
             return int(torch.randint(0, 2**62, (1,), generator=self._generator))
 
     def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        if not params.temperature > 0:
-            raise ConfigError(f"SamplingParams.temperature={params.temperature} must be > 0")
-        if not 0 < params.top_p <= 1:
-            raise ConfigError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
-        if params.max_new_tokens < 1:
-            raise ConfigError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
-        if not prompt_ids:
-            raise DataError("prompt_ids is empty; the engine needs at least one prompt token")
-        lo, hi = min(prompt_ids), max(prompt_ids)
-        if lo < 0 or hi >= self._vocab_size:
-            raise DataError(f"prompt_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary "
-                            f"[0, {self._vocab_size})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if self._max_positions is not None and total > self._max_positions:
-            raise DataError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                            f"{total} exceeds the model's max_position_embeddings={self._max_positions}")
+        check_request(prompt_ids, params, self._vocab_size, self._max_positions,
+                      "the model's max_position_embeddings")
 
 
 def _resolve(fut: asyncio.Future[Generation] | concurrent.futures.Future[Generation],

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncError
+from relax_agent.errors import ConfigError, EngineError, WeightSyncError
 from relax_agent.metrics import PREFIX_CACHE_HIT_RATE
-from relax_agent.rollout.engines.base import Generation, SamplingParams, default_stop_ids
+from relax_agent.rollout.engines.base import Generation, SamplingParams, check_request, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.rollout.engines.vllm_engine import weight_file
 from relax_agent.rollout.engines.vllm_engine.client import ServerClient
@@ -344,23 +344,8 @@ class VLLMEngine:
     def _request_body(self, prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
         if self._closed:
             raise EngineError("the engine is closed")
-        if not params.temperature > 0:
-            raise ConfigError(f"SamplingParams.temperature={params.temperature} must be > 0")
-        if not 0 < params.top_p <= 1:
-            raise ConfigError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
-        if params.max_new_tokens < 1:
-            raise ConfigError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
-        if not prompt_ids:
-            raise DataError("prompt_ids is empty; the engine needs at least one prompt token")
-        lo, hi = min(prompt_ids), max(prompt_ids)
-        if lo < 0 or hi >= self._vocab_size:
-            raise DataError(f"prompt_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary "
-                            f"[0, {self._vocab_size})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self._max_len:
-            raise DataError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
-                            f"{total} exceeds the vLLM engine's max_model_len={self._max_len} "
-                            "(engine.vllm.max_model_len, default the model's max_position_embeddings)")
+        check_request(prompt_ids, params, self._vocab_size, self._max_len, "the vLLM engine's max_model_len",
+                      " (engine.vllm.max_model_len, default the model's max_position_embeddings)")
         stop = sorted(set(self._default_stop) | set(params.stop_token_ids))
         return {"id": f"r{next(self._ids)}", "prompt_ids": [int(t) for t in prompt_ids],
                 "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
