@@ -183,9 +183,11 @@ class RankTrainer(TorchTrainer):
             metrics.update(moe)
         return metrics
 
-    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: Any) -> None:
+    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: Any, prefix_len: int = 0) -> None:
+        # prefix_len is always 0 here: the Megatron model's forward takes no KV cache, so the step's
+        # micro-batches are never planned around a shared prefix (shared_prefix.can_share).
         with self._replay(mb):
-            super()._backward_micro_batch(mb, normalizer, totals)
+            super()._backward_micro_batch(mb, normalizer, totals, prefix_len)
 
     def _replay(self, mb: TrainBatch) -> contextlib.AbstractContextManager:
         if self.router_replay is None:

@@ -72,6 +72,7 @@ def token_logprobs_and_entropy(
     chunk_tokens: int | None = None,
     media: Any = None,
     first_position: int = 1,
+    prefix_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (with gradient) and entropies (without) of a causal LM.
 
@@ -91,6 +92,9 @@ def token_logprobs_and_entropy(
             :func:`first_scored_position`); the logits are computed from the position before it on
             only (the model's ``logits_to_keep`` when its forward takes it), which spares the
             vocabulary projection and log-softmax of a long prompt.
+        prefix_len: > 0: the rows share their first ``prefix_len`` tokens, which are forwarded once
+            (:func:`~relax_agent.train.backends.torch_backend.shared_prefix.shared_prefix_forward`;
+            text rows only, and ``first_position`` > ``prefix_len``); the result is the same.
 
     Returns:
         ``(logprobs, entropy)``, both [B, T] float32 (float64 for a float64 model): position ``t`` holds
@@ -100,7 +104,8 @@ def token_logprobs_and_entropy(
 
     Raises:
         ConfigError: ``temperature`` <= 0.
-        DataError: ``input_ids`` and ``attention_mask`` are not the same [B, T] shape.
+        DataError: ``input_ids`` and ``attention_mask`` are not the same [B, T] shape; with
+            ``prefix_len``, media given, or the rows do not share the prefix.
     """
     if not temperature > 0:
         raise ConfigError(f"temperature must be > 0; got {temperature}")
@@ -116,11 +121,18 @@ def token_logprobs_and_entropy(
         extra = checked_media_kwargs(model, input_ids, attention_mask, media)
     b, t = input_ids.shape
     start = min(max(first_position, 1), t) - 1  # logits from here on: position p predicts token p + 1
-    if start and _takes_logits_to_keep(model):
-        extra["logits_to_keep"] = t - start
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-    if logits.shape[1] != t - start:
-        logits = logits[:, start:]
+    if prefix_len:
+        if media is not None:
+            raise DataError("prefix_len applies to text rows only; got media")
+        from relax_agent.train.backends.torch_backend.shared_prefix import shared_prefix_forward
+
+        logits = shared_prefix_forward(model, input_ids, attention_mask, prefix_len, start)
+    else:
+        if start and _takes_logits_to_keep(model):
+            extra["logits_to_keep"] = t - start
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+        if logits.shape[1] != t - start:
+            logits = logits[:, start:]
     k, v = logits.shape[1], logits.shape[2]
     # Row (b, p) of the flat logits predicts token start + p + 1; the last row of each sequence
     # predicts nothing and is dropped after the fact (cheaper than copying a shifted view).
@@ -159,7 +171,7 @@ def _shift_right(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    media: Any = None, first_position: int = 1,
+    media: Any = None, first_position: int = 1, prefix_len: int = 0,
 ) -> torch.Tensor:
     """[B, T] float32 (at least) ``log p(token t | tokens < t)`` of ``softmax(logits / temperature)``.
 
@@ -167,4 +179,4 @@ def token_logprobs(
     :func:`token_logprobs_and_entropy`.
     """
     return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, with_entropy=False,
-                                      media=media, first_position=first_position)[0]
+                                      media=media, first_position=first_position, prefix_len=prefix_len)[0]

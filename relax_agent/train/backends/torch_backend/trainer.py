@@ -71,6 +71,7 @@ from relax_agent.train.backends.torch_backend.policy import (
     _with_lora,
     _with_master_weights,
 )
+from relax_agent.train.backends.torch_backend.shared_prefix import MicroBatch, can_share, plan_micro_batches
 from relax_agent.train.batch import TrainBatch
 from relax_agent.train.config import TrainerConfig
 from relax_agent.train.memory import release_free_heap, resident_gb
@@ -225,19 +226,27 @@ class TorchTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = _Totals()
-        for micro in batch.split(self.cfg.micro_batch_size, self.cfg.micro_batch_tokens):
-            micro = micro.to(self.device)
-            with replaying(self.routing_replay, micro):  # R3: the rollout's experts, forward and backward
-                self._backward_micro_batch(micro, normalizer, totals)
+        for micro in self._micro_batches(batch):
+            mb = micro.batch.to(self.device)
+            with replaying(self.routing_replay, mb):  # R3: the rollout's experts, forward and backward
+                self._backward_micro_batch(mb, normalizer, totals, micro.prefix_len)
         metrics = self._summarize(totals, batch)
         return metrics if self.routing_replay is None else {**metrics, **self.routing_replay.pop_metrics()}
 
-    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: _Totals) -> None:
+    def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
+        """The step's forward/backward units: rows sharing a prefix together under
+        ``trainer.shared_prefix`` (when the batch and model allow it), else consecutive rows."""
         cfg = self.cfg
+        if cfg.shared_prefix and can_share(self.model, batch):
+            return plan_micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens)
+        return [MicroBatch(mb) for mb in batch.split(cfg.micro_batch_size, cfg.micro_batch_tokens)]
+
+    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: _Totals, prefix_len: int = 0) -> None:
+        cfg = self.cfg
+        first = max(first_scored_position(mb.loss_mask), prefix_len + 1)
         with self._autocast():
             logprobs, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask, self.temperature,
-                                                           media=mb.media,
-                                                           first_position=first_scored_position(mb.loss_mask))
+                                                           media=mb.media, first_position=first, prefix_len=prefix_len)
         old, weights = mb.rollout_logprobs, None
         corr_metrics: dict[str, torch.Tensor] = {}
         mis = self.mismatch
@@ -256,7 +265,8 @@ class TorchTrainer:
             totals.add(key, value, n_seqs if key in SEQ_WEIGHTED_CORRECTION_METRICS else n_policy)
         totals.add(PG_LOSS, loss)
         if self.ref_model is not None:
-            kl = masked_aggregate(k3_kl(logprobs, self._ref_logprobs(mb), mb.loss_mask), mb.loss_mask, cfg.loss_agg, normalizer)
+            kl = masked_aggregate(k3_kl(logprobs, self._ref_logprobs(mb, prefix_len), mb.loss_mask), mb.loss_mask,
+                                  cfg.loss_agg, normalizer)
             totals.add(KL_REF, kl)
             loss = loss + cfg.kl_coef * kl
         totals.add(LOSS, loss)
@@ -268,11 +278,12 @@ class TorchTrainer:
         totals.rollout_lp.append(mb.rollout_logprobs[mask])
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def _ref_logprobs(self, mb: TrainBatch) -> torch.Tensor:
+    def _ref_logprobs(self, mb: TrainBatch, prefix_len: int = 0) -> torch.Tensor:
         assert self.ref_model is not None  # called only when there is a reference model
+        first = max(first_scored_position(mb.loss_mask), prefix_len + 1)
         with torch.no_grad(), self._autocast():
             return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature,
-                                  media=mb.media, first_position=first_scored_position(mb.loss_mask))
+                                  media=mb.media, first_position=first, prefix_len=prefix_len)
 
     def _summarize(self, totals: _Totals, batch: TrainBatch) -> dict[str, float]:
         n_policy = float(batch.num_policy_tokens)
