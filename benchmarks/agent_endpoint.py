@@ -127,15 +127,20 @@ def main() -> None:
     server = EndpointServer().start()
     keys = itertools.count()
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.agents} agents x "
-          f"{args.requests} requests x {args.max_new_tokens} new tokens; torch threads {args.threads}")
+          f"{args.requests} requests x {args.max_new_tokens} new tokens; torch threads {args.threads}", flush=True)
 
     async def run() -> dict[str, list[dict[str, float]]]:
-        await timed(run_direct(engine, renderer, args))
-        await timed(run_endpoint(server, engine, renderer, args, keys))
+        for side, warm in (("direct", run_direct(engine, renderer, args)),
+                           ("endpoint", run_endpoint(server, engine, renderer, args, keys))):
+            print(f"warm-up round {side:>9}: {(await timed(warm))[1]:6.1f} s", flush=True)
         rounds: dict[str, list[dict[str, float]]] = {"direct": [], "endpoint": []}
-        for _ in range(args.rounds):
+        for k in range(args.rounds):
             rounds["direct"].append(summary(*await timed(run_direct(engine, renderer, args))))
             rounds["endpoint"].append(summary(*await timed(run_endpoint(server, engine, renderer, args, keys))))
+            for side in ("direct", "endpoint"):  # each round as it ends: a long run shows progress
+                m = rounds[side][-1]
+                print(f"round {k + 1}/{args.rounds} {side:>9}: {m['req_per_s']:7.2f} req/s   p50 {m['p50_s'] * 1000:7.1f} ms"
+                      f"   wall {m['wall_s']:6.1f} s", flush=True)
         return rounds
 
     try:
