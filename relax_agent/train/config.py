@@ -141,12 +141,15 @@ class TrainerConfig(Section):
     """Cap on padded tokens (sequences x the longest) per forward/backward; None: no cap. Bounds
     activation memory when prompts are long (SmolLM2-135M in fp32 peaks near 2 GB per 1000 tokens
     of a micro-batch on CPU); the gradient is the same, only the split differs."""
-    shared_prefix: bool = True
+    shared_prefix: bool = False
     """Rows of a micro-batch that share a prefix (a group's prompt) forward it once and only their
     own suffixes on top of its key/value cache; the log-probs and gradient are the same up to float
     summation order (:mod:`~relax_agent.train.backends.torch_backend.shared_prefix`). Torch backend
     only; text rows without routing replay and a policy without activation checkpointing (other
-    batches take the plain forward). ``micro_batch_tokens`` then counts the prefix once."""
+    batches take the plain forward). ``micro_batch_tokens`` then counts the prefix once. Off by
+    default: its last bits can differ between processes (the same run under ``runtime: local`` and
+    ``runtime: ray`` can then sample a near-tie token differently), which the plain forward's do not
+    on the runs tested; ``examples/bfcl.yaml`` turns it on."""
     grad_clip: float = Field(default=1.0, gt=0.0)
     dtype: Dtype = "fp32"
     """Parameter/compute dtype of the trainer; bf16 and fp16 use autocast over fp32 master weights."""
