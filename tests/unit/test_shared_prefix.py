@@ -160,6 +160,9 @@ def test_trainer_step_is_the_same_with_and_without_sharing(cfg):
         model = tiny_llama()
         trainer = TorchTrainer(model, TrainerConfig(lr=1e-3, micro_batch_size=2, micro_batch_tokens=64,
                                                     shared_prefix=shared, **cfg))
+        # the comparison means something only if the shared run shares: three pairs of rows under a prefix
+        assert sorted(mb.prefix_len for mb in trainer._micro_batches(batch) if mb.prefix_len) == ([] if not shared
+                                                                                                 else [24, 29, 29])
         metrics = trainer.train_step(batch)
         out[shared] = (metrics, {k: v.detach().clone() for k, v in model.state_dict().items()})
     plain, shared = out[False], out[True]
