@@ -95,10 +95,7 @@ class TrainBatch:
         Raises:
             DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
         """
-        if micro_batch_size < 1:
-            raise DataError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
-        if max_tokens is not None and max_tokens < 1:
-            raise DataError(f"micro_batch_tokens must be >= 1 (or None for no cap); got {max_tokens}")
+        check_micro_batch_caps(micro_batch_size, max_tokens)
         lengths = [max(int(n), 1) for n in self.attention_mask.sum(dim=1).tolist()]
         out, start, longest = [], 0, 0
         for row, length in enumerate(lengths):
@@ -118,22 +115,42 @@ class TrainBatch:
         Raises:
             DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
         """
-        out = []
-        for rows in self.micro_slices(micro_batch_size, max_tokens):
-            length = max(int(self.attention_mask[rows].sum(dim=1).max()), 1)
-            out.append(
-                TrainBatch(
-                    input_ids=self.input_ids[rows, :length],
-                    attention_mask=self.attention_mask[rows, :length],
-                    loss_mask=self.loss_mask[rows, :length],
-                    rollout_logprobs=self.rollout_logprobs[rows, :length],
-                    advantages=self.advantages[rows],
-                    routed_experts=None if self.routed_experts is None else self.routed_experts[rows, :length],
-                    routes_mask=None if self.routes_mask is None else self.routes_mask[rows, :length],
-                    media=None if self.media is None else self.media[rows],
-                )
-            )
-        return out
+        return [self.select(rows) for rows in self.micro_slices(micro_batch_size, max_tokens)]
+
+    def select(self, rows: slice | Sequence[int]) -> TrainBatch:
+        """Rows ``rows`` of the batch (a slice, or indices in the order wanted), trimmed to the
+        longest of them; each keeps its routes and media.
+
+        Raises:
+            DataError: ``rows`` selects no row.
+        """
+        index = rows if isinstance(rows, slice) else torch.tensor(list(rows), dtype=torch.long)
+        picked = range(self.size)[rows] if isinstance(rows, slice) else [int(r) for r in index]
+        if not len(picked):
+            raise DataError(f"select() needs at least one row of {self.size}; got {rows!r}")
+        length = max(int(self.attention_mask[index].sum(dim=1).max()), 1)
+        return TrainBatch(
+            input_ids=self.input_ids[index, :length],
+            attention_mask=self.attention_mask[index, :length],
+            loss_mask=self.loss_mask[index, :length],
+            rollout_logprobs=self.rollout_logprobs[index, :length],
+            advantages=self.advantages[index],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[index, :length],
+            routes_mask=None if self.routes_mask is None else self.routes_mask[index, :length],
+            media=None if self.media is None else tuple(self.media[r] for r in picked),
+        )
+
+
+def check_micro_batch_caps(micro_batch_size: int, max_tokens: int | None) -> None:
+    """Refuse micro-batch caps that cannot split a batch.
+
+    Raises:
+        DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
+    """
+    if micro_batch_size < 1:
+        raise DataError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise DataError(f"micro_batch_tokens must be >= 1 (or None for no cap); got {max_tokens}")
 
 
 def trajectory_advantages(trajectories: Sequence[Trajectory], std_normalize: bool = True,

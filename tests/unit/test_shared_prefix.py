@@ -188,3 +188,23 @@ def test_only_text_batches_on_a_cached_model_share():
     model.gradient_checkpointing_enable() if not hasattr(model, "activation_checkpointing_enable") \
         else model.activation_checkpointing_enable()
     assert not can_share(model, batch)
+
+
+def test_select_keeps_the_order_asked_trims_and_carries_routes_and_media():
+    batch = make_batch([(5, [2, 9]), (4, [1])], interleave=False)  # row lengths 7, 14, 5
+    routes = torch.arange(batch.input_ids.numel(), dtype=torch.int16).view(*batch.input_ids.shape, 1, 1)
+    media = (None, MediaInputs(kinds=(), num_tokens=(), arrays={}), None)
+    full = TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.rollout_logprobs,
+                      batch.advantages, routed_experts=routes, routes_mask=batch.loss_mask.clone(), media=media)
+    picked = full.select([2, 0])
+    assert picked.input_ids.shape == (2, 7)  # trimmed to row 0's 7 tokens
+    assert torch.equal(picked.input_ids, batch.input_ids[[2, 0], :7])
+    assert torch.equal(picked.advantages, batch.advantages[[2, 0]])
+    assert torch.equal(picked.routed_experts, routes[[2, 0], :7])
+    assert picked.media == (None, None)
+    sliced = full.select(slice(1, 3))
+    assert sliced.input_ids.shape == (2, 14) and sliced.media == media[1:]
+    assert [mb.advantages.tolist() for mb in full.split(2)] == [m.advantages.tolist() for m in
+                                                                (full.select(slice(0, 2)), full.select([2]))]
+    with pytest.raises(DataError, match="at least one row"):
+        full.select([])

@@ -128,7 +128,7 @@ def token_logprobs_and_entropy(
 
         logits = shared_prefix_forward(model, input_ids, attention_mask, prefix_len, start)
     else:
-        if start and _takes_logits_to_keep(model):
+        if start and takes_logits_to_keep(model):
             extra["logits_to_keep"] = t - start
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         if logits.shape[1] != t - start:
@@ -152,7 +152,9 @@ def first_scored_position(loss_mask: torch.Tensor) -> int:
     return int(cols[0]) if len(cols) else 1
 
 
-def _takes_logits_to_keep(model: nn.Module) -> bool:
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model.forward`` accepts ``logits_to_keep`` (computes the logits of the last
+    positions only; Hugging Face causal LMs do)."""
     import inspect
 
     return "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from relax_agent.errors import DataError
-from relax_agent.train.batch import TrainBatch
+from relax_agent.train.batch import TrainBatch, check_micro_batch_caps
 
 CLUSTER_COST_TOKENS = 32
 """Tokens' worth of overhead charged per shared-prefix group (its second forward call): a prefix
@@ -116,10 +116,7 @@ def plan_micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int
     Raises:
         DataError: ``micro_batch_size`` < 1 or ``max_tokens`` < 1.
     """
-    if micro_batch_size < 1:
-        raise DataError(f"micro_batch_size must be >= 1; got {micro_batch_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise DataError(f"micro_batch_tokens must be >= 1 (or None for no cap); got {max_tokens}")
+    check_micro_batch_caps(micro_batch_size, max_tokens)
     lengths = [max(int(n), 1) for n in batch.attention_mask.sum(dim=1).tolist()]
     out: list[MicroBatch] = []
     alone: list[int] = []
@@ -128,9 +125,9 @@ def plan_micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int
             alone.extend(rows)
             continue
         for chunk in _chunks(rows, prefix, lengths, micro_batch_size, max_tokens):
-            out.append(MicroBatch(_select(batch, chunk), prefix if len(chunk) > 1 else 0))
+            out.append(MicroBatch(batch.select(chunk), prefix if len(chunk) > 1 else 0))
     if alone:
-        out.extend(MicroBatch(mb) for mb in _select(batch, sorted(alone)).split(micro_batch_size, max_tokens))
+        out.extend(MicroBatch(mb) for mb in batch.select(sorted(alone)).split(micro_batch_size, max_tokens))
     return out
 
 
@@ -148,19 +145,6 @@ def _chunks(rows: Sequence[int], prefix: int, lengths: Sequence[int], size: int,
         out[-1].append(row)
         longest = wider
     return out
-
-
-def _select(batch: TrainBatch, rows: Sequence[int]) -> TrainBatch:
-    """Rows ``rows`` of ``batch`` (in that order), trimmed to the longest of them."""
-    index = torch.tensor(list(rows), dtype=torch.long)
-    length = max(int(batch.attention_mask[index].sum(dim=1).max()), 1)
-    return TrainBatch(
-        input_ids=batch.input_ids[index, :length],
-        attention_mask=batch.attention_mask[index, :length],
-        loss_mask=batch.loss_mask[index, :length],
-        rollout_logprobs=batch.rollout_logprobs[index, :length],
-        advantages=batch.advantages[index],
-    )
 
 
 def can_share(model: nn.Module, batch: TrainBatch) -> bool:
@@ -209,6 +193,8 @@ def shared_prefix_forward(model: nn.Module, input_ids: torch.Tensor, attention_m
     """
     from transformers import DynamicCache
 
+    from relax_agent.train.backends.torch_backend.logprobs import takes_logits_to_keep
+
     b, t = input_ids.shape
     if not 0 < prefix_len <= logits_from < t:
         raise DataError(f"need 0 < prefix_len <= logits_from < T; got prefix_len={prefix_len}, "
@@ -219,7 +205,7 @@ def shared_prefix_forward(model: nn.Module, input_ids: torch.Tensor, attention_m
     kwarg = _cache_kwarg(model)
     assert kwarg is not None  # can_share() checked it
     cache = DynamicCache(config=getattr(model, "config", None))
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    keep = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
     model(input_ids=prefix, use_cache=True, **keep, **{kwarg: cache})
     cache.batch_repeat_interleave(b)
     positions = torch.arange(prefix_len, t, device=input_ids.device).expand(b, -1)
