@@ -201,3 +201,57 @@ def test_a_pending_weight_load_admits_nothing_and_runs_before_new_requests(hf_po
     assert short.policy_version == 1 and engine.stats.admitted_mid_batch == 0 and engine.stats.batches == 2
     torch.testing.assert_close(torch.tensor(short.logprobs),
                                reference_logprobs(model, chat_prompt(tok, 7), short.token_ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["finish_old", "abort_resume"])
+def test_abort_resume_loads_between_two_decode_steps_and_the_rows_resume_exactly_on_the_new_weights(hf_policy, policy):
+    import copy
+
+    model, tok = hf_policy
+    old_model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(2)
+    new_state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
+                 if "layers.1." in k or k == "lm_head.weight"}
+    prompt = chat_prompt(tok, 9)
+    paused, release, tokens_at_load, hits_before, streamed = threading.Event(), threading.Event(), [], [], []
+
+    def on_first_row_token(_tok, _lp, version):
+        streamed.append(version)
+        if len(streamed) == 3:
+            paused.set()
+            release.wait(30)
+
+    with make_engine(hf_policy, hf={"update_policy": policy}) as engine:
+        async def main():
+            rows = [asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=24, seed=s),
+                                                        on_token=on_first_row_token if s == 0 else None))
+                    for s in (0, 1)]
+            await asyncio.to_thread(paused.wait, 30)
+            hits_before.append(engine.stats.prefix_hit_tokens)
+            loader = asyncio.create_task(asyncio.to_thread(engine.load_weights, new_state, 1))
+            while not engine._loads_pending:
+                await asyncio.sleep(0.001)
+            release.set()
+            await loader
+            if policy == "finish_old":  # the rows were answered before the load could start
+                tokens_at_load.extend(len(r.result().token_ids) for r in rows if r.done())
+            return [await r for r in rows]
+
+        gens = asyncio.run(main())
+    if policy == "finish_old":  # the load waited for both rows: one version each
+        assert tokens_at_load == [24, 24] and all(g.token_versions == () and g.policy_version == 0 for g in gens)
+        assert engine.stats.resumed_rows == 0
+        return
+    assert streamed == [0] * 3 + [1] * 21  # the stream saw the version of each token as it was sampled
+    assert engine.stats.resumed_rows == 2
+    for g in gens:  # 3 tokens sampled by version 0 (the pause was in the step of the third), then version 1
+        assert len(g.token_ids) == 24 and g.policy_version == 0
+        assert g.token_versions == (0,) * 3 + (1,) * 21
+        torch.testing.assert_close(torch.tensor(g.logprobs[:3]), reference_logprobs(old_model, prompt, g.token_ids)[:3],
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(g.logprobs[3:]), reference_logprobs(model, prompt, g.token_ids)[3:],
+                                   atol=1e-4, rtol=0)
+    assert gens[0].token_ids != gens[1].token_ids
+    # the cache was cleared by the load; the second row's rebuild reused the prompt the first row's
+    # rebuild had just cached under the new weights
+    assert engine.stats.prefix_hit_tokens - hits_before[0] >= len(prompt)

@@ -42,6 +42,20 @@ class VLLMConfig(Section):
     """Most seconds one weight version may take to apply (``finish_old`` waits for running requests)."""
 
 
+class HFConfig(Section):
+    """``engine.hf``: the in-process Hugging Face engine behind ``engine.kind: hf``
+    (:mod:`relax_agent.rollout.engines.hf`)."""
+
+    update_policy: Literal["finish_old", "abort_resume"] = "finish_old"
+    """Rows decoding when a weight version arrives. "finish_old" (default): admit nothing new, let
+    them finish on the old weights, then load, so each generation is one version's and a run is
+    reproducible sample by sample; the load waits out the longest running row. "abort_resume": the
+    load goes in between two decode steps, each running row's KV is recomputed under the new
+    weights (one prefill of its tokens so far) and it resumes from the tokens it has, each token
+    keeping the version that sampled it (``Generation.token_versions``); the load waits one decode
+    step. Which token a version starts at then depends on timing, so runs differ sample by sample."""
+
+
 class EngineConfig(Section):
     """The rollout inference engine."""
 
@@ -56,6 +70,8 @@ class EngineConfig(Section):
     """How long the engine waits for more requests before starting a batch."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """Settings of ``kind: vllm`` (ignored by the other kinds)."""
+    hf: HFConfig = Field(default_factory=HFConfig)
+    """Settings of ``kind: hf`` (ignored by the other kinds)."""
     prefix_cache: bool | None = None
     """Keep the KV cache of each finished request and reuse the longest cached token prefix of a
     new prompt (a multi-turn episode's next turn, a group's shared prompt), so only the new tokens

@@ -22,10 +22,12 @@ trainer computes the same quantity from a forward pass over prompt + completion,
 agree up to kernel noise (checked to 1e-4 in the tests); with ``top_p < 1`` the sampling
 distribution is the truncated one, and the importance ratio should account for that.
 
-Weights: :meth:`HFEngine.load_weights` waits until the running rows have finished (no new
-row joins meanwhile), copies the weights and clears the prefix cache, all under the lock a
-running batch holds. So every token of a generation comes from one policy version, and no
-token is ever computed on KV written by older weights. With ``weights.verify`` it digests what
+Weights: :meth:`HFEngine.load_weights` copies the weights and clears the prefix cache under the
+lock a running batch holds. Under ``engine.hf.update_policy: finish_old`` (default) it waits until
+the running rows have finished (no new row joins meanwhile), so every token of a generation comes
+from one policy version; under ``abort_resume`` the worker lets it in between two decode steps and
+rebuilds each running row's KV on the new weights, each token keeping the version that sampled it.
+Either way no token is ever computed on KV written by older weights. With ``weights.verify`` it digests what
 it now holds under the same lock and refuses a version whose digest differs from what was sent.
 
 Reproducibility: a row samples from its own ``torch.Generator`` seeded with its request's

@@ -33,6 +33,8 @@ class _Request:
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Per sampled token, the policy version that sampled it."""
     routes: list[Any] = field(default_factory=list)
     """Per sampled token, [layers, top_k] experts of the forward that scored it (MoE with record_routes)."""
     generator: torch.Generator | None = None

@@ -215,8 +215,9 @@ class HFEngine(_Scheduler):
                      expected_digests: Expected | None = None) -> None:
         """Copy ``state_dict`` into the model between decode batches and set ``policy_version``.
 
-        Blocks until the running rows (if any) have finished; no new request joins them
-        meanwhile. Clears the prefix cache (its KV came from the old weights). Keys may be a subset of the
+        Blocks until the running rows (if any) have finished (``engine.hf.update_policy:
+        finish_old``) or until the next decode step ends (``abort_resume``: the rows then resume on
+        the new weights); no new request joins them meanwhile. Clears the prefix cache (its KV came from the old weights). Keys may be a subset of the
         model's (partial updates); values are cast to the parameter's dtype and device.
 
         Args:

@@ -3,7 +3,9 @@
 One thread owns the model. It gathers queued requests, prefills each (over only the prompt
 tokens the prefix cache lacks) and samples its first token, then runs one decode step over all
 rows at a time; between two steps a queued request joins while the batch has room and no weight
-load is pending, and a row that finishes is delivered at once. :class:`_Scheduler` holds these
+load is pending, and a row that finishes is delivered at once. Under ``engine.hf.update_policy:
+abort_resume`` a pending weight load also goes in between two steps, and the running rows resume
+on the new weights (:meth:`_Scheduler._resume_on_new_weights`). :class:`_Scheduler` holds these
 steps; :class:`~relax_agent.rollout.engines.hf.engine.HFEngine` inherits it and owns the state
 it declares.
 """
@@ -48,6 +50,8 @@ class EngineStats:
         weight_loads: :meth:`HFEngine.load_weights` calls applied.
         weight_load_s: seconds spent copying weights in, during which no batch could decode.
         weight_verify_s: part of ``weight_load_s`` spent on digests of the loaded weights (``weights.verify``).
+        resumed_rows: running rows moved to new weights mid-generation (``update_policy: abort_resume``),
+            each at the cost of one prefill of its tokens so far.
         media_items: media items encoded (a multimodal policy's requests).
     """
 
@@ -64,6 +68,7 @@ class EngineStats:
     weight_loads: int = 0
     weight_load_s: float = 0.0
     weight_verify_s: float = 0.0
+    resumed_rows: int = 0
     media_items: int = 0
 
 
@@ -156,7 +161,38 @@ class _Scheduler:
                 return
             if self._closed:
                 raise _Closed
+            if self._loads_pending and self._cfg.hf.update_policy == "abort_resume":
+                batch, version = self._resume_on_new_weights(batch)
+                continue
             self._step(batch, version)
+
+    def _resume_on_new_weights(self, batch: _Batch) -> tuple[_Batch, int]:
+        """Let the pending weight loads run between two decode steps, then rebuild the running
+        rows on the new weights: each row's KV is recomputed by one prefill of its prompt and the
+        tokens it has sampled but the last (which is fed by the next step, as before). The tokens
+        already sampled keep their versions and log-probs; every later token is an exact sample of
+        the new policy, never computed on KV written by the old weights.
+
+        Returns:
+            the rebuilt batch and the version it now decodes with.
+
+        Raises:
+            EngineError: the loaded weights failed verification (the rows fail with it).
+        """
+        self._weights_lock.release()  # held by _serve; the loader takes it now
+        try:
+            with self._loads_cv:
+                self._loads_cv.wait_for(lambda: self._loads_pending == 0)
+        finally:
+            self._weights_lock.acquire()
+        if self._unverified is not None:
+            raise EngineError(f"the engine's weights are not verified: {self._unverified}")
+        fresh = _Batch(self._device)
+        rows = [r for r in batch.rows if not r.cancelled]
+        fresh.merge([_Row(r, self._forward_ids(r.prompt_ids + r.token_ids[:-1])[1],
+                          len(r.prompt_ids) + len(r.token_ids) - 1, r.token_ids[-1]) for r in rows])
+        self.stats.resumed_rows += len(rows)
+        return fresh, self._version
 
     def _admit(self, waiting: list[_Request], batch: _Batch, served: list[_Request],
                version: int) -> list[_Row]:
@@ -201,20 +237,9 @@ class _Scheduler:
         Returns:
             the row to decode, or None if it finished at its first token.
         """
-        prompt = torch.tensor(req.prompt_ids, dtype=torch.long)
         n = len(req.prompt_ids)
-        reused, past = self._prefix.lookup(prompt, limit=n - 1) if self._prefix is not None else (0, None)
-        out = self._model(input_ids=prompt[None, reused:].to(self._device),
-                          attention_mask=torch.ones((1, n), dtype=torch.long, device=self._device),
-                          position_ids=torch.arange(reused, n, device=self._device)[None],
-                          use_cache=True, logits_to_keep=1, **{self._cache_kw: _cache_of(past)})
-        self.stats.forward_passes += 1
+        out, kv = self._forward_ids(req.prompt_ids)
         self.stats.prefills += 1
-        self.stats.prefill_tokens += n - reused
-        self.stats.prefix_hit_tokens += reused
-        kv = _kv_of(getattr(out, self._cache_kw))
-        if self._prefix is not None:
-            self._prefix.insert(prompt, kv)
         req.generator = torch.Generator().manual_seed(req.seed)
         temps = torch.tensor([req.params.temperature], device=self._device, dtype=torch.float32)
         top_ps = torch.tensor([req.params.top_p], device=self._device, dtype=torch.float32)
@@ -223,6 +248,25 @@ class _Scheduler:
         if not self._advance([req], tokens.tolist(), logprobs.tolist(), version, routes):
             return None
         return _Row(req, kv, n, int(tokens[0]))
+
+    def _forward_ids(self, ids: list[int]) -> tuple[Any, Any]:
+        """Forward ``ids`` over the tokens the prefix cache lacks (at least the last one) and cache
+        the result; returns the model output (logits [1, 1, vocab] of the last position) and the
+        KV of all ``ids`` ([1, kv_heads, len(ids), head_dim] per layer)."""
+        prompt = torch.tensor(ids, dtype=torch.long)
+        n = len(ids)
+        reused, past = self._prefix.lookup(prompt, limit=n - 1) if self._prefix is not None else (0, None)
+        out = self._model(input_ids=prompt[None, reused:].to(self._device),
+                          attention_mask=torch.ones((1, n), dtype=torch.long, device=self._device),
+                          position_ids=torch.arange(reused, n, device=self._device)[None],
+                          use_cache=True, logits_to_keep=1, **{self._cache_kw: _cache_of(past)})
+        self.stats.forward_passes += 1
+        self.stats.prefill_tokens += n - reused
+        self.stats.prefix_hit_tokens += reused
+        kv = _kv_of(getattr(out, self._cache_kw))
+        if self._prefix is not None:
+            self._prefix.insert(prompt, kv)
+        return out, kv
 
     def _step(self, batch: _Batch, version: int) -> None:
         """One forward pass over every row (its last sampled token), then sample each row's next.
@@ -253,6 +297,7 @@ class _Scheduler:
         for i, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs, strict=True)):
             req.token_ids.append(tok)
             req.logprobs.append(lp)
+            req.versions.append(version)
             if req.on_token is not None:
                 req.on_token(tok, lp, version)
             if routes is not None:
@@ -270,7 +315,10 @@ class _Scheduler:
         req.done = True
         self.stats.sequences += 1
         routed = stack_routes(req.routes) if req.routes else None
-        req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason, version, routed))
+        spans = len(set(req.versions)) > 1  # resumed on new weights mid-generation
+        req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason,
+                               min(req.versions) if spans else version, routed,
+                               token_versions=tuple(req.versions) if spans else ()))
 
 
 def _fail_unfinished(reqs: list[_Request], error: EngineError) -> None:
