@@ -62,7 +62,7 @@ class _Run:
     def __init__(self, ctrl: Controller) -> None:
         cfg = ctrl.cfg
         self.ctrl = ctrl
-        self.gate = StalenessGate(ctrl.B, ctrl.s)
+        self.gate = StalenessGate(ctrl.B, ctrl.s, max_groups=(cfg.trainer.steps - ctrl.step) * ctrl.B)
         self.draws = TaskSampler(len(ctrl.runtime.train_tasks), cfg.run.seed)
         self.draws.load_state_dict(ctrl.sampler.state_dict())
         self.next_seq = ctrl.groups_drawn

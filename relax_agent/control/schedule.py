@@ -8,6 +8,9 @@ Staleness control (``max_staleness = s``, ``B = rollout.tasks_per_step``):
   ``queue_capacity(B, s, G)`` rows, and a group started before step ``k`` completes is at
   most ``s`` versions behind when the trainer reaches it, unless it outlives ``s`` later
   steps of faster groups.
+- **Budget.** No group starts that no remaining step could train: at most
+  ``(steps - steps_trained) * B`` groups start in a run (plus one per drop), so the last steps
+  do not share the machine with rollouts that would be thrown away.
 - **Drop.** Such a long-tail group is dropped (acked, counted in ``async/dropped_groups``)
   instead of trained, so no trained sample ever lags more than ``s`` versions:
   ``trainer_version - sample_version <= s`` holds for every row of ``rollouts/*.jsonl``.
@@ -43,22 +46,28 @@ class StalenessGate:
     Args:
         tasks_per_step: B, groups the trainer consumes per step.
         max_staleness: s >= 0.
+        max_groups: groups the remaining steps can train (``remaining steps x B``); None: no bound.
 
     Counters: ``started`` groups, ``dropped`` (too stale, retired untrained), ``steps_done``.
     All methods run on the event loop's thread.
     """
 
-    def __init__(self, tasks_per_step: int, max_staleness: int) -> None:
+    def __init__(self, tasks_per_step: int, max_staleness: int, max_groups: int | None = None) -> None:
         self.tasks_per_step = tasks_per_step
         self.max_staleness = max_staleness
+        self.max_groups = max_groups
         self.started = 0
         self.dropped = 0
         self.steps_done = 0
         self._changed = asyncio.Event()
 
     def may_start(self) -> bool:
-        """True while a new group fits: ``started - dropped < (steps_done + s + 1) * B``."""
-        return self.started - self.dropped < (self.steps_done + self.max_staleness + 1) * self.tasks_per_step
+        """True while a new group fits: ``started - dropped < (steps_done + s + 1) * B`` and
+        ``started - dropped < max_groups``."""
+        live = self.started - self.dropped
+        if self.max_groups is not None and live >= self.max_groups:
+            return False
+        return live < (self.steps_done + self.max_staleness + 1) * self.tasks_per_step
 
     async def admit(self) -> None:
         """Wait until a new group may start, and count it as started."""

@@ -48,6 +48,24 @@ def test_gate_admits_s_plus_one_steps_of_groups():
     asyncio.run(main())
 
 
+def test_gate_starts_no_group_beyond_what_the_remaining_steps_train():
+    gate = StalenessGate(tasks_per_step=2, max_staleness=2, max_groups=3)
+    assert gate.may_start()
+    gate.started = 3
+    assert not gate.may_start()  # the staleness bound (s + 1) * B = 6 would allow more
+    gate.drop()  # a dropped group is replaced
+    assert gate.may_start()
+
+
+def test_an_async_run_plays_only_the_groups_its_steps_train(tmp_path):
+    ctrl = make_controller(tmp_path, 2, lambda spec: 0.001, steps=3)
+    run(ctrl)
+    rows = dumped(tmp_path)
+    assert not any(r["dropped_stale"] for r in rows)
+    # B = 2 groups per step for 3 steps; the gate alone would also have started the next 2 x 2
+    assert ctrl.runtime.rollout.runner.groups == {f"s{k}/g{g}" for k in range(3) for g in range(2)}
+
+
 def test_gate_staleness_rule():
     gate = StalenessGate(tasks_per_step=4, max_staleness=2)
     assert not gate.too_stale(trainer_version=5, sample_version=3)
@@ -64,8 +82,11 @@ class FakeRunner(RolloutRunner):
     def __init__(self, engine, delay_s):
         self.engine, self.limits, self.delay_s, self.reward = engine, RolloutLimits(), delay_s, None
         self.cancelled = self.in_flight = 0
+        self.groups: set[str] = set()
 
     async def run(self, specs, params, on_done=None):
+        self.groups.update(spec.group_id for spec in specs)
+
         async def one(spec):
             self.in_flight += 1
             try:
