@@ -3,7 +3,8 @@
 Variants (``--variants``, default all): ``grpo`` (the default recipe), ``grpo_ds`` (+ dynamic
 sampling), ``gspo`` (sequence ratio, ``loss_agg: seq_mean``, clip 3e-4 / 4e-4 as in the paper),
 ``rloo`` (leave-one-out advantages) and ``cispo`` (clipped IS weight, upper clip 4.0 as in the paper),
-plus ``lora`` (the default recipe with ``trainer.lora.rank: 16``) when asked. The supervised warm-up runs
+plus ``lora`` (the default recipe with ``trainer.lora.rank: 16`` and 10x the learning rates, as in
+``docs/results/bfcl-smollm2-lora-r16``) when asked. The supervised warm-up runs
 once (``relax-agent train examples/bfcl.yaml trainer.steps=0``, evaluated with ``eval.after_warmup``)
 and saves ``checkpoints/step_000000``; each variant then resumes from a copy of that checkpoint in its
 own process (``--resume``), so every variant starts from the same weights, optimizer state and data
@@ -13,7 +14,9 @@ samples; dynamic sampling draws more groups to fill them and the table says how 
 
 Printed per variant: held-out accuracy (the main job's evaluation: BFCL checker, 3 seeds) with its
 spread, samples/s (trained samples over the training loop), groups drawn, median step time, peak RSS
-and CPU-seconds of the process.
+and CPU-seconds of the process. Each variant's row is printed as it ends and appended to
+``results.jsonl`` in the work folder; run again with the same ``--out`` and a finished warm-up and
+finished variants are reused, not rerun (a crash or a kill loses only the variant it was in).
 
     .venv/bin/python benchmarks/algorithms.py                       # ~2.5 h on 2 idle CPU cores
     .venv/bin/python benchmarks/algorithms.py --variants grpo,lora  # LoRA next to full fine-tuning
@@ -43,7 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "gspo": ["trainer.loss=gspo", "trainer.loss_agg=seq_mean", "trainer.clip_eps_low=3e-4", "trainer.clip_eps_high=4e-4"],
     "rloo": ["trainer.advantage=rloo"],
     "cispo": ["trainer.loss=cispo", "trainer.clip_eps_low=1.0", "trainer.clip_eps_high=4.0"],
-    "lora": ["trainer.lora.rank=16"],
+    "lora": ["trainer.lora.rank=16", "trainer.sft_lr=1e-3", "trainer.lr=5e-4"],
 }
 DEFAULT = ["grpo", "grpo_ds", "gspo", "rloo", "cispo"]
 
@@ -67,16 +70,26 @@ def _train(name: str, args: argparse.Namespace, out: Path, extra: list[str], res
 
 def warm_up(args: argparse.Namespace, out: Path) -> tuple[Path, tuple[float, float]]:
     """The shared warm-up: its checkpoint (``step_000000``) and its held-out accuracy (mean, std)."""
-    run_dir, _ = _train("warmup", args, out, ["trainer.steps=0", "eval.after_warmup=true", "eval.at_end=false"],
-                        resume=False)
+    run_dir = out / "warmup"
+    if not _warm_eval(run_dir):  # not finished before: run it (again)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _train("warmup", args, out, ["trainer.steps=0", "eval.after_warmup=true", "eval.at_end=false"], resume=False)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     warm = next(r for r in rows if "eval_warmup/accuracy" in r)
     return run_dir / "checkpoints" / "step_000000", (warm["eval_warmup/accuracy"], warm["eval_warmup/accuracy_std"])
 
 
+def _warm_eval(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a finished warm-up: its checkpoint and its held-out evaluation."""
+    metrics = run_dir / "metrics.jsonl"
+    return ((run_dir / "checkpoints" / "step_000000").is_dir() and metrics.exists()
+            and "eval_warmup/accuracy" in metrics.read_text())
+
+
 def run_variant(name: str, args: argparse.Namespace, out: Path, warm_ckpt: Path) -> dict:
     """Train ``name`` from the shared warm-up checkpoint (``lora``: from its own warm-up)."""
     own = name == "lora"
+    shutil.rmtree(out / name, ignore_errors=True)  # a variant killed half-way starts again
     if not own:
         shutil.copytree(warm_ckpt, out / name / "checkpoints" / warm_ckpt.name)
     run_dir, usage = _train(name, args, out, ["eval.after_warmup=false", *VARIANTS[name]], resume=not own)
@@ -88,6 +101,22 @@ def run_variant(name: str, args: argparse.Namespace, out: Path, warm_ckpt: Path)
             "samples_per_s": sum(r.get("train/samples", 0.0) for r in steps) / sum(r["timing/step_s"] for r in steps),
             "groups": groups, "step_s": statistics.median(r["timing/step_s"] for r in steps),
             "rss_gb": usage.ru_maxrss / 2**20, "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def _check_same_settings(args: argparse.Namespace, out: Path) -> None:
+    """Keep the settings of the first run in ``out/settings.json``; a later run in the same folder
+    reuses its results only with the same settings (``--variants`` may differ)."""
+    settings = {k: v for k, v in vars(args).items() if k not in ("variants", "out")}
+    saved = out / "settings.json"
+    if saved.exists() and (before := json.loads(saved.read_text())) != settings:
+        changed = sorted(k for k in settings if before.get(k) != settings[k])
+        raise SystemExit(f"{out} holds results of other settings ({', '.join(changed)}); use another --out")
+    saved.write_text(json.dumps(settings, indent=1))
+
+
+def _row(r: dict) -> str:
+    return (f"{r['acc']:>7.3f} ± {r['acc_std']:.3f} {r['samples_per_s']:>9.3f} {r['groups']:>6.0f} "
+            f"{r['step_s']:>7.1f} {r['rss_gb']:>11.2f} {r['cpu_s']:>7.0f}")
 
 
 def main() -> None:
@@ -108,17 +137,29 @@ def main() -> None:
         raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
     out = Path(args.out or tempfile.mkdtemp(prefix="algorithms-"))
     out.mkdir(parents=True, exist_ok=True)
+    _check_same_settings(args, out)
     load = os.getloadavg()[0]
     warm_ckpt, warm = warm_up(args, out)
-    rows = [run_variant(n, args, out, warm_ckpt) for n in names]
+    print(f"warm-up done: held-out accuracy {warm[0]:.3f} ± {warm[1]:.3f}", flush=True)
+    results = out / "results.jsonl"
+    done = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.exists() else {}
+    rows = []
+    for n in names:  # each row is printed and kept in results.jsonl as it ends (a crash loses no row)
+        if n in done:
+            rows.append(done[n])
+            print(f"{n}: reused from {results}", flush=True)
+            continue
+        rows.append(run_variant(n, args, out, warm_ckpt))
+        with results.open("a") as f:
+            f.write(json.dumps(rows[-1]) + "\n")
+        print(f"{n} done: {_row(rows[-1])}", flush=True)
     print(f"BFCL simple, {args.warmup_steps} warm-up + {args.steps} RL steps x {args.tasks_per_step} x {args.group_size}, "
           f"{args.threads} threads; held-out {args.eval_tasks} tasks x seeds [{args.eval_seeds}]; "
           f"load at start {load:.1f}, at end {os.getloadavg()[0]:.1f}; work folder {out}")
     print(f"warm-up alone: held-out accuracy {warm[0]:.3f} ± {warm[1]:.3f} (every variant but lora starts there)")
     print(f"{'variant':<9} {'held-out acc':>14} {'samples/s':>9} {'groups':>6} {'step s':>7} {'peak RSS GB':>11} {'CPU s':>7}")
     for r in rows:
-        print(f"{r['name']:<9} {r['acc']:>7.3f} ± {r['acc_std']:.3f} {r['samples_per_s']:>9.3f} {r['groups']:>6.0f} "
-              f"{r['step_s']:>7.1f} {r['rss_gb']:>11.2f} {r['cpu_s']:>7.0f}")
+        print(f"{r['name']:<9} {_row(r)}")
     base = rows[0]
     for r in rows[1:]:
         print(f"{r['name']} / {base['name']}: samples/s {r['samples_per_s'] / base['samples_per_s']:.2f}x, "

@@ -16,7 +16,7 @@ rows and generates through transformers' ``generate`` (batched, no prefix sharin
 skips zero-advantage rows and batches episodes in its own engine; scheduling differs by design.
 
 Each system runs alone, one after the other (relax-agent colocate, relax-agent async with
-``--staleness``, then TRL), each in its own process: completions/s and trained samples/s over the
+``--staleness`` and ``engine.hf.update_policy: abort_resume``, then TRL), each in its own process: completions/s and trained samples/s over the
 training loop, CPU-seconds per completion and peak RSS of the whole process (model load included),
 generated tokens/s, and held-out accuracy of each final model (``relax-agent eval``, the BFCL
 checker, ``--eval-tasks`` x ``--eval-seeds``). The last lines are ratios against TRL.
@@ -131,7 +131,8 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, float
 
 def run_relax(args: argparse.Namespace, model_dir: Path, out: Path, mode: str) -> dict:
     run_dir = out / f"relax-{mode}"
-    sched = ["mode=colocate"] if mode == "colocate" else ["mode=async", f"max_staleness={args.staleness}"]
+    sched = ["mode=colocate"] if mode == "colocate" else [
+        "mode=async", f"max_staleness={args.staleness}", "engine.hf.update_policy=abort_resume"]
     cmd = [sys.executable, "-m", "relax_agent.cli", "train", str(CONFIG), f"model.path={model_dir}",
            f"run.output_dir={run_dir}", f"run.seed={args.seed}", "trainer.sft_warmup_steps=0",
            f"trainer.steps={args.steps}", f"rollout.tasks_per_step={args.prompts}",
