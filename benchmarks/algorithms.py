@@ -18,7 +18,7 @@ and CPU-seconds of the process. Each variant's row is printed as it ends and app
 ``results.jsonl`` in the work folder; run again with the same ``--out`` and a finished warm-up and
 finished variants are reused, not rerun (a crash or a kill loses only the variant it was in).
 
-    .venv/bin/python benchmarks/algorithms.py                       # ~2.5 h on 2 idle CPU cores
+    .venv/bin/python benchmarks/algorithms.py                       # ~70 min on 2 idle CPU cores
     .venv/bin/python benchmarks/algorithms.py --variants grpo,lora  # LoRA next to full fine-tuning
     .venv/bin/python benchmarks/algorithms.py --steps 1 --warmup-steps 1 --eval-tasks 4 --eval-seeds 0 \\
         --tasks-per-step 2 --group-size 4 --variants grpo,gspo      # a smoke run (minutes)
@@ -164,6 +164,37 @@ def main() -> None:
     for r in rows[1:]:
         print(f"{r['name']} / {base['name']}: samples/s {r['samples_per_s'] / base['samples_per_s']:.2f}x, "
               f"held-out accuracy {r['acc'] - base['acc']:+.3f}")
+    print(f"plot: {plot(out, rows, warm)}")
+
+
+def plot(out: Path, rows: list[dict], warm: tuple[float, float]) -> Path:
+    """``out/comparison.png``: held-out accuracy per variant (± std over seeds) beside the warm-up's,
+    and each variant's training reward per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (acc, reward) = plt.subplots(1, 2, figsize=(11, 4))
+    acc.bar([r["name"] for r in rows], [r["acc"] for r in rows], yerr=[r["acc_std"] for r in rows], capsize=4)
+    acc.axhline(warm[0], ls="--", color="k", label=f"warm-up alone {warm[0]:.3f} ± {warm[1]:.3f}")
+    acc.set_ylabel("held-out accuracy (BFCL checker)")
+    acc.set_title("held-out accuracy at the end")
+    acc.legend(loc="lower right")
+    for i, r in enumerate(rows):
+        metrics = [json.loads(x) for x in (out / r["name"] / "metrics.jsonl").read_text().splitlines()]
+        steps = [m for m in metrics if "rollout/reward" in m]
+        reward.plot([m["step"] for m in steps], [m["rollout/reward"] for m in steps], label=r["name"],
+                    ls=("-", "--", ":")[i % 3], marker="o")  # equal curves (see the docs) stay visible
+    reward.set_xlabel("RL step")
+    reward.set_ylabel("training reward (step mean)")
+    reward.set_title("training reward per step")
+    reward.legend()
+    fig.tight_layout()
+    path = out / "comparison.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
