@@ -125,7 +125,7 @@ class TrainBatch:
             DataError: ``rows`` selects no row.
         """
         index = rows if isinstance(rows, slice) else torch.tensor(list(rows), dtype=torch.long)
-        picked = range(self.size)[rows] if isinstance(rows, slice) else [int(r) for r in index]
+        picked = range(self.size)[rows] if isinstance(rows, slice) else [int(r) for r in rows]
         if not len(picked):
             raise DataError(f"select() needs at least one row of {self.size}; got {rows!r}")
         length = max(int(self.attention_mask[index].sum(dim=1).max()), 1)
