@@ -306,7 +306,9 @@ def test_a_host_that_joins_the_running_cluster_gets_a_replica_with_the_latest_we
     workers = [n for n in cluster.wait_nodes(1) if "rollout_host" in n["Resources"]]
     slots = int(sum(n["Resources"]["rollout_host"] for n in workers))
     out = tmp_path / "join"
-    steps = 48  # ~0.8 s a step: the run outlives the join (~10 s) and the new replica's first start on the host
+    # The run must outlive the join and the new replica's first start on host 5. With both cores busy that took
+    # 22 s, while the loop went from step 1 to step 40: 48 steps left a margin of 8, 160 leaves ~120
+    steps = 160
     proc = train(cluster, tiny_model_dir, out, "join", steps, f"runtime.rollout_replicas={slots}")
     try:
         wait_for(lambda: len([p for p in jsonl(out / "placement.jsonl") if p["role"] == "rollout"]) == slots, 240,

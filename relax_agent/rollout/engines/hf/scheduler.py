@@ -304,20 +304,21 @@ class _Scheduler:
                 req.routes.append(routes[i])
             self.stats.new_tokens += 1
             if tok in req.stop_ids:
-                self._finish(req, "stop", version)
+                self._finish(req, "stop")
             elif len(req.token_ids) >= req.params.max_new_tokens:
-                self._finish(req, "length", version)
+                self._finish(req, "length")
             elif not req.cancelled:
                 keep.append(i)
         return keep
 
-    def _finish(self, req: _Request, reason: str, version: int) -> None:
+    def _finish(self, req: _Request, reason: str) -> None:
+        """Deliver ``req``: its policy version is that of its first token (versions only rise), and the
+        per-token versions come along only when it was resumed on new weights mid-generation."""
         req.done = True
         self.stats.sequences += 1
         routed = stack_routes(req.routes) if req.routes else None
-        spans = len(set(req.versions)) > 1  # resumed on new weights mid-generation
-        req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason,
-                               min(req.versions) if spans else version, routed,
+        spans = req.versions[0] != req.versions[-1]
+        req.deliver(Generation(tuple(req.token_ids), tuple(req.logprobs), reason, req.versions[0], routed,
                                token_versions=tuple(req.versions) if spans else ()))
 
 
