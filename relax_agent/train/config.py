@@ -119,11 +119,11 @@ class TrainerConfig(Section):
     "fake": a trainer without a model that records what it was given
     (:class:`~relax_agent.train.backends.fake.FakeTrainer`), for tests."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Parallel layout of ``backend: megatron`` (ignored by the other backends)."""
     fake: FakeTrainerConfig = Field(default_factory=FakeTrainerConfig)
     """Faults of ``backend: fake`` (tests)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (``rank`` > 0; torch backend only)."""
-    """Parallel layout of ``backend: megatron`` (ignored by the other backends)."""
     steps: int = Field(default=20, ge=0)
     lr: float = Field(default=1e-5, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)

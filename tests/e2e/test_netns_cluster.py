@@ -68,9 +68,9 @@ def train(cluster, tiny_model_dir, out: Path, name: str, steps: int, *overrides:
            f"data.ray_address={cluster.head_address}", f"data.ray_actor_name=rxt-{name}",
            'runtime.rollout_resources={"rollout_host": 1}', "runtime.rollout_spread=true",
            'runtime.trainer_resources={"head_host": 0.01}', "runtime.control_host=0.0.0.0", *overrides, "--quiet"]
-    log = open(out.parent / f"{name}.log", "w")
-    return cluster.popen(1, cmd, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT,
-                         env={**cluster.ray_env(), **(env or {})})
+    with open(out.parent / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
+        return cluster.popen(1, cmd, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT,
+                             env={**cluster.ray_env(), **(env or {})})
 
 
 REWARD_HOST, REWARD_PORT, REWARD_TOKEN_ENV = 2, 18301, "RXT_REWARD_TOKEN"
@@ -86,11 +86,12 @@ def serve_reward(cluster, folder: Path, token: str) -> subprocess.Popen:
     once it answers on its port."""
     (folder / "rxt_reward.py").write_text(_REWARD)
     log = folder / "reward.log"
-    proc = cluster.popen(REWARD_HOST, [str(Path(sys.executable).with_name("relax-agent")), "serve-reward",
-                                       str(folder / "rxt_reward.py") + ":score", "--host", cluster.ip(REWARD_HOST),
-                                       "--port", str(REWARD_PORT), "--token-env", REWARD_TOKEN_ENV],
-                         cwd=str(folder), env={**cluster.ray_env(), REWARD_TOKEN_ENV: token},
-                         stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = cluster.popen(REWARD_HOST, [str(Path(sys.executable).with_name("relax-agent")), "serve-reward",
+                                           str(folder / "rxt_reward.py") + ":score", "--host", cluster.ip(REWARD_HOST),
+                                           "--port", str(REWARD_PORT), "--token-env", REWARD_TOKEN_ENV],
+                             cwd=str(folder), env={**cluster.ray_env(), REWARD_TOKEN_ENV: token},
+                             stdout=out, stderr=subprocess.STDOUT)
     wait_for(lambda: "Uvicorn running" in log.read_text(), 60, "the reward service on host 2", proc)
     return proc
 
