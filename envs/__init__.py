@@ -55,17 +55,35 @@ def env_ids() -> list[str]:
     return sorted(i for i, spec in gymnasium.registry.items() if not builtin(spec.entry_point))
 
 
-def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
-    """What ``relax-agent envs show`` prints: registration, reward, tasks per split, tool schemas.
+def make(env_id: str, **kwargs: Any) -> gymnasium.Env:
+    """``gymnasium.make`` for every form an ``env.id`` may take.
 
-    ``env_id`` may be ``"module:ns/Name-v0"`` (the module is imported first, from the working
-    directory too). Tools come from the env's ``tool_schemas`` when it has them (:class:`ToolEnv`),
-    else from ``reset(seed=0)``; a failure there is reported in ``tools_error``, not raised.
+    Args:
+        env_id: a registered id (``"relax/Calculator-v0"``), ``"module:ns/Name-v0"`` (the module is
+            imported first, from the working directory too), or a bridge's ``"<scheme>:<name>"``
+            (``"gem:game:GuessTheNumber-v0"``, :mod:`relax_agent.envs.bridges`).
+        **kwargs: constructor arguments.
 
     Raises:
+        ConfigError: a bridge's package is missing (naming the extra), or its name contradicts ``kwargs``.
         gymnasium.error.Error: unknown id (with gymnasium's "did you mean").
     """
-    module, _, env_id = env_id.rpartition(":")
+    env_id, kwargs = resolve_id(env_id, kwargs)
+    return gymnasium.make(env_id, **kwargs)
+
+
+def resolve_id(env_id: str, kwargs: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """The registered gymnasium id and kwargs of an ``env.id`` (see :func:`make`); imports a
+    ``"module:"`` prefix's module.
+
+    Raises:
+        ConfigError: as :func:`relax_agent.envs.bridges.resolve`.
+        ImportError: the ``"module:"`` prefix cannot be imported.
+    """
+    from relax_agent.envs.bridges import resolve
+
+    env_id, kwargs = resolve(env_id, kwargs)
+    module, _, name = env_id.rpartition(":")
     if module:
         import importlib
         import os
@@ -74,6 +92,20 @@ def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())
         importlib.import_module(module)
+        env_id = name
+    return env_id, kwargs
+
+
+def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
+    """What ``relax-agent envs show`` prints: registration, reward, tasks per split, tool schemas.
+
+    ``env_id`` takes every form :func:`make` takes. Tools come from the env's ``tool_schemas`` when it has them (:class:`ToolEnv`),
+    else from ``reset(seed=0)``; a failure there is reported in ``tools_error``, not raised.
+
+    Raises:
+        gymnasium.error.Error: unknown id (with gymnasium's "did you mean").
+    """
+    env_id, kwargs = resolve_id(env_id, kwargs)
     env = gymnasium.make(env_id, **kwargs)
     try:
         inner, spec = env.unwrapped, env.spec
@@ -99,6 +131,7 @@ def register_envs() -> None:
     from relax_agent.envs import (
         audio,
         bfcl,
+        bridges,
         calculator,
         data_file,
         dataset_tools,
@@ -117,6 +150,7 @@ def register_envs() -> None:
     visual.register()
     audio.register()
     video.register()
+    bridges.register()
 
 
 def load_plugins() -> list[str]:
@@ -154,5 +188,5 @@ def load_plugins() -> list[str]:
 register_envs()
 load_plugins()
 
-__all__ = ["ConversationSpace", "DeclaresTools", "DescribesReward", "HasTasks", "MessageSpace", "SteppedAsync", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "register",
-           "register_envs", "steps_async", "tool_schema"]
+__all__ = ["ConversationSpace", "DeclaresTools", "DescribesReward", "HasTasks", "MessageSpace", "SteppedAsync", "TextEnv", "ToolEnv", "describe", "env_ids", "load_plugins", "make", "register",
+           "register_envs", "resolve_id", "steps_async", "tool_schema"]

@@ -122,6 +122,20 @@ class ReasoningGymEnv(ToolEnv):
         return score, {"correct": float(score == 1.0), "answered": float(answer is not None)}
 
 
+def available() -> list[str]:
+    """Every reasoning-gym dataset name (``env.id: "reasoning_gym:<name>"``).
+
+    Raises:
+        ConfigError: reasoning-gym is not installed (naming the extra).
+    """
+    from relax_agent.envs.bridges import require
+
+    require("reasoning_gym")
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
 def register() -> None:
     """Register ``relax/ReasoningGym-v0`` (default dataset ``basic_arithmetic``)."""
     from relax_agent.envs import register as register_env

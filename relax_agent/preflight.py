@@ -34,28 +34,25 @@ def check_env_id(env_id: str) -> None:
     """Raise ConfigError (with close matches) when ``env_id`` is not registered.
 
     ``"pkg.module:ns/Name-v0"`` imports ``pkg.module`` first (from the working directory too,
-    as ``python -m`` would), which registers the env.
+    as ``python -m`` would), which registers the env. A bridge's ``"<scheme>:<name>"``
+    (:mod:`relax_agent.envs.bridges`) needs its foreign package installed.
     """
     import gymnasium
 
-    import relax_agent.envs  # noqa: F401  (registers the built-in envs)
+    from relax_agent.envs import resolve_id
+    from relax_agent.envs.bridges import require, split_scheme
 
-    module, _, name = env_id.rpartition(":")
-    if module:
-        import importlib
-        import os
-        import sys
-
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(f"env.id={env_id!r}: cannot import module {module!r}: {exc}") from exc
-        env_id = name
-    if env_id in gymnasium.registry:
+    bridge, _ = split_scheme(env_id)
+    if bridge is not None and bridge.package is not None:
+        require(bridge.scheme)
+    try:
+        name, _ = resolve_id(env_id)
+    except ImportError as exc:
+        module = env_id.rpartition(":")[0]
+        raise ConfigError(f"env.id={env_id!r}: cannot import module {module!r}: {exc}") from exc
+    if name in gymnasium.registry:
         return
-    close = difflib.get_close_matches(env_id, list(gymnasium.registry), n=3, cutoff=0.5)
+    close = difflib.get_close_matches(name, list(gymnasium.registry), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise ConfigError(f"env.id={env_id!r} is not a registered environment{hint} (see `relax-agent envs list`)")
 
@@ -68,7 +65,10 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
     import gymnasium
     from gymnasium.envs.registration import load_env_creator
 
-    spec = gymnasium.spec(env_id.rpartition(":")[2])
+    from relax_agent.envs import resolve_id
+
+    name, kwargs = resolve_id(env_id, kwargs)
+    spec = gymnasium.spec(name)
     creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
     if creator is None:
         raise ConfigError(f"env.id={env_id!r} has no entry_point (a vector-only env)")
@@ -79,8 +79,8 @@ def check_env_kwargs(env_id: str, kwargs: dict[str, Any]) -> None:
     for key in kwargs:
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; {env_id} takes {sorted(accepted)}"
-            raise ConfigError(f"env.kwargs.{key}: unknown argument of {env_id}{hint}")
+            hint = f"; did you mean '{close[0]}'?" if close else f"; {name} takes {sorted(accepted)}"
+            raise ConfigError(f"env.kwargs.{key}: unknown argument of {name}{hint}")
 
 
 def preflight(cfg: RelaxConfig) -> str:

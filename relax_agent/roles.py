@@ -37,18 +37,16 @@ def make_env_factory(cfg: RelaxConfig) -> Callable[[], Any]:
 
 
 def make_env(env_id: str, kwargs: dict[str, Any]) -> Any:
-    """``gymnasium.make(env_id, **kwargs)``.
+    """``relax_agent.envs.make(env_id, **kwargs)`` (a bridge's ``"<scheme>:<name>"`` included).
 
     Raises:
         ConfigError: the env refused its arguments; a message that begins with one of ``kwargs``
             (``split='nope'; expected ...``) names it by its full key (``env.kwargs.split=...``).
     """
-    import gymnasium
-
-    import relax_agent.envs  # noqa: F401
+    from relax_agent.envs import make
 
     try:
-        return gymnasium.make(env_id, **kwargs)
+        return make(env_id, **kwargs)
     except ConfigError as exc:
         message = str(exc)
         if any(re.match(rf"{re.escape(key)}\b", message) for key in kwargs):
