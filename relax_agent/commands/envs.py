@@ -14,12 +14,43 @@ envs_app = typer.Typer(help="Registered environments.", no_args_is_help=True)
 
 
 @envs_app.command("list")
-def envs_list() -> None:
-    """Registered environments: relax-agent's and those of installed plugin packages."""
+def envs_list(
+    bridge: str | None = typer.Option(None, "--bridge", help="Only what one bridge's package offers, in full "
+                                      "(verifiers, openenv, gem, textarena, reasoning_gym, harbor)."),
+) -> None:
+    """Registered environments (relax-agent's and installed plugin packages'), then what each bridge's
+    installed package offers as ``env.id: "<scheme>:<name>"``."""
     from relax_agent.envs import env_ids
+    from relax_agent.envs.bridges import BRIDGES
 
+    if bridge is not None:
+        if bridge not in BRIDGES:
+            _fail(ConfigError(f"--bridge {bridge!r}: expected one of {sorted(BRIDGES)}"))
+            return
+        for line in _bridge_lines(bridge, limit=None):
+            typer.echo(line)
+        return
     for env_id in env_ids():
         typer.echo(env_id)
+    typer.echo("")
+    typer.echo("bridges (env.id: \"<scheme>:<name>\"; all names: relax-agent envs list --bridge SCHEME):")
+    for scheme in BRIDGES:
+        typer.echo("  " + _bridge_lines(scheme, limit=4)[0])
+
+
+def _bridge_lines(scheme: str, limit: int | None) -> list[str]:
+    """One summary line for ``scheme`` (``limit`` names shown), or every name it offers (``limit=None``)."""
+    from relax_agent.envs.bridges import BRIDGES, offered
+
+    try:
+        names = offered(scheme)
+    except ConfigError:
+        return [f"{scheme}: not installed: pip install 'relax-agent[{BRIDGES[scheme].extra}]'"]
+    if limit is None:
+        return [f"{scheme}:{name}" for name in names]
+    shown = ", ".join(f"{scheme}:{n}" for n in names[:limit])
+    more = f", ... ({len(names)} in all)" if len(names) > limit else ""
+    return [f"{scheme}: {shown}{more}" if names else f"{scheme}: (none installed)"]
 
 
 @envs_app.command("show")
