@@ -310,8 +310,11 @@ class RayRolloutService:
                 return rep
             await asyncio.sleep(0.05)
 
-    async def _on_replica(self, call: Callable[[Replica, int], Any], what: str) -> Any:
-        """Run ``call(replica, attempt)`` on a ready replica, again on another one while replicas fail."""
+    async def _on_replica(self, call: Callable[[Replica, int], Any], what: str,
+                          on_result: Callable[[Replica, Any], None] | None = None) -> Any:
+        """Run ``call(replica, attempt)`` on a ready replica, again on another one while replicas fail;
+        ``on_result(replica, result)`` runs before the call is counted done on the replica, so a reader
+        that sees ``groups_done`` grow also sees what ``on_result`` recorded."""
         attempt = 0
         while True:
             rep = await self._acquire()
@@ -319,6 +322,8 @@ class RayRolloutService:
             try:
                 ref = call(rep, attempt)
                 result = await asyncio.wait_for(_as_future(ref), self.watchdog_s)
+                if on_result is not None:
+                    on_result(rep, result)
                 ok = True
                 return result
             except asyncio.TimeoutError:
@@ -361,11 +366,11 @@ class RayRolloutService:
                 first.update(rep=rep, latest=self.coordinator.latest_version)
             return rep.handle.play_group.remote(job, params, attempt)
 
-        done = await self._on_replica(call, f"group {job.group_id}")
-        rep = first.get("rep")
-        if rep is not None and rep.first_group is None and done.version >= 0:
-            rep.first_group = (done.version, first["latest"])
-        return done
+        def record_first(rep: Replica, done: GroupDone) -> None:
+            if first.get("rep") is rep and rep.first_group is None and done.version >= 0:
+                rep.first_group = (done.version, first["latest"])
+
+        return await self._on_replica(call, f"group {job.group_id}", on_result=record_first)
 
     def specs(self, tasks: Sequence[Task], group_size: int, prefix: str, seed: int) -> list[Any]:
         """Episode specs of ``tasks`` as the replicas' runners make them (evaluation plays these)."""

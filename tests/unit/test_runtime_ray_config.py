@@ -267,6 +267,26 @@ def test_a_group_whose_replica_died_is_played_again_and_records_the_first_versio
     assert r1.groups_done == 1 and svc.retried_groups == 1 and r1.first_group == (3, 3)
 
 
+def test_a_replicas_first_group_is_recorded_before_the_group_is_counted(monkeypatch):
+    """A reader that sees ``groups_done`` reach 1 (the supervisor, a scale test) also sees ``first_group``."""
+    import asyncio
+
+    from relax_agent.rollout.engines.base import SamplingParams
+
+    job, done = _job()
+    svc, pool = _service([_Call(done)], watchdog_s=60)
+    seen = []
+    release = pool.release
+
+    def watching_release(rep, ok):
+        seen.append((rep.groups_done, rep.first_group))
+        release(rep, ok)
+
+    monkeypatch.setattr(pool, "release", watching_release)
+    assert asyncio.run(svc.play_group(job, SamplingParams(8))) == done
+    assert seen == [(0, (3, 3))] and pool.replicas[0].groups_done == 1
+
+
 def test_scale_beyond_the_replica_bound_is_refused_with_422_naming_it(control, tmp_path, monkeypatch):
     """``{"rollout": 10000}`` would start ten thousand actors: refused, naming the bound; the target stays."""
     from relax_agent.runtime import ray_supervisor
