@@ -69,12 +69,13 @@ class RunConfig(Section):
     output_dir: str = "runs/run"
     """Folder for checkpoints, metrics.jsonl, TensorBoard events and plots (a leading ``~`` is the
     user's home folder)."""
-    seed: int = Field(default=0, ge=0)
-    """Base seed of the task order, the groups' episodes and evaluation (numpy seeds are >= 0)."""
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    """Base seed of the task order, the groups' episodes and evaluation, in [0, 2**32): numpy's seeds are
+    >= 0, and the per-episode seeds derived from it must stay within torch's 64-bit generator seeds."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu", or "cuda[:N]"."""
-    num_threads: int = Field(default=0, ge=0)
-    """torch intra-op threads; 0 keeps torch's default."""
+    num_threads: int = Field(default=0, ge=0, le=1024)
+    """torch intra-op threads, at most 1024; 0 keeps torch's default."""
 
     @field_validator("output_dir")
     @classmethod
@@ -113,7 +114,8 @@ class EvalConfig(Section):
     num_tasks: int = Field(default=64, ge=1)
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     """Sampling seeds; each held-out task is evaluated once per seed."""
-    temperature: float = Field(default=0.7, gt=0.0)
+    temperature: float = Field(default=0.7, ge=1e-3)
+    """At least 1e-3, as ``rollout.temperature``."""
     every_steps: int = Field(default=0, ge=0)
     """Evaluate every N steps during training (0: only before and after)."""
     at_start: bool = True

@@ -197,6 +197,8 @@ def _check_url(url: str) -> None:
     """Raise ValueError naming ``url`` unless it is ``http(s)://host[:port][/path]`` with a port in 1-65535."""
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"url must start with http:// or https://, got {url!r}")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ValueError(f"url {url!r} holds whitespace or a control character; percent-encode it (a space is %20)")
     try:
         parts = urlsplit(url)
     except ValueError as exc:

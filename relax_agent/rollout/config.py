@@ -150,10 +150,10 @@ class RolloutConfig(Section):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """The agent program of ``driver: agent``."""
 
-    tasks_per_step: int = Field(default=8, ge=1)
-    """Distinct tasks (GRPO groups) per training step."""
-    group_size: int = Field(default=8, ge=1)
-    """Samples per task (G in GRPO); advantages are normalised within a group."""
+    tasks_per_step: int = Field(default=8, ge=1, le=65536)
+    """Distinct tasks (GRPO groups) per training step (at most 65536)."""
+    group_size: int = Field(default=8, ge=1, le=1024)
+    """Samples per task (G in GRPO), at most 1024; advantages are normalised within a group."""
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     """Skip groups whose rewards do not vary and draw others in their place (DAPO)."""
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
@@ -174,7 +174,9 @@ class RolloutConfig(Section):
     episode_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Most seconds one whole episode may take (env and engine calls together); past it the
     episode becomes a failed record (reward status "timeout") naming this key."""
-    temperature: float = Field(default=1.0, gt=0.0)
+    temperature: float = Field(default=1.0, ge=1e-3)
+    """At least 1e-3: logits are divided by it, and a smaller one overflows them to inf (every
+    log-prob NaN); sample at 1e-3 for a near-greedy policy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     tool_parser: str = "hermes"
     """Name of a registered tool-call parser (``relax_agent.rollout.parsers``; the family parsers

@@ -151,3 +151,25 @@ def test_the_train_command_exits_2_naming_the_problem_before_anything_loads(tmp_
     result = CliRunner().invoke(app, ["train", *args])
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("override, key, says", [
+    ("rollout.temperature=1e-300", "rollout.temperature", "greater than or equal to 0.001"),
+    ("eval.temperature=1e-9", "eval.temperature", "greater than or equal to 0.001"),
+    ("run.num_threads=100000", "run.num_threads", "less than or equal to 1024"),
+    ("run.seed=18446744073709551616", "run.seed", "less than 4294967296"),
+    ("rollout.group_size=1000000", "rollout.group_size", "less than or equal to 1024"),
+    ("rollout.tasks_per_step=100000000", "rollout.tasks_per_step", "less than or equal to 65536"),
+])
+def test_values_that_crashed_or_hung_a_run_are_refused_at_load(override, key, says):
+    """Each of these passed validation and then gave NaN log-probs (temperature), a segfault (threads),
+    a failure after the model loaded (seed) or minutes of memory growth without a line (group size)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert key in str(err.value) and says in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8001/score me", "http://host\n:80"])
+def test_a_reward_url_with_whitespace_is_refused(url):
+    with pytest.raises(ConfigError, match="whitespace or a control character"):
+        load_config(None, ["reward.source=remote", f"reward.url={url}"])
