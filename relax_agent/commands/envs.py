@@ -124,3 +124,76 @@ def _policy_tool_format(model: str, tool_parser: str, tools_in: str) -> dict[str
         build_parser(tool_parser)  # an unknown name is refused here
         name, why = tool_parser, "rollout.tool_parser"
     return {"model": model, "tool_parser": name, "why": why, "tools_in": renderer.describe_tools_in()}
+
+
+@envs_app.command("audit")
+def envs_audit(
+    env_id: str = typer.Argument(..., help="Environment: a registered id, module:ns/Name-v0, or <scheme>:<name>."),
+    kwargs: str = typer.Option("{}", "--kwargs", help='Constructor kwargs as JSON, e.g. \'{"difficulty": 3}\'.'),
+    episodes: int = typer.Option(8, "--episodes", help="Held-out tasks each policy plays."),
+    threshold: float = typer.Option(0.1, "--threshold", help="FAIL when a policy's mean reward (scaled to the "
+                                    "reward range) is above this."),
+    max_turns: int = typer.Option(8, "--max-turns", help="Replies per episode at most."),
+    tool_parser: str = typer.Option("hermes", "--tool-parser", help="rollout.tool_parser that reads the replies."),
+    success: float | None = typer.Option(None, "--success", help="Reward counted as solved (default: top of the range)."),
+    reward_range: str | None = typer.Option(None, "--reward-range", help="LO,HI of the env's reward (default: the "
+                                            "env's reward_range attribute, else 0,1)."),
+    seed: int = typer.Option(0, "--seed", help="Picks the tasks; episode i resets with seed+i."),
+    policy: list[str] | None = typer.Option(None, "--policy", help="Only these policies (repeatable; 'guess:' "
+                                            "selects a family)."),
+    step_timeout: float = typer.Option(60.0, "--step-timeout", help="Seconds one env call may take."),
+    fail_on_errors: bool = typer.Option(False, "--fail-on-errors", help="FAIL also when the env raises."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    out: str | None = typer.Option(None, "--out", help="Write DIR/audit.json and DIR/README.md."),
+) -> None:
+    """Play degenerate policies (empty reply, echo, junk, garbage tool calls, uninformed guesses,
+    success words) against an env with no model; FAIL (exit 1) when one earns reward. Exit 2: the
+    audit could not run."""
+    import shlex
+    import sys
+
+    import gymnasium
+
+    from relax_agent.commands.common import console
+    from relax_agent.envaudit import audit, dumps, parse_reward_range, verdict_line, write_record
+
+    try:
+        report = audit(env_id, json.loads(kwargs), episodes=episodes, threshold=threshold, max_turns=max_turns,
+                       tool_parser=tool_parser, success=success, seed=seed, step_timeout_s=step_timeout,
+                       reward_range=parse_reward_range(reward_range) if reward_range else None, policies=policy,
+                       fail_on_errors=fail_on_errors, progress=None if as_json else lambda line: console.print(
+                           f"  {line}", markup=False, highlight=False))
+    except (RelaxError, gymnasium.error.Error, json.JSONDecodeError, ImportError, TypeError, OSError) as exc:
+        _fail(ConfigError(f"envs audit {env_id}: {type(exc).__name__}: {exc}"))
+        return
+    if out is not None:
+        command = shlex.join(["relax-agent", "envs", "audit", *sys.argv[sys.argv.index("audit") + 1:]]
+                             if "audit" in sys.argv else ["relax-agent", "envs", "audit", env_id])
+        for path in write_record(report, out, command):
+            console.print(f"wrote {path}", markup=False, highlight=False)
+    if as_json:
+        typer.echo(dumps(report.to_dict()))
+    else:
+        _print_audit(report)
+        typer.echo(verdict_line(report))
+    if report.verdict != "PASS":
+        raise typer.Exit(1)
+
+
+def _print_audit(report: object) -> None:
+    """The audit's per-policy table on stdout (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from relax_agent.envaudit import TABLE_HEADER, AuditReport, table_rows
+
+    assert isinstance(report, AuditReport)
+    table = Table(title=f"audit of {report.env}", title_justify="left")
+    for name in TABLE_HEADER:
+        table.add_column(name, justify="right" if name in ("episodes", "mean", "max", "solved", "turns") else "left",
+                         no_wrap=name == "policy")
+    for row in table_rows(report):
+        table.add_row(*row, style="bold red" if row[-1] else None)
+    Console(soft_wrap=True).print(table)
+    for note in report.notes:
+        typer.echo(f"note: {note}")
