@@ -106,6 +106,16 @@ class EnvConfig(Section):
     step_timeout_s: float = Field(default=60.0, gt=0.0)
     """Most seconds one env call (building the env, ``reset``, ``step``, ``close``) may take;
     past it the episode becomes a failed record naming this key."""
+    warmup_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Share of the train split whose tasks only the supervised warm-up sees: its demonstrations
+    come from this pool, RL's groups from the rest, so RL trains on tasks the warm-up never
+    showed (see :mod:`relax_agent.pools`; the cut is by SHA-1 of the task ids, the same in every
+    run). 0: one pool, the warm-up and RL both draw from the whole train split."""
+    near_duplicate_jaccard: float = Field(default=0.0, ge=0.0, le=1.0)
+    """When > 0, a train task that offers the same functions as a held-out task and whose question
+    has a word-set Jaccard similarity >= this with that task's is dropped from both pools, and
+    near-duplicate train tasks always land in the same pool (0.5 catches BFCL's own
+    near-duplicates, e.g. simple_python_11 and _0). 0: no check."""
 
 
 class EvalConfig(Section):

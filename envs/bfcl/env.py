@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from relax_agent.envs.base import TextEnv
@@ -33,6 +34,10 @@ class BFCLEnv(TextEnv):
         partial_credit: reward for a well-formed but wrong answer, in [0, 1].
         bfcl_compat: judge exactly as BFCL does where our checker deliberately differs
             (greedy pairing of parallel calls, tuples; see :mod:`relax_agent.envs.bfcl.checker`).
+        train_categories: more single-turn categories whose train-split tasks (same
+            ``heldout_fraction`` cut, by their own ids) join this env's train split, to widen the
+            warm-up's and RL's pools; the held-out split stays this category's alone. Each task is
+            judged by its own category's rules (its ``expect`` and ``language``), so one env plays all.
 
     Raises:
         ConfigError: any argument outside the values above.
@@ -55,9 +60,13 @@ class BFCLEnv(TextEnv):
         heldout_fraction: float = 0.2,
         partial_credit: float = 0.1,
         bfcl_compat: bool = False,
+        train_categories: Sequence[str] = (),
     ) -> None:
         super().__init__()
         check_env_args(category, CATEGORIES, split, heldout_fraction)
+        if isinstance(train_categories, str) or any(c not in CATEGORIES or c == category for c in train_categories):
+            raise ConfigError(f"train_categories={train_categories!r}; expected a list of categories other than "
+                              f"{category!r}, each one of {list(CATEGORIES)}")
         if not 0.0 <= partial_credit <= 1.0:
             raise ConfigError(f"partial_credit={partial_credit!r}; expected a number in [0, 1]")
         self.category = category
@@ -65,15 +74,21 @@ class BFCLEnv(TextEnv):
         self.heldout_fraction = heldout_fraction
         self.partial_credit = partial_credit
         self.bfcl_compat = bfcl_compat
+        self.train_categories = tuple(dict.fromkeys(train_categories))
         self._done = False
 
     def tasks(self, split: str = "train") -> list[dict[str, Any]]:
-        """Task dicts of ``split`` (see :mod:`relax_agent.envs.bfcl.data`).
+        """Task dicts of ``split`` (see :mod:`relax_agent.envs.bfcl.data`); "train" also holds the
+        train-split tasks of ``train_categories``, after this category's.
 
         Raises:
             DataError: unknown split, or the bfcl-eval wheel is missing.
         """
-        return split_tasks(load_tasks(self.category), split, self.heldout_fraction)
+        tasks = split_tasks(load_tasks(self.category), split, self.heldout_fraction)
+        if split == "train":
+            for category in self.train_categories:
+                tasks += split_tasks(load_tasks(category), split, self.heldout_fraction)
+        return tasks
 
     def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         self._done = False

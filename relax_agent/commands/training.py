@@ -91,7 +91,10 @@ def _check_resume(ckpt: Path, cfg: Any) -> Any:
         console.print(format_resume_changes(ckpt, changes), style="yellow", markup=False, highlight=False)
 
     def on_tasks(train_tasks: list[Any], heldout_tasks: list[Any]) -> None:
-        check_resume_tasks(ckpt, len(train_tasks), cfg)
+        from relax_agent.pools import split_pools
+
+        rl = split_pools(train_tasks, heldout_tasks, cfg.env.warmup_fraction, cfg.env.near_duplicate_jaccard).rl
+        check_resume_tasks(ckpt, len(rl), cfg)
 
     return on_tasks
 

@@ -41,7 +41,9 @@ from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
 from relax_agent.control.pipeline import KEEPER, TRAINER, _Run
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.stop import StopRequest
+from relax_agent.errors import ConfigError
 from relax_agent.evaluation import evaluate
+from relax_agent.pools import split_pools
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.runtime.base import PARTITION, Runtime, TrainerService
 from relax_agent.sampler import TaskSampler
@@ -66,7 +68,10 @@ class Controller:
         self.logger = M.MetricsLogger(self.out, tensorboard=cfg.logging.tensorboard)
         self.ckpts = CheckpointManager(self.out, cfg.checkpoint.keep_last,
                                        frozenset({0}) if cfg.checkpoint.keep_warmup else frozenset())
-        self.sampler = TaskSampler(len(runtime.train_tasks), cfg.run.seed)
+        self.pools = split_pools(runtime.train_tasks, runtime.heldout_tasks, cfg.env.warmup_fraction,
+                                 cfg.env.near_duplicate_jaccard)
+        """The warm-up's and RL's task pools (``env.warmup_fraction``, ``env.near_duplicate_jaccard``)."""
+        self.sampler = TaskSampler(len(self.pools.rl), cfg.run.seed)
         """Task order at the last step boundary (what a checkpoint saves)."""
         self.step = 0
         self.version = 0
@@ -96,7 +101,7 @@ class Controller:
     def restore(self, ckpt: Path) -> None:
         """Continue from ``ckpt`` (the policy was already loaded from ``ckpt/model``); its
         weights are published to the engines as the checkpoint's policy version."""
-        check_resume_tasks(ckpt, len(self.runtime.train_tasks), self.cfg)
+        check_resume_tasks(ckpt, len(self.pools.rl), self.cfg)
         state, trainer_state = load_state(ckpt)
         self.sampler.load_state_dict(state["sampler"])
         self.step, self.version = state["step"], state["policy_version"]
@@ -172,7 +177,7 @@ class Controller:
 
     def sft_warmup(self) -> dict[str, float]:
         """The supervised warm-up (``trainer.sft_warmup_steps`` updates on the env's demonstrations
-        of the train split, ``trainer.sft_batch_size`` each, in a seeded order that cycles epoch by
+        of the warm-up pool (the train split, or its ``env.warmup_fraction`` share), ``trainer.sft_batch_size`` each, in a seeded order that cycles epoch by
         epoch); its weights are published as the next policy version. Progress goes to
         ``sft.jsonl``; returns the first and last loss. Ctrl-C stops it between updates (nothing
         is checkpointed: the warm-up starts again on resume); a finished warm-up is saved as
@@ -182,7 +187,10 @@ class Controller:
         import numpy as np
 
         t = self.cfg.trainer
-        demos = self.runtime.rollout.demonstrations(self.runtime.train_tasks, self.cfg.run.seed)
+        if not self.pools.warmup:
+            raise ConfigError(f"env.warmup_fraction={self.cfg.env.warmup_fraction} leaves the warm-up pool empty "
+                              f"({len(self.pools.rl)} train tasks in RL's pool); raise it or set trainer.sft_warmup_steps=0")
+        demos = self.runtime.rollout.demonstrations(self.pools.warmup, self.cfg.run.seed)
         n = len(demos["task_id"])
         rng = np.random.default_rng(self.cfg.run.seed)
         order: list[int] = []

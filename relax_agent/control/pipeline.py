@@ -63,7 +63,7 @@ class _Run:
         cfg = ctrl.cfg
         self.ctrl = ctrl
         self.gate = StalenessGate(ctrl.B, ctrl.s, max_groups=(cfg.trainer.steps - ctrl.step) * ctrl.B)
-        self.draws = TaskSampler(len(ctrl.runtime.train_tasks), cfg.run.seed)
+        self.draws = TaskSampler(len(ctrl.pools.rl), cfg.run.seed)
         self.draws.load_state_dict(ctrl.sampler.state_dict())
         self.next_seq = ctrl.groups_drawn
         self.seq_of: dict[str, int] = {}
@@ -154,7 +154,7 @@ class _Run:
         seq = self.next_seq
         self.next_seq += 1
         step, g = divmod(seq, self.ctrl.B)
-        task = self.ctrl.runtime.train_tasks[self.draws.next(1)[0]]
+        task = self.ctrl.pools.rl[self.draws.next(1)[0]]
         group_id = f"s{step}/g{g}"
         self.seq_of[group_id] = seq
         seed = self.ctrl.cfg.run.seed + step * SEED_STRIDE + g * self.ctrl.G
