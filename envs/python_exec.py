@@ -32,6 +32,7 @@ from typing import Any
 from relax_agent.envs.base import TextEnv
 from relax_agent.errors import ConfigError, DataError, EnvError, SandboxError
 from relax_agent.sandboxes import ExecResult, Sandbox, SandboxConfig, SandboxPool, run_sync, shared_pool
+from relax_agent.sandboxes.limits import unencodable
 
 ENV_ID = "relax/PythonExec-v0"
 TOOL_NAME = "run_python"
@@ -257,6 +258,9 @@ class PythonExecEnv(TextEnv):
             return {**reply, "content": f"error: unknown tool {name!r}; the only tool is {TOOL_NAME}"}
         if not isinstance(args, dict) or not isinstance(args.get("code"), str):
             return {**reply, "content": 'error: arguments must be a JSON object {"code": "<python source>"}'}
+        why = unencodable(args["code"])
+        if why is not None:  # the model's fault, not the sandbox's: an error it can read, the sandbox kept
+            return {**reply, "content": f"error: code holds {why}; send UTF-8 Python source"}
         self._calls += 1
         if self._calls > self.max_tool_calls:
             return {**reply, "content": f"error: tool call limit ({self.max_tool_calls}) reached; give your answer now"}

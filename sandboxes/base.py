@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes.config import SandboxConfig
-from relax_agent.sandboxes.limits import check_arg_sizes, check_env
+from relax_agent.sandboxes.limits import check_arg_sizes, check_env, unencodable
 
 T = TypeVar("T")
 Command = str | Sequence[str]
@@ -177,7 +177,10 @@ def _as_bytes(data: bytes | str | None) -> bytes | None:
     if data is None or isinstance(data, bytes):
         return data
     if isinstance(data, str):
-        return data.encode()
+        try:
+            return data.encode()
+        except UnicodeEncodeError:
+            raise SandboxError(f"stdin={data!r:.80} holds {unencodable(data)}") from None
     if isinstance(data, (bytearray, memoryview)):
         return bytes(data)
     raise SandboxError(f"stdin={data!r:.80}: expected bytes, str or None, got {type(data).__name__}")
@@ -187,7 +190,7 @@ def _argv(cmd: Command) -> list[str]:
     if isinstance(cmd, str):
         if not cmd.strip():
             raise SandboxError("empty command")
-        return ["/bin/sh", "-c", cmd]
+        cmd = ["/bin/sh", "-c", cmd]
     if isinstance(cmd, (bytes, bytearray)) or not isinstance(cmd, Sequence):
         raise SandboxError(f"cmd={cmd!r:.80}: expected a shell string or a list of str arguments")
     argv = []
@@ -198,8 +201,9 @@ def _argv(cmd: Command) -> list[str]:
             arg = os.fspath(arg)
         if not isinstance(arg, str):
             raise SandboxError(f"argument {arg!r:.80} of cmd: expected str (or int, float, path), got {type(arg).__name__}")
-        if "\0" in arg:
-            raise SandboxError(f"argument {arg!r:.80} of cmd contains a NUL byte")
+        why = unencodable(arg)
+        if why is not None:
+            raise SandboxError(f"argument {arg!r:.80} of cmd contains {why}")
         argv.append(arg)
     if not argv:
         raise SandboxError("empty command (argv list has no program)")
@@ -317,8 +321,8 @@ class BaseSandbox:
         return min(max(self.config.timeout_s, 30.0), self.config.max_timeout_s)
 
     def _resolve(self, path: str) -> str:
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise SandboxError(f"bad sandbox path {path!r}: expected a non-empty str without NUL bytes")
+        if not isinstance(path, str) or not path or unencodable(path) is not None:
+            raise SandboxError(f"bad sandbox path {path!r}: expected a non-empty str without NUL bytes or lone surrogates")
         return path if path.startswith("/") else f"{self.workdir.rstrip('/')}/{path}"
 
     async def _raw(self, cmd: Command, timeout_s: float | None, stdin: bytes | str | None,

@@ -73,6 +73,18 @@ def check_arg_sizes(argv: Sequence[str], env: Mapping[str, str]) -> None:
                            "stdin or write_file")
 
 
+def unencodable(text: str) -> str | None:
+    """Why ``text`` cannot be passed to a process (a NUL byte, or a lone surrogate that has no UTF-8
+    encoding), or None when it can."""
+    if "\0" in text:
+        return "a NUL byte"
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate {text[exc.start]!r} at index {exc.start} (not valid UTF-8)"
+    return None
+
+
 def check_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` as a plain dict, checked.
 
@@ -81,7 +93,9 @@ def check_env(env: Mapping[str, str]) -> dict[str, str]:
     """
     out = {}
     for key, value in env.items():
-        if not key or "=" in key or "\0" in key or not isinstance(value, str) or "\0" in value:
-            raise SandboxError(f"bad environment variable {key!r}={value!r}: names need no '=' or NUL, values must be str")
+        if (not key or "=" in key or not isinstance(value, str) or unencodable(key) is not None
+                or unencodable(value) is not None):
+            raise SandboxError(f"bad environment variable {key!r}={value!r}: names need no '=', values must be str, "
+                               "neither may hold a NUL byte or a lone surrogate")
         out[key] = value
     return out

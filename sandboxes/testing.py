@@ -238,6 +238,11 @@ BAD_ARGUMENTS: list[tuple[str, dict]] = [
     ("cwd is a file", {"cmd": ["pwd"], "cwd": "cwd-file.txt"}),
     ("NUL in cwd", {"cmd": ["pwd"], "cwd": "a\0b"}),
     ("NUL in env", {"cmd": ["true"], "env": {"A": "x\0y"}}),
+    ("lone surrogate in argv", {"cmd": ["echo", "a\udc80b"]}),
+    ("lone surrogate in a shell string", {"cmd": "echo \ud800"}),
+    ("lone surrogate in cwd", {"cmd": ["pwd"], "cwd": "a\udc80"}),
+    ("lone surrogate in env", {"cmd": ["true"], "env": {"A": "x\udc80"}}),
+    ("lone surrogate in stdin", {"cmd": ["cat"], "stdin": "x\udc80"}),
 ]
 """Arguments every backend must refuse with :class:`SandboxError` before running anything."""
 

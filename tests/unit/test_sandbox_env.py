@@ -84,6 +84,20 @@ def test_episode_with_tool_call_then_answer():
     env.close()
 
 
+@pytest.mark.parametrize("code, why", [("print('\udc80')", "a lone surrogate '\\udc80' at index 7 (not valid UTF-8)"),
+                                       ("print(1)\0", "a NUL byte")])
+def test_code_the_sandbox_cannot_take_is_a_tool_error_not_a_sandbox_failure(code, why):
+    env = PythonExecEnv(sandbox=FAKE)
+    env.reset(options={"task": {"id": "t", "question": "q", "answer": 7}})
+    sb = env.sandbox
+    obs, reward, terminated, _, _ = env.step(call(code))
+    assert obs[0]["content"] == f"error: code holds {why}; send UTF-8 Python source"
+    assert (reward, terminated) == (0.0, False) and env.sandbox is sb and not sb.closed
+    obs, *_ = env.step(call("print(6 * 7)"))
+    assert obs[0]["content"] == "42"
+    env.close()
+
+
 def test_wrong_answer_bad_calls_and_tool_limit():
     env = PythonExecEnv(sandbox=FAKE, max_tool_calls=1)
     env.reset(options={"task": {"id": "t", "question": "q", "answer": 7}})
