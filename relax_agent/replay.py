@@ -4,10 +4,11 @@ Input: the step's token record (``rollouts/tokens/step_NNNNNN.jsonl.gz``, writte
 ``logging.token_record``): the arrays the trainer was given. Per episode, in order, the first failed
 check is reported (turn, token index, expected and recorded value):
 
-1. ``turn tokens``: each turn's sampled ids sit in ``token_ids`` at the turn's ``start``, and the
-   sequence's ``rollout_logprobs`` there are the turn's own.
+1. ``turn tokens``: each turn's sampled ids sit in ``token_ids`` at the turn's ``start``;
+   ``turn log-probs``: the sequence's ``rollout_logprobs`` there are the turn's own.
 2. ``loss mask``: the mask is 1 exactly on the sampled tokens (a shifted or widened mask trains
-   tokens the policy never chose, or drops ones it did).
+   tokens the policy never chose, or drops ones it did); ``messages``: each turn's recorded
+   assistant message (``turns[k]["message"]``) is an assistant message, in turn order.
 3. ``observation delta``: the tokens between two turns are what the chat template renders for the
    observation messages in between (:meth:`~relax_agent.rollout.chat.ChatRenderer.observation_delta`):
    a re-rendered or re-tokenized turn shows up here. The messages between turn k's assistant
@@ -26,6 +27,9 @@ check is reported (turn, token index, expected and recorded value):
    or the base model for version 0) scores the sampled tokens as recorded, within ``atol``; a media
    episode's forward gets its re-made media, as the trainer's did.
 
+A record that cannot be read (not gzip, cut short, a line that is not an episode) or that holds no
+episode is an error naming the file and line, never a pass.
+
 Episodes a check cannot judge are reported as skipped for that check with the reason (an update
 landing inside a turn, no weights of that version, messages that do not line up with the turns, a
 media record written before media items were kept, a media part that cannot be processed again).
@@ -41,9 +45,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from relax_agent.errors import ConfigError
+from relax_agent.errors import ConfigError, DataError
 
 TURN_TOKENS, LOSS_MASK, DELTA, MEDIA, LOGPROBS = "turn tokens", "loss mask", "observation delta", "media", "log-probs"
+TURN_LOGPROBS, MESSAGES = "turn log-probs", "messages"
+RECORD_KEYS = ("sample_id", "sample_version", "token_ids", "loss_mask", "rollout_logprobs", "prompt_len", "turns",
+               "messages")
+"""Keys every token-record line has (:func:`~relax_agent.control.reporting.write_token_record`)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,9 @@ class Divergence:
     """The first place an episode differs from its replay.
 
     Attributes:
-        check: which check failed (``turn tokens``, ``loss mask``, ``observation delta``, ``media``,
+        check: which check failed (``turn tokens``, ``turn log-probs``: the sequence's rollout
+            log-probs at a turn are not the turn's own, ``loss mask``, ``messages``: the record's
+            assistant messages are not where its turns say, ``observation delta``, ``media``,
             ``log-probs``).
         turn: 1-based assistant turn it belongs to (for a delta or its media: the turn the observation
             follows); None for the prompt.
@@ -73,8 +83,8 @@ class Divergence:
         where = f"turn {self.turn}, token {self.token}" if self.turn is not None else f"token {self.token}"
         exp, rec = self.expected, self.recorded
         if decode is not None and self.check in (TURN_TOKENS, DELTA):
-            exp = "end" if exp is None else f"{exp} {decode([exp])!r}"
-            rec = "end" if rec is None else f"{rec} {decode([rec])!r}"
+            exp = "end" if exp is None else f"{exp} {decode([exp])!r}" if isinstance(exp, int) else exp
+            rec = "end" if rec is None else f"{rec} {decode([rec])!r}" if isinstance(rec, int) else rec
         return f"{self.check} at {where}: expected {exp}, recorded {rec}"
 
 
@@ -100,14 +110,35 @@ def load_token_record(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
 
     Raises:
         ConfigError: the run has no token record for that step (names the steps it has).
+        DataError: the record is not gzip, is cut short, holds a line that is not a JSON object with
+            every key of :data:`RECORD_KEYS`, or holds no episode (names the file and the line).
     """
     path = token_record_path(run_dir, step)
     if not path.exists():
         have = sorted(int(p.name[5:11]) for p in path.parent.glob("step_*.jsonl.gz")) if path.parent.exists() else []
         raise ConfigError(f"no token record for step {step} in {Path(run_dir)}: it has steps {have or 'none'} "
                           "(records are written with logging.token_record: true)")
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    records, line_no = [], 0
+    try:
+        with gzip.open(path, "rt") as f:
+            for line_no, line in enumerate(f, start=1):
+                if line.strip():
+                    records.append(_record(json.loads(line), path, line_no))
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        where = f"line {line_no + 1}" if isinstance(exc, (OSError, EOFError)) else f"line {line_no}"
+        raise DataError(f"token record {path}, {where}: unreadable ({type(exc).__name__}: {exc}); "
+                        "a cut or corrupt record cannot be replayed") from None
+    if not records:
+        raise DataError(f"token record {path} holds no episode: nothing to replay")
+    return records
+
+
+def _record(rec: Any, path: Path, line_no: int) -> dict[str, Any]:
+    """``rec`` when it is a dict with every key of :data:`RECORD_KEYS`, else a DataError naming file and line."""
+    missing = [k for k in RECORD_KEYS if k not in rec] if isinstance(rec, dict) else list(RECORD_KEYS)
+    if missing:
+        raise DataError(f"token record {path}, line {line_no}: not an episode record (missing {missing})")
+    return rec
 
 
 def _first_mismatch(expected: Sequence[Any], recorded: Sequence[Any]) -> int | None:
@@ -130,14 +161,31 @@ def check_structure(rec: dict[str, Any]) -> Divergence | None:
             got = ids[start + i] if start + i < len(ids) else None
             return Divergence(TURN_TOKENS, k, start + i, sampled[i] if i < len(sampled) else None, got)
         for j, lp in enumerate(turn["logprobs"]):
-            if lps[start + j] != lp:
-                return Divergence(TURN_TOKENS, k, start + j, lp, lps[start + j])
+            got = lps[start + j] if start + j < len(lps) else None
+            if got != lp:
+                return Divergence(TURN_LOGPROBS, k, start + j, lp, got)
         for j in range(start, start + len(sampled)):
             expected_mask[j] = 1
     i = _first_mismatch(expected_mask, list(mask))
     if i is not None:
         return Divergence(LOSS_MASK, _turn_of(rec, i), i, expected_mask[i], mask[i])
     return None
+
+
+def check_messages(rec: dict[str, Any]) -> Divergence | None:
+    """Each turn's recorded assistant message (``turns[k]["message"]``) is an assistant message, in turn
+    order (a removed or moved message diverges); records without these indexes are not judged here."""
+    idx = [t.get("message") for t in rec["turns"]]
+    if not idx or None in idx:
+        return None
+    messages = rec["messages"]
+    ok = all(isinstance(i, int) and 0 <= i < len(messages) and isinstance(messages[i], dict)
+             and messages[i].get("role") == "assistant" for i in idx) and all(a < b for a, b in itertools.pairwise(idx))
+    if ok:
+        return None
+    found = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+    return Divergence(MESSAGES, None, rec["prompt_len"], f"assistant messages at {idx} (one per turn)",
+                      f"assistant messages at {found}")
 
 
 def _turn_of(rec: dict[str, Any], index: int) -> int | None:
@@ -196,10 +244,12 @@ def turn_messages(rec: dict[str, Any], decode: Callable[..., str]) -> tuple[Mess
     text), which an agent endpoint's parsed replies do not pass."""
     messages, turns = rec["messages"], rec["turns"]
     idx = [t.get("message") for t in turns]
-    if idx and None not in idx and all(0 <= i < len(messages) and messages[i].get("role") == "assistant" for i in idx) \
-            and all(a < b for a, b in itertools.pairwise(idx)):
-        return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in itertools.pairwise(idx)],
-                [dict(messages[i]) for i in idx[:-1]])
+    if idx and None not in idx:  # the record says where each turn's message is: it holds, or nothing does
+        if all(isinstance(i, int) and 0 <= i < len(messages) and messages[i].get("role") == "assistant" for i in idx) \
+                and all(a < b for a, b in itertools.pairwise(idx)):
+            return (list(messages[:idx[0]]), [list(messages[a + 1:b]) for a, b in itertools.pairwise(idx)],
+                    [dict(messages[i]) for i in idx[:-1]])
+        return None
     for skip in (True, False):  # the driver keeps special tokens in the text for parsers that read them
         replies = [decode(t["token_ids"], skip_special_tokens=skip) for t in turns]
         at = _match_replies(messages, replies[:-1])
@@ -252,7 +302,7 @@ def check_deltas_and_media(rec: dict[str, Any], renderer: Any) -> tuple[Divergen
         return None, None, None
     decode = renderer.tokenizer.decode
     layout = turn_messages(rec, decode)
-    if layout is None:
+    if layout is None:  # a record with message indexes that do not hold fails check_messages first
         return None, "messages do not line up with the turns", None
     prompt_msgs, obs, sampled = layout
     ids = rec["token_ids"]
@@ -370,7 +420,7 @@ def replay_records(records: list[dict[str, Any]], renderer: Any, load_model: Cal
         version = int(rec["sample_version"])
         rep = EpisodeReport(rec["sample_id"], version, len(rec["turns"]))
         reports.append(rep)
-        rep.divergence = check_structure(rec)
+        rep.divergence = check_structure(rec) or check_messages(rec)
         media = None
         if rep.divergence is None:
             rep.divergence, why, media = check_deltas_and_media(rec, renderer)

@@ -125,3 +125,82 @@ def test_a_forced_tool_call_opening_is_left_out_of_the_delta(tok, tmp_path):
     rec["token_ids"][end + 1] += 1  # a delta token, before the opening: still found
     (rep,) = replay_records([rec], ChatRenderer(tok), None, 1.0, 2e-3)
     assert (rep.divergence.check, rep.divergence.turn, rep.divergence.token) == (DELTA, 1, end + 1)
+
+
+def test_an_edited_turn_log_prob_is_a_divergence_that_prints(recorded, tok):
+    """It crashed the report with a TypeError (a log-prob decoded as a token id)."""
+    from relax_agent.replay import TURN_LOGPROBS
+
+    rec = copy.deepcopy(recorded)
+    t2 = rec["turns"][1]
+    rec["rollout_logprobs"][t2["start"] + 1] += 0.5
+    (rep,) = replay_records([rec], ChatRenderer(tok), None, 1.0, 2e-3)
+    div = rep.divergence
+    assert (div.check, div.turn, div.token) == (TURN_LOGPROBS, 2, t2["start"] + 1)
+    assert div.expected == t2["logprobs"][1] and div.recorded == pytest.approx(t2["logprobs"][1] + 0.5)
+    assert div.describe(tok.decode).startswith(f"turn log-probs at turn 2, token {t2['start'] + 1}: expected ")
+
+
+def test_a_removed_assistant_message_is_a_divergence_not_a_skip(recorded, tok):
+    from relax_agent.replay import MESSAGES
+
+    rec = copy.deepcopy(recorded)
+    second = rec["turns"][1]["message"]
+    del rec["messages"][second]
+    (rep,) = replay_records([rec], ChatRenderer(tok), None, 1.0, 2e-3)
+    assert rep.divergence is not None and rep.divergence.check == MESSAGES
+    found = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+    assert second not in found and rep.divergence.recorded == f"assistant messages at {found}"
+    assert rep.divergence.expected == f"assistant messages at {[t['message'] for t in rec['turns']]} (one per turn)"
+
+
+def _write(path, payload: bytes):
+    import gzip
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(payload))
+
+
+@pytest.mark.parametrize("payload, says", [
+    (b"", "holds no episode"),
+    (b"\n\n", "holds no episode"),
+    (b'{"sample_id": "a"}\n', "line 1: not an episode record (missing ['sample_version'"),
+    (b"[1, 2]\n", "line 1: not an episode record"),
+    (b"not json\n", "line 1: unreadable (JSONDecodeError"),
+])
+def test_a_broken_record_is_an_error_naming_file_and_line(tmp_path, payload, says):
+    from relax_agent.errors import DataError
+    from relax_agent.replay import token_record_path
+
+    path = token_record_path(tmp_path, 3)
+    _write(path, payload)
+    with pytest.raises(DataError) as err:
+        load_token_record(tmp_path, 3)
+    assert str(path) in str(err.value) and says in str(err.value)
+
+
+def test_a_cut_record_names_the_line_it_was_cut_in(recorded, tmp_path):
+    import gzip
+
+    from relax_agent.errors import DataError
+    from relax_agent.replay import token_record_path
+
+    path = token_record_path(tmp_path, 1)
+    path.parent.mkdir(parents=True)
+    whole = gzip.compress((json.dumps(recorded) + "\n").encode() * 2)
+    path.write_bytes(whole[: len(whole) - 40])
+    with pytest.raises(DataError, match=r"step_000001.jsonl.gz, line \d+: unreadable \((EOFError|BadGzipFile|OSError)"):
+        load_token_record(tmp_path, 1)
+
+
+def test_replay_of_an_empty_record_exits_non_zero(tmp_path):
+    from typer.testing import CliRunner
+
+    from relax_agent.cli import app
+    from relax_agent.replay import token_record_path
+
+    _write(token_record_path(tmp_path, 1), b"")
+    config = tmp_path / "c.yaml"
+    config.write_text("run:\n  output_dir: out\n")
+    out = CliRunner().invoke(app, ["replay", str(config), "--step", "1", "--run", str(tmp_path)])
+    assert out.exit_code != 0 and "holds no episode: nothing to replay" in out.output
