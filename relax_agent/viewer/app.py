@@ -1,6 +1,12 @@
 """The viewer's web server: a FastAPI app over :class:`~relax_agent.viewer.data.RunReader` and the
 static page (HTML/JS/CSS in ``static/``, no external assets).
 
+Every request passes two checks first: on a loopback bind its ``Host`` header must name the bound
+address or a loopback name (a page on another site that rebinds its DNS name to 127.0.0.1 cannot
+read the run: 403), and, when a token is set, it must carry it (``Authorization: Bearer TOKEN``, the
+``relax_view_token`` cookie, or ``?token=TOKEN``, which sets the cookie: 401 otherwise). An API
+request that fails on the run's files answers 500 with what failed, which the page shows.
+
 Routes: ``/`` the page; ``/static/*`` its assets; ``/curves.png`` the run's ``plots/curves.png``;
 JSON under ``/api``: ``overview``, ``steps/{step}`` (filters as query parameters),
 ``steps/{step}/episode?sample=ID``, ``evals/{name}`` (filters, ``reason``). Unknown steps, samples
@@ -10,6 +16,7 @@ or evaluations answer 404 with the reason; a bad filter value 422.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import socket
 import threading
 from pathlib import Path
@@ -33,22 +40,69 @@ class ViewerConfig(BaseModel):
         port: TCP port; 0 picks a free one.
         tokenizer: shows token ids as text: a tokenizer folder or hub id; "auto" takes the run's
             latest checkpoint's (``checkpoints/step_N/model``); None shows ids only.
+        token: a secret every request must carry (see the module docstring); None: none asked
+            (keep ``host`` loopback then).
     """
 
     run_dir: Path
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     tokenizer: str | None = "auto"
+    token: str | None = Field(None, min_length=16)
 
 
-def build_app(reader: RunReader) -> Any:
-    """The FastAPI app serving ``reader``'s run (every request re-reads what changed on disk)."""
+RUN_MARKERS = ("metrics.jsonl", "summary.json", "rollouts", "eval", "checkpoints", "plots", "tensorboard", "config.yaml")
+"""What a run folder holds (any one of them, from the run's first seconds on)."""
+
+TOKEN_COOKIE = "relax_view_token"
+
+
+def host_allowed(host_header: str, bound: str) -> bool:
+    """Whether a request's ``Host`` header names the bound address or a loopback name (any port)."""
+    from relax_agent.netaddr import is_loopback
+
+    name = host_header.strip()
+    if name.startswith("["):  # [::1]:8000
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    name = name.lower().rstrip(".")
+    return bool(name) and (name == bound.lower() or is_loopback(name))
+
+
+def build_app(reader: RunReader, bound_host: str = "127.0.0.1", token: str | None = None) -> Any:
+    """The FastAPI app serving ``reader``'s run (every request re-reads what changed on disk), with the
+    ``Host`` check against a loopback ``bound_host`` and, when given, the ``token`` check (a viewer
+    bound to another address is reached by any name: its token is what guards it)."""
     from fastapi import FastAPI, HTTPException, Query
+
+    from relax_agent.netaddr import is_loopback
     from fastapi.responses import FileResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
 
     app = FastAPI(title=f"relax-agent view {reader.dir}", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.middleware("http")
+    async def _guard(request: Any, call_next: Any) -> Any:
+        host = request.headers.get("host", "")
+        if is_loopback(bound_host) and not host_allowed(host, bound_host):
+            return JSONResponse({"detail": f"Host {host!r} is not this viewer's address; open it at 127.0.0.1 "
+                                           "(other names are refused against DNS rebinding)"}, status_code=403)
+        given = request.query_params.get("token")
+        if token is not None:
+            auth = request.headers.get("authorization", "")
+            sent = given or request.cookies.get(TOKEN_COOKIE) or (auth[7:] if auth.startswith("Bearer ") else "")
+            if not hmac.compare_digest(sent.encode(), token.encode()):
+                return JSONResponse({"detail": "this viewer needs its token: open the URL it printed "
+                                               "(?token=...)"}, status_code=401)
+        try:
+            response = await call_next(request)
+        except Exception as exc:  # noqa: BLE001 - a corrupt file of the run: said in the page, not a bare 500
+            return JSONResponse({"detail": f"reading the run failed: {type(exc).__name__}: {exc}"}, status_code=500)
+        if token is not None and given:
+            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        return response
 
     @app.exception_handler(DataError)
     async def _not_found(_request: Any, exc: DataError) -> Any:
@@ -101,7 +155,8 @@ class ViewerServer:
     Binds on construction, so :attr:`url` is known (``port=0`` resolved) before serving starts.
 
     Raises:
-        ConfigError: the run folder does not exist, or the address cannot be bound.
+        ConfigError: the run folder does not exist or holds none of :data:`RUN_MARKERS`, or the
+            address cannot be bound.
     """
 
     def __init__(self, cfg: ViewerConfig):
@@ -109,6 +164,9 @@ class ViewerServer:
 
         self.cfg = cfg
         self.reader = RunReader(cfg.run_dir, cfg.tokenizer)
+        if not any((self.reader.dir / name).exists() for name in RUN_MARKERS):
+            raise ConfigError(f"{str(cfg.run_dir)!r} is not a run folder: it holds none of {list(RUN_MARKERS)}; "
+                              "expected a run's run.output_dir")
         try:
             infos = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM)
             family, _, _, _, addr = infos[0]
@@ -120,8 +178,8 @@ class ViewerServer:
                               "expected a free port (0 picks one) on a local address") from exc
         host, self.port = self.sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{self.port}/"
-        config = uvicorn.Config(build_app(self.reader), log_level="warning", lifespan="off")
+        self.url = f"http://{shown}:{self.port}/" + (f"?token={cfg.token}" if cfg.token else "")
+        config = uvicorn.Config(build_app(self.reader, cfg.host, cfg.token), log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

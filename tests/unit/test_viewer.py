@@ -238,3 +238,59 @@ def test_browser_tests_skip_without_chromium_only_outside_ci(tmp_path: Path, ci:
         assert res.returncode != 0 and "CI=true but no chromium binary" in res.stdout
     else:
         assert res.returncode == 0 and "no chromium binary" in res.stdout
+
+
+def test_a_foreign_host_header_is_refused_and_loopback_names_pass(server):
+    """A page on another site whose DNS name rebinds to 127.0.0.1 sends its own name as Host: 403."""
+    url = server.url.rstrip("/") + "/api/overview"
+    port = server.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"127.0.0.2:{port}"):
+        assert httpx.get(url, headers={"Host": host}, timeout=10).status_code == 200, host
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", ""):
+        r = httpx.get(url, headers={"Host": host}, timeout=10)
+        assert r.status_code == 403 and "DNS rebinding" in r.json()["detail"], host
+
+
+def test_a_viewer_with_a_token_refuses_requests_without_it(run):
+    token = "s" * 24
+    with build(ViewerConfig(run_dir=run, token=token)) as srv:
+        base = srv.url.split("?")[0].rstrip("/")
+        assert srv.url.endswith(f"/?token={token}")
+        assert httpx.get(base + "/api/overview", timeout=10).status_code == 401
+        assert httpx.get(base + "/api/overview", params={"token": "x" * 24}, timeout=10).status_code == 401
+        assert httpx.get(base + "/api/overview", headers={"Authorization": f"Bearer {token}"}, timeout=10).status_code == 200
+        with httpx.Client(timeout=10) as client:  # the printed URL sets a cookie the page's own requests carry
+            first = client.get(srv.url)
+            assert first.status_code == 200 and first.cookies.get("relax_view_token") == token
+            assert client.get(base + "/api/overview").status_code == 200
+
+
+def test_a_folder_that_is_not_a_run_is_refused(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ConfigError, match="is not a run folder"):
+        build(ViewerConfig(run_dir=tmp_path))
+
+
+def test_a_run_file_that_fails_to_read_is_a_json_error_the_page_shows(server, monkeypatch):
+    def broken(*_a, **_k):
+        raise ValueError("bad row in rollouts/step_000001.jsonl")
+
+    monkeypatch.setattr(server.reader, "overview", broken)
+    r = get(server, "/api/overview")
+    assert r.status_code == 500
+    assert r.json() == {"detail": "reading the run failed: ValueError: bad row in rollouts/step_000001.jsonl"}
+
+
+def test_view_on_another_address_gets_a_token(tmp_path: Path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from relax_agent import cli
+    from relax_agent.viewer.app import ViewerServer
+
+    served = []
+    monkeypatch.setattr(ViewerServer, "run", lambda self: served.append((self.url, self.cfg.token)) or self.sock.close())
+    run = make_run(tmp_path)
+    res = CliRunner().invoke(cli.app, ["view", str(run), "--host", "0.0.0.0"])
+    assert res.exit_code == 0, res.output
+    (url, token), = served
+    assert token and len(token) >= 16 and url.endswith(f"?token={token}") and url in res.output
