@@ -75,10 +75,10 @@ def build_app(reader: RunReader, bound_host: str = "127.0.0.1", token: str | Non
     ``Host`` check against a loopback ``bound_host`` and, when given, the ``token`` check (a viewer
     bound to another address is reached by any name: its token is what guards it)."""
     from fastapi import FastAPI, HTTPException, Query
-
-    from relax_agent.netaddr import is_loopback
     from fastapi.responses import FileResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
+
+    from relax_agent.netaddr import is_loopback
 
     app = FastAPI(title=f"relax-agent view {reader.dir}", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
