@@ -167,7 +167,8 @@ def check_vllm_engine(cfg: RelaxConfig) -> None:
 
 def check_output_dir(path: str) -> None:
     """Raise ConfigError naming ``run.output_dir`` when the run could not write there: it is a
-    file, cannot be created, or a test file cannot be written (read-only, /proc, disk full)."""
+    file, cannot be created, or a test file cannot be written (read-only, /proc, disk full). A folder
+    it creates is made 0700: checkpoints, rollouts and token records are the run owner's alone."""
     import os
     import tempfile
     from pathlib import Path
@@ -176,7 +177,10 @@ def check_output_dir(path: str) -> None:
     if p.exists() and not p.is_dir():
         raise ConfigError(f"run.output_dir={path!r} is a file, not a folder; choose a folder path")
     try:
+        created = not p.exists()
         p.mkdir(parents=True, exist_ok=True)
+        if created:  # checkpoints, rollouts and the token record are the run owner's alone
+            os.chmod(p, 0o700)
         fd, probe = tempfile.mkstemp(dir=p, prefix=".write-check-")
         try:
             os.write(fd, b"x" * 4096)

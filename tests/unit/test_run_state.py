@@ -113,6 +113,20 @@ def test_an_output_dir_that_cannot_be_written_fails_in_preflight(tmp_path, where
         check_output_dir(str(path))
 
 
+def test_a_run_folder_the_run_creates_is_its_owners_alone(tmp_path):
+    """Checkpoints (trainer.pt), rollout dumps and the token record were world-readable (0644 in a 0755 folder)."""
+    import stat
+
+    from relax_agent.preflight import check_output_dir
+
+    check_output_dir(str(tmp_path / "runs" / "new"))
+    assert stat.S_IMODE((tmp_path / "runs" / "new").stat().st_mode) == 0o700
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    check_output_dir(str(mine))  # a folder the user made is left as they made it
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o755
+
+
 def test_an_env_whose_prompts_carry_images_is_refused_at_start_up_for_a_text_only_policy():
     from relax_agent.errors import ConfigError
     from relax_agent.preflight import check_env_prompt
