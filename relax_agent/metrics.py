@@ -1,8 +1,9 @@
 """Run metrics: console progress, JSONL, TensorBoard and PNG plots.
 
 Metric keys are namespaced constants (``rollout/reward``, ``timing/step_s``, ``eval/accuracy``).
-``metrics.jsonl`` is append-only and survives resume: rows of steps that a resumed run
-repeats are superseded by the later rows (:func:`read_metrics` keeps the last per step).
+``metrics.jsonl`` survives resume: a resumed run moves the rows of the steps it will redo to
+``metrics.superseded.jsonl`` (:meth:`MetricsLogger.supersede_after`), so each step has one row set;
+:func:`read_metrics` also keeps only the last row per step and kind.
 """
 
 from __future__ import annotations
@@ -59,6 +60,31 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+
+    def supersede_after(self, step: int) -> int:
+        """Move the rows of steps after ``step`` (the resumed checkpoint's) from ``metrics.jsonl`` to
+        ``metrics.superseded.jsonl``: the resumed run writes those steps again. Returns the rows moved.
+
+        The kept rows are written to a temporary file that replaces ``metrics.jsonl``: a crash leaves
+        one whole file or the other; moved rows are appended to the superseded file first."""
+        if not self.path.exists():
+            return 0
+        keep, moved = [], []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                later = int(json.loads(line).get("step", 0)) > step
+            except (ValueError, TypeError, AttributeError):  # a half-written last line of a crash
+                later = True
+            (moved if later else keep).append(line)
+        if moved:
+            with (self.dir / "metrics.superseded.jsonl").open("a") as f:
+                f.write("".join(line + "\n" for line in moved))
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(self.path)
+        return len(moved)
 
     def log_histogram(self, step: int, key: str, values: list[float]) -> None:
         """A TensorBoard histogram of ``values`` at ``step`` (the JSONL row carries the counts)."""

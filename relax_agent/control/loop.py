@@ -108,6 +108,7 @@ class Controller:
         self.groups_drawn = state.get("groups_drawn", self.step * self.B)
         self.sft_done = state.get("sft_done", True)
         self.trainer.restore(trainer_state, self.version)
+        self.logger.supersede_after(self.step)
 
     def save(self) -> Path:
         """Checkpoint the last complete step."""

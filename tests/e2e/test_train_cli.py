@@ -53,6 +53,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     assert full.returncode == 0, full.stderr[-3000:]
     first = _cli(*common, f"run.output_dir={b}", "trainer.steps=2", "eval.at_end=false", cwd=REPO)
     assert first.returncode == 0, first.stderr[-3000:]
+    with (b / "metrics.jsonl").open("a") as f:  # a step 3 logged before a crash, never checkpointed
+        f.write(json.dumps({"step": 3, "rollout/reward": -1.0, "crashed": True}) + "\n")
     resumed = _cli(*common, f"run.output_dir={b}", "trainer.steps=3", "--resume", cwd=REPO)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return a, b, resumed
@@ -80,7 +82,10 @@ def test_resume_continues_at_the_right_step_with_identical_data(runs):
     a, b, resumed = runs
     assert "resumed from" in resumed.stderr and "at step 2" in resumed.stderr
     assert json.loads((b / "checkpoints" / "step_000003" / "state.json").read_text())["step"] == 3
-    assert [r["step"] for r in _rows(b) if "rollout/reward" in r] == [1, 2, 3]
+    assert [r["step"] for r in _rows(b) if "rollout/reward" in r] == [1, 2, 3]  # step 3 once: the redone one
+    assert not any(r.get("crashed") for r in _rows(b))
+    superseded = [json.loads(line) for line in (b / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded == [{"step": 3, "rollout/reward": -1.0, "crashed": True}]
     for step in (1, 2, 3):
         assert _task_ids(a, step) == _task_ids(b, step)
     assert _responses(a, 3) == _responses(b, 3)
