@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import functools
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -70,6 +71,8 @@ class _Run:
         """group id -> sequence number, for groups started and not yet trained or dropped."""
         self.trained: set[str] = set()
         """Group ids trained or dropped (a re-delivered lease of one is acked and skipped)."""
+        self.foreign_rows = 0
+        """Rows of groups this run never started (put by another process on the bus): acked unread."""
         self.dropped: list[_Group] = []
         """Groups dropped as too stale since the last step; dumped (untrained) with the next step."""
         self.dropped_this_step = 0
@@ -240,7 +243,12 @@ class _Run:
             self._ack(batch.lease_id)
             return None
         versions = {int(v) for v in batch.versions}
-        assert len(versions) == 1, f"a group carries one sample version, got {versions}"
+        if gid not in self.seq_of or len(versions) != 1:  # not a group of this run: never trained, never a crash
+            self._ack(batch.lease_id)
+            self.foreign_rows += len(batch.sample_ids)
+            print(f"warning: {len(batch.sample_ids)} rows of group {gid!r} (versions {sorted(versions)}) on the bus were "
+                  "not started by this run; dropped untrained", file=sys.stderr, flush=True)
+            return None
         group = _Group(self.seq_of[gid], versions.pop(), dict(batch.fields), list(batch.fields[R.TRAJECTORY]),
                        batch.lease_id, list(batch.sample_ids))
         for i, other in enumerate(held):
