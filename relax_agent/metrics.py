@@ -69,7 +69,8 @@ class MetricsLogger:
         one whole file or the other; moved rows are appended to the superseded file first."""
         if not self.path.exists():
             return 0
-        keep, moved = [], []
+        keep: list[str] = []
+        moved: list[str] = []
         for line in self.path.read_text().splitlines():
             if not line.strip():
                 continue

@@ -37,6 +37,8 @@ KWARGS: dict[str, dict] = {
     "relax/DataFile-v0": {"sandbox": {"backend": "fake"}},
     "relax/Calculator-v0": {"num_tasks": 200},
     "relax/ReasoningGym-v0": {"dataset": "leg_counting", "size": 100},
+    "relax/GEM-v0": {"game": "game:GuessTheNumber-v0-easy", "num_tasks": 50, "num_heldout": 10},
+    "relax/TextArena-v0": {"game": "GuessTheNumber-v0", "num_tasks": 50, "num_heldout": 10},
 }
 """Constructor overrides that keep the suite fast and daemon-free."""
 
