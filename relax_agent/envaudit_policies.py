@@ -23,9 +23,13 @@ CLAIMS = {"correct": "correct", "pass": "PASS", "solved": "solved", "empty_tag":
 
 GUESSES = {
     "tag": "<answer>0</answer>", "colon": "Answer: 1", "boxed": "\\boxed{0}", "yes": "yes", "true": "true",
-    "json": '{"answer": 0}',
+    "json": '{"answer": 0}', "letter": "A",
 }
 """The ``guess:*`` policies: an answer in a format scorers commonly accept, with an uninformed value."""
+
+SPRAY = "<answer>" + " ".join([*map(str, range(101)), "yes", "no", "true", "false", "A", "B", "C", "D"]) + "</answer>"
+"""The ``guess:spray`` reply: every integer 0..100, yes/no, true/false and A-D inside one answer tag (earns
+from a scorer that looks for the target anywhere in the answer)."""
 
 JUNK_CHARS = 2000
 """Length of the ``junk`` policy's reply."""
@@ -173,6 +177,8 @@ def _policies() -> list[Policy]:
     out = [
         Policy("empty", "an empty reply", lambda t: ""),
         Policy("echo", "the last user message echoed back", lambda t: last_user_text(t.messages)),
+        Policy("echo:answer", "the last user message inside <answer></answer> and after 'Answer:'",
+               lambda t: f"<answer>{last_user_text(t.messages)}</answer>\nAnswer: {last_user_text(t.messages)}"),
         Policy("junk", f"{JUNK_CHARS} characters of random words, numbers and punctuation",
                lambda t: junk(t.rng("junk"))),
         Policy("tool:garbage", "one call to every declared tool with wrong-typed arguments, then an empty reply",
@@ -187,6 +193,7 @@ def _policies() -> list[Policy]:
     for key, text in GUESSES.items():
         out.append(Policy(f"guess:{key}", f"only {text!r}", _constant(text)))
     out.append(Policy("guess:all", "every guess format at once, one per line", lambda t: "\n".join(GUESSES.values())))
+    out.append(Policy("guess:spray", "0..100, yes/no, true/false and A-D in one answer tag", _constant(SPRAY)))
     for key, text in CLAIMS.items():
         out.append(Policy(f"claim:{key}", f"only {text!r}", _constant(text)))
     out.append(Policy("claim:all", "every success string at once, one per line", lambda t: "\n".join(CLAIMS.values())))
@@ -218,5 +225,5 @@ def select_policies(names: Sequence[str] | None) -> list[Policy]:
     return [p for p in POLICIES if p in chosen]  # report order
 
 
-__all__ = ["CLAIMS", "GUESSES", "JUNK_CHARS", "POLICIES", "UNDECLARED_TOOL", "Policy", "Turn", "garbage_arguments",
+__all__ = ["CLAIMS", "GUESSES", "JUNK_CHARS", "POLICIES", "SPRAY", "UNDECLARED_TOOL", "Policy", "Turn", "garbage_arguments",
            "garbage_value", "junk", "last_user_text", "message_text", "select_policies", "tool_names"]

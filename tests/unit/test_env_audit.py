@@ -118,12 +118,15 @@ def _parsed(name: str, turn: int = 0, parser: str = "hermes", tools=(LOOKUP, NOT
 def test_text_policies_write_no_call():
     assert _parsed("empty") == {"role": "assistant", "content": "", "tool_calls": []}
     assert _parsed("echo") == {"role": "assistant", "content": PROMPT, "tool_calls": []}
+    assert _parsed("echo:answer")["content"] == f"<answer>{PROMPT}</answer>\nAnswer: {PROMPT}"
     junk = _policy("junk").reply(_turn())
     assert len(junk) == JUNK_CHARS and _parsed("junk")["tool_calls"] == []
     assert junk == _policy("junk").reply(_turn()) != _policy("junk").reply(_turn(episode=1))  # seeded, per episode
     for key, text in GUESSES.items():
         assert _parsed(f"guess:{key}") == {"role": "assistant", "content": text, "tool_calls": []}
     assert _parsed("guess:all")["content"].splitlines() == list(GUESSES.values())
+    spray = _parsed("guess:spray")
+    assert spray["tool_calls"] == [] and spray["content"].startswith("<answer>0 1 2 ") and " 100 yes no" in spray["content"]
     for key, text in CLAIMS.items():
         assert _parsed(f"claim:{key}")["content"] == text
     assert _parsed("claim:all")["content"].splitlines() == list(CLAIMS.values())
@@ -177,7 +180,8 @@ def test_garbage_value_is_the_wrong_type():
 
 
 def test_select_policies():
-    assert [p.name for p in select_policies(["guess:", "empty"])] == ["empty", *[f"guess:{k}" for k in GUESSES], "guess:all"]
+    assert [p.name for p in select_policies(["guess:", "empty"])] == ["empty", *[f"guess:{k}" for k in GUESSES],
+                                                                     "guess:all", "guess:spray"]
     assert [p.name for p in select_policies(None)] == [p.name for p in POLICIES]
     with pytest.raises(ConfigError, match="no such policy"):
         select_policies(["nope"])
@@ -218,7 +222,7 @@ def test_env_rewarding_success_words_fails():
     best = next(p for p in data["policies"] if p["policy"] == "claim:correct")["best_episode"]
     assert best["first_reply"] == "correct" and best["reason"] == "rule says_correct" and best["reward"] == 1.0
     text = markdown(report, "relax-agent envs audit audit-test/Toy-v0")
-    assert "**FAIL audit-test/Toy-v0: 3 of 20" in text and "| claim:correct | 3 | 1.000 | 1.000 | 1.000 | 1.0 |  | EARNS |" in text
+    assert f"**FAIL audit-test/Toy-v0: 3 of {len(POLICIES)}" in text and "| claim:correct | 3 | 1.000 | 1.000 | 1.000 | 1.0 |  | EARNS |" in text
 
 
 def test_env_rewarding_empty_replies_fails():
