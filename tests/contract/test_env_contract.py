@@ -37,6 +37,8 @@ KWARGS: dict[str, dict] = {
     "relax/DataFile-v0": {"sandbox": {"backend": "fake"}},
     "relax/Calculator-v0": {"num_tasks": 200},
     "relax/ReasoningGym-v0": {"dataset": "leg_counting", "size": 100},
+    "relax/Harbor-v0": {"task_dir": str(Path(__file__).resolve().parents[2] / "examples" / "harbor" / "sum-numbers"),
+                        "sandbox": {"backend": "fake"}},  # no image, no verifier run; Docker: test_bridge_harbor_docker.py
     "relax/GEM-v0": {"game": "game:GuessTheNumber-v0-easy", "num_tasks": 50, "num_heldout": 10},
     "relax/TextArena-v0": {"game": "GuessTheNumber-v0", "num_tasks": 50, "num_heldout": 10},
 }
