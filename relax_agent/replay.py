@@ -468,7 +468,7 @@ def replay_step(cfg: Any, run_dir: str | Path, step: int, logprobs: bool = True,
         from relax_agent.multimodal.render import MediaRenderer
 
         processor = load_media_processor(cfg.model, AutoConfig.from_pretrained(cfg.model.path),
-                                         max_image_pixels=r.max_image_pixels)
+                                         max_image_pixels=r.max_image_pixels, max_video_frames=r.max_video_frames)
         renderer = MediaRenderer(renderer, processor)
     have = checkpoint_versions(run_dir)
 

@@ -338,7 +338,8 @@ def _media_driver(cfg: RelaxConfig, model_cfg: Any, engine: Any, renderer: Any, 
     from relax_agent.multimodal.render import MediaRenderer
     from relax_agent.rollout.env_driver import EnvDriver
 
-    processor = load_media_processor(model_cfg, engine.model_config, max_image_pixels=cfg.rollout.max_image_pixels)
+    processor = load_media_processor(model_cfg, engine.model_config, max_image_pixels=cfg.rollout.max_image_pixels,
+                                     max_video_frames=cfg.rollout.max_video_frames)
     return EnvDriver(make_env_factory(cfg), engine, MediaRenderer(renderer, processor), parser)
 
 

@@ -81,7 +81,8 @@ def is_media_policy(cfg: ModelConfig, location: str | None = None) -> bool:
 def load_media_processor(cfg: ModelConfig, model_config: Any, **limits: Any) -> Any:
     """The :class:`~relax_agent.multimodal.processor.MediaProcessor` of a multimodal policy: the
     folder's ``preprocessor_config.json`` when it has one, else class defaults with the config's patching.
-    ``limits``: the processor's ``max_image_pixels`` / ``max_aspect_ratio`` (its defaults when not given).
+    ``limits``: the processor's ``max_image_pixels`` / ``max_aspect_ratio`` / ``max_video_frames`` (its
+    defaults when not given).
 
     (``AutoProcessor`` would build the family's video processor, which imports torchvision; the
     image processor's PIL backend and the Whisper feature extractor need neither.)

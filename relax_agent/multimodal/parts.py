@@ -32,6 +32,16 @@ MAX_IMAGE_PIXELS = 40_000_000
 pixels are decoded (``rollout.max_image_pixels``): a 6000 x 6000 photo passes, an 8000 x 8000 one is
 refused. Above it an image is refused, not downscaled: downscaling would still decode every pixel."""
 
+MAX_VIDEO_FRAMES = 256
+"""Default bound on a video part's frames (``rollout.max_video_frames``), counted before any frame is
+decoded: with each frame under :data:`MAX_IMAGE_PIXELS` and resized to the processor's pixel budget,
+it bounds a video's pixels and placeholder tokens too (2,000 frames of 224 x 224 made 64,000 tokens
+and 3 GB)."""
+
+MAX_AUDIO_CHANNELS = 8
+"""A 2-D audio array's smaller dimension is its channels when it is at most this; the channels are
+averaged to mono."""
+
 MAX_ASPECT_RATIO = 200.0
 """The longest side over the shortest an image may have: Qwen's ``smart_resize`` raises above 200."""
 
@@ -169,9 +179,10 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
         value = value.get("data") if isinstance(value, dict) else value
     if isinstance(value, (np.ndarray, list, tuple)):
         try:
-            return _checked_audio(np.asarray(value, dtype=np.float32).reshape(-1), where)
+            samples = np.asarray(value, dtype=np.float32)
         except (TypeError, ValueError) as exc:
             raise DataError(f"{where}: expected a float array of samples ({type(exc).__name__}: {exc})") from exc
+        return _checked_audio(_mono(samples, where), where)
     if not isinstance(value, str):
         raise DataError(f"{where}: expected base64 WAV data or a float array; got {type(value).__name__}")
     try:
@@ -191,6 +202,19 @@ def decode_audio(value: Any, where: str = "audio") -> np.ndarray:
         n = int(round(len(pcm) * AUDIO_RATE_HZ / rate))
         pcm = np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.float32)
     return _checked_audio(pcm, where)
+
+
+def _mono(samples: np.ndarray, where: str) -> np.ndarray:
+    """[n] samples of a [n] array, or of a [n, c] / [c, n] one (c <= :data:`MAX_AUDIO_CHANNELS`
+    channels, averaged); DataError naming ``where`` for any other shape."""
+    if samples.ndim <= 1:
+        return samples.reshape(-1)
+    if samples.ndim == 2:
+        axis = int(np.argmin(samples.shape))
+        if samples.shape[axis] <= MAX_AUDIO_CHANNELS and samples.shape[axis] < samples.shape[1 - axis]:
+            return samples.mean(axis=axis)
+    raise DataError(f"{where}: an audio array of shape {list(samples.shape)}; expected [samples] or "
+                    f"[samples, channels] with at most {MAX_AUDIO_CHANNELS} channels")
 
 
 def _checked_audio(samples: np.ndarray, where: str) -> np.ndarray:

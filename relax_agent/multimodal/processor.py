@@ -33,10 +33,12 @@ from relax_agent.multimodal.parts import (
     AUDIO_RATE_HZ,
     MAX_ASPECT_RATIO,
     MAX_IMAGE_PIXELS,
+    MAX_VIDEO_FRAMES,
     decode_audio,
     decode_image,
     decode_video,
     part_kind,
+    video_frame_count,
 )
 from relax_agent.records import MEDIA_KINDS, MediaInputs
 
@@ -143,6 +145,11 @@ def audio_output_length(frames: int) -> int:
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
+MIN_AUDIO_SAMPLES = 321
+"""Fewest samples at 16 kHz (three mel frames of a 160-sample hop: just over 20 ms) from which the
+audio encoder makes a token; the processor checks the token count itself, this is what it says."""
+
+
 @dataclass
 class MediaProcessor:
     """Processes one content part at a time into a one-item :class:`MediaInputs`.
@@ -159,6 +166,8 @@ class MediaProcessor:
             before it is decoded (``rollout.max_image_pixels``).
         max_aspect_ratio: an image's longest side over its shortest may be at most this (Qwen's
             ``smart_resize`` raises above 200).
+        max_video_frames: a video part with more frames is refused before any frame is decoded
+            (``rollout.max_video_frames``).
 
     Raises:
         ConfigError: the image processor's patching (``patch_size``, ``merge_size``,
@@ -176,6 +185,7 @@ class MediaProcessor:
     feature_extractor: Any = field(default=None, repr=False)
     max_image_pixels: int = MAX_IMAGE_PIXELS
     max_aspect_ratio: float = MAX_ASPECT_RATIO
+    max_video_frames: int = MAX_VIDEO_FRAMES
 
     def __post_init__(self) -> None:
         f = self.family
@@ -221,7 +231,8 @@ class MediaProcessor:
         class defaults with the config's patching. A Qwen3-VL folder's ``video_preprocessor_config.json``
         is not read: video frames use the image processor's pixel budget and normalisation.
 
-        ``limits``: ``max_image_pixels`` / ``max_aspect_ratio`` (the class defaults when not given).
+        ``limits``: ``max_image_pixels`` / ``max_aspect_ratio`` / ``max_video_frames`` (the class defaults
+        when not given).
 
         Raises:
             ConfigError: the folder's patching differs from the model's vision config (names the key).
@@ -251,7 +262,8 @@ class MediaProcessor:
         Raises:
             ConfigError: the model takes no media of this kind (names ``where`` and the kind).
             DataError: the part's payload cannot be decoded, or is refused by the limits (image
-                pixels, aspect ratio; 0-second or NaN / inf audio); names ``where``.
+                pixels, aspect ratio, video frames; 0-second, NaN / inf audio or audio too short to
+                make one token); names ``where``.
         """
         kind = part_kind(part)
         if kind is None or kind not in self.family.token_ids:
@@ -260,6 +272,10 @@ class MediaProcessor:
         if kind == "image":
             return self._image(decode_image(part, where, self.max_image_pixels, self.max_aspect_ratio))
         if kind == "video":
+            frames = video_frame_count(part)
+            if frames > self.max_video_frames:
+                raise DataError(f"{where}: a video of {frames} frames; rollout.max_video_frames={self.max_video_frames} "
+                                "(send fewer frames, or raise the bound)")
             return self._video(decode_video(part, where, self.max_image_pixels, self.max_aspect_ratio))
         samples = decode_audio(part, where)
         window = self.audio_window_samples
@@ -269,7 +285,12 @@ class MediaProcessor:
                              f"{window / AUDIO_RATE_HZ:.2f} s window; only its first {window / AUDIO_RATE_HZ:.2f} s "
                              "reach the policy")
             samples = samples[:window]
-        return self._audio(samples)
+        item = self._audio(samples)
+        if item.num_tokens[0] < 1:
+            raise DataError(f"{where}: audio of {1000 * len(samples) / AUDIO_RATE_HZ:.1f} ms makes no audio token "
+                            f"for the policy; expected at least {MIN_AUDIO_SAMPLES} samples "
+                            f"({1000 * MIN_AUDIO_SAMPLES / AUDIO_RATE_HZ:.2f} ms at {AUDIO_RATE_HZ} Hz)")
+        return item
 
     @property
     def audio_window_samples(self) -> int:

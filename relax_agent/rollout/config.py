@@ -171,6 +171,9 @@ class RolloutConfig(Section):
     """Media policies: an image or video frame with more pixels (width x height, read from its header
     before decoding) is refused, failing its episode with a record naming the message and part; the
     default passes a 6000 x 6000 photo and refuses an 8000 x 8000 one."""
+    max_video_frames: int = Field(default=256, ge=1, le=100_000)
+    """Media policies: a video part with more frames is refused before any frame is decoded, failing its
+    episode with a record naming the message and part (each frame also obeys ``max_image_pixels``)."""
     episode_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Most seconds one whole episode may take (env and engine calls together); past it the
     episode becomes a failed record (reward status "timeout") naming this key."""

@@ -182,3 +182,39 @@ def test_cut_audio_is_logged_once_per_episode_and_counted(omni_dir, caplog):
     assert short_traj.error is None and AUDIO_CLIPS_CUT not in short_traj.metrics
     assert rollout_metrics([long_traj, short_traj, long_traj], 1.0)["rollout/audio_clips_cut"] == 4.0
     assert "rollout/audio_clips_cut" not in rollout_metrics([short_traj], 1.0)
+
+
+@pytest.mark.parametrize("samples", [1, 160, 320])
+def test_audio_too_short_to_make_a_token_is_refused(omni_dir, samples):
+    """Under ~20 ms the audio encoder makes 0 tokens: the clip silently vanished from the prompt."""
+    r = _renderer(omni_dir)
+    with pytest.raises(DataError, match=r"content part 1: audio of [\d.]+ ms makes no audio token for the policy; "
+                                        r"expected at least 321 samples \(20.06 ms at 16000 Hz\)"):
+        r.render_prompt(_user({"type": "audio", "audio": np.full(samples, 0.1, np.float32)}))
+    assert r.render_prompt(_user({"type": "audio", "audio": np.full(321, 0.1, np.float32)})).media.num_tokens == (1,)
+
+
+def test_two_channel_audio_is_averaged_not_interleaved(omni_dir):
+    r = _renderer(omni_dir)
+    left = np.sin(np.arange(4000) / 7.0).astype(np.float32) * 0.5
+    right = np.cos(np.arange(4000) / 3.0).astype(np.float32) * 0.5
+    mono = r.render_prompt(_user({"type": "audio", "audio": (left + right) / 2})).media.arrays["input_features"]
+    for stereo in (np.stack([left, right], axis=1), np.stack([left, right])):  # [n, 2] and [2, n]
+        feats = r.render_prompt(_user({"type": "audio", "audio": stereo})).media.arrays["input_features"]
+        np.testing.assert_allclose(feats, mono, atol=1e-5)
+    with pytest.raises(DataError, match=r"an audio array of shape \[100, 100\]; expected \[samples\] or \[samples, "
+                                        r"channels\] with at most 8 channels"):
+        r.render_prompt(_user({"type": "audio", "audio": np.zeros((100, 100), np.float32)}))
+
+
+def test_a_video_over_the_frame_bound_is_refused_before_a_frame_is_decoded(vl_dir):
+    """2,000 frames of 224 x 224 made 64,000 tokens and 3 GB; frames here cannot even be decoded."""
+    r = _renderer(vl_dir, max_video_frames=8)
+    stub = _png_header_only(224, 224)
+    with pytest.raises(DataError, match=r"content part 1: a video of 9 frames; rollout.max_video_frames=8"):
+        r.render_prompt(_user({"type": "video", "video": [stub] * 9}))
+    frame = np.zeros((32, 32, 3), np.uint8)
+    from relax_agent.multimodal.parts import video_part
+
+    assert r.render_prompt(_user(video_part([frame] * 8))).media.kinds == ("video",)
+    assert load_config(None, []).rollout.max_video_frames == 256
