@@ -37,6 +37,7 @@ KWARGS: dict[str, dict] = {
     "relax/DataFile-v0": {"sandbox": {"backend": "fake"}},
     "relax/Calculator-v0": {"num_tasks": 200},
     "relax/ReasoningGym-v0": {"dataset": "leg_counting", "size": 100},
+    "relax/Verifiers-v0": {"env": "tests.e2e.data.vf_envs:load_lookup"},  # a real verifiers taskset with a Toolset
     "relax/OpenEnv-v0": {"env": "tests.e2e.data.openenv_guess:app", "num_tasks": 50},  # a local server process, shared
     "relax/Harbor-v0": {"task_dir": str(Path(__file__).resolve().parents[2] / "examples" / "harbor" / "sum-numbers"),
                         "sandbox": {"backend": "fake"}},  # no image, no verifier run; Docker: test_bridge_harbor_docker.py
