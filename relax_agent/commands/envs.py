@@ -47,7 +47,7 @@ def _bridge_lines(scheme: str, limit: int | None) -> list[str]:
     except ConfigError:
         return [f"{scheme}: not installed: pip install 'relax-agent[{BRIDGES[scheme].extra}]'"]
     if limit is None:
-        return [f"{scheme}:{name}" for name in names]
+        return [f"{scheme}:{name}" for name in names] or [f"{scheme}: (none installed)"]
     shown = ", ".join(f"{scheme}:{n}" for n in names[:limit])
     more = f", ... ({len(names)} in all)" if len(names) > limit else ""
     return [f"{scheme}: {shown}{more}" if names else f"{scheme}: (none installed)"]
