@@ -16,7 +16,7 @@ that knows nothing about the task. The verdict is FAIL when any policy earns
 type, count, first message), not a crash of the audit.
 
     report = audit("relax/Calculator-v0", {"num_tasks": 200}, episodes=8)
-    report.verdict            # "PASS" or "FAIL"
+    report.verdict            # "PASS", "FAIL" (or "ERROR": the env raised in every episode)
     report.to_dict()          # what --json prints and --out writes
 """
 
@@ -144,7 +144,11 @@ class AuditReport:
 
     @property
     def verdict(self) -> str:
-        """``"FAIL"`` when any policy earns (or, with ``fail_on_errors``, any episode raised); else ``"PASS"``."""
+        """``"ERROR"`` when the env raised in every episode played (nothing was measured); else ``"FAIL"`` when
+        any policy earns (or, with ``fail_on_errors``, any episode raised); else ``"PASS"``."""
+        played = sum(len(r.played) for r in self.results)
+        if played and self.errors == played:
+            return "ERROR"
         failed = bool(self.earning) or (self.settings.get("fail_on_errors", False) and self.errors > 0)
         return "FAIL" if failed else "PASS"
 
@@ -395,7 +399,7 @@ def table_rows(report: AuditReport) -> list[list[str]]:
     rows = []
     for name, s in report.stats().items():
         if not s["episodes"]:
-            rows.append([name, "0", "-", "-", "-", "-", f"n/a: {s['skipped']}", ""])
+            rows.append([name, "0", "-", "-", "-", "-", f"n/a ({s['skipped']})", ""])
             continue
         errors = ", ".join(f"{k} x{v}" for k, v in s["errors"].items())
         rows.append([name, str(s["episodes"]), _num(s["mean_reward"]), _num(s["max_reward"]), _num(s["success_rate"]),
@@ -419,6 +423,9 @@ def verdict_line(report: AuditReport) -> str:
                  + ", ".join(f"{n} {stats[n]['mean_reward']:.3f}" for n in report.earning))
     else:
         line += f": no degenerate policy earns a mean reward above {report.settings['threshold']:g}{scale}"
+    if report.verdict == "ERROR":
+        first = next(e for r in report.results for e in r.played if e.error)
+        return f"ERROR {report.env}: the env raised in every episode ({report.errors}); first, at {first.where}: {first.error}"
     if report.errors:
         line += f"; the env raised in {report.errors} episode(s)"
     return line

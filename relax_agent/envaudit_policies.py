@@ -22,8 +22,8 @@ CLAIMS = {"correct": "correct", "pass": "PASS", "solved": "solved", "empty_tag":
 """What a lenient scorer may look for in a reply: each ``claim:*`` policy writes only one of these."""
 
 GUESSES = {
-    "tag": "<answer>0</answer>", "colon": "Answer: 1", "boxed": "\\boxed{0}", "yes": "yes", "true": "true",
-    "json": '{"answer": 0}', "letter": "A",
+    "tag": "<answer>0</answer>", "colon": "Answer: 1", "boxed": "\\boxed{1}", "yes": "yes", "true": "true",
+    "json": '{"answer": 0}', "letter": "A", "bracket": "[1]",
 }
 """The ``guess:*`` policies: an answer in a format scorers commonly accept, with an uninformed value."""
 

@@ -148,7 +148,7 @@ def envs_audit(
 ) -> None:
     """Play degenerate policies (empty reply, echo, junk, garbage tool calls, uninformed guesses,
     success words) against an env with no model; FAIL (exit 1) when one earns reward. Exit 2: the
-    audit could not run."""
+    audit could not run (or the env raised in every episode)."""
     import shlex
     import sys
 
@@ -177,11 +177,13 @@ def envs_audit(
         _print_audit(report)
         typer.echo(verdict_line(report))
     if report.verdict != "PASS":
-        raise typer.Exit(1)
+        raise typer.Exit(2 if report.verdict == "ERROR" else 1)
 
 
 def _print_audit(report: object) -> None:
-    """The audit's per-policy table on stdout (rich)."""
+    """The audit's per-policy table on stdout (rich; 120 columns when stdout is not a terminal)."""
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
@@ -194,6 +196,6 @@ def _print_audit(report: object) -> None:
                          no_wrap=name == "policy")
     for row in table_rows(report):
         table.add_row(*row, style="bold red" if row[-1] else None)
-    Console(soft_wrap=True).print(table)
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
     for note in report.notes:
         typer.echo(f"note: {note}")

@@ -46,7 +46,8 @@ class ToyEnv(TextEnv):
 
     Rules: ``sound`` (1.0 only for ``<answer>SECRET</answer>``, a per-task 6-digit secret), ``says_correct``
     (1.0 when the reply contains "correct"), ``empty`` (1.0 for an empty reply), ``raises_on_calls``
-    (KeyError on any tool call), ``nan`` (a NaN reward), ``minus_one`` (-1.0 for any final reply).
+    (KeyError on any tool call), ``raises_on_reset`` (OSError on every reset), ``nan`` (a NaN reward),
+    ``minus_one`` (-1.0 for any final reply).
     Tool calls get one tool message each and end nothing. Every action ``step`` receives is kept in RECEIVED.
     """
 
@@ -63,6 +64,8 @@ class ToyEnv(TextEnv):
                 for i in range(10)]
 
     def _reset_task(self, task: dict[str, Any]):
+        if self.rule == "raises_on_reset":
+            raise OSError("no such resource")
         self.done = False
         return ([{"role": "user", "content": PROMPT.replace("t3", task["id"])}],
                 {"tools": [LOOKUP, NOTE] if self.with_tools else []})
@@ -259,10 +262,21 @@ def test_env_that_raises_is_reported_not_a_crash():
     assert report.stats()["empty"]["errors"] == {"EnvError": 1}  # the driver's own check of the reward
 
 
+def test_env_that_raises_in_every_episode_is_an_error_not_a_pass():
+    report = audit("audit-test/Toy-v0", {"rule": "raises_on_reset"}, episodes=2, policies=["empty", "claim:"])
+    assert report.verdict == "ERROR" and report.errors == 2 * 7
+    assert report.stats()["empty"]["errors"] == {"OSError": 2}
+    assert all(env.closes == 1 for env in OPENED)
+    out = _cli("audit-test/Toy-v0", "--episodes", "1", "--kwargs", '{"rule": "raises_on_reset"}')
+    assert out.exit_code == 2, out.output
+    assert "ERROR audit-test/Toy-v0: the env raised in every episode" in out.output
+    assert "at reset: OSError: no such resource" in out.output
+
+
 def test_tool_policies_are_skipped_without_tools():
     report = audit("audit-test/Toy-v0", {"tools": False}, episodes=2)
     rows = {r[0]: r for r in table_rows(report)}
-    assert rows["tool:garbage"][6] == "n/a: no tools declared" and rows["tool:undeclared"][1] == "2"
+    assert rows["tool:garbage"][6] == "n/a (no tools declared)" and rows["tool:undeclared"][1] == "2"
     assert report.verdict == "PASS"
 
 
