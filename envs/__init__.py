@@ -20,6 +20,7 @@ import gymnasium
 from relax_agent.envs.base import DeclaresTools, DescribesReward, HasTasks, SteppedAsync, TextEnv, steps_async
 from relax_agent.envs.spaces import ConversationSpace, MessageSpace
 from relax_agent.envs.tool_env import ToolEnv, tool_schema
+from relax_agent.errors import EnvError
 
 
 def register(id: str, entry_point: str | Callable[..., gymnasium.Env], **kwargs: Any) -> None:
@@ -104,11 +105,14 @@ def describe(env_id: str, **kwargs: Any) -> dict[str, Any]:
 
     Raises:
         gymnasium.error.Error: unknown id (with gymnasium's "did you mean").
+        EnvError: the env gymnasium made has no spec.
     """
     env_id, kwargs = resolve_id(env_id, kwargs)
     env = gymnasium.make(env_id, **kwargs)
     try:
         inner, spec = env.unwrapped, env.spec
+        if spec is None:
+            raise EnvError(f"gymnasium.make({env_id!r}) returned an env without a spec (not made from the registry)")
         out: dict[str, Any] = {
             "id": env_id, "entry_point": spec.entry_point if isinstance(spec.entry_point, str) else repr(spec.entry_point),
             "kwargs": spec.kwargs, "max_episode_steps": spec.max_episode_steps,

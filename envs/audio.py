@@ -103,7 +103,7 @@ class AudioTonesEnv(MediaToolEnv):
             DataError: the task lacks ``clip_seed``, ``question`` or ``answer``.
         """
         require(task, ("clip_seed", "question", "answer"), "AudioTones")
-        clip = synthesise(task, LEVELS[int(task.get("difficulty", self.difficulty))])
+        clip = synthesise(task, LEVELS[self.task_difficulty(task)])
         return [{"role": "user", "content": [{"type": "text", "text": f"{task['question']} End with 'Answer: <n>'."},
                                              audio_part(clip)]}]
 

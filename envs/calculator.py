@@ -132,7 +132,8 @@ def make_tasks(difficulty: int, num_tasks: int, seed: int) -> tuple[dict[str, An
     Deterministic in ``(difficulty, num_tasks, seed)``; cached (do not mutate the dicts).
     """
     level, rng = LEVELS[difficulty], random.Random(f"calculator-{difficulty}-{seed}")
-    tasks, seen = [], set()
+    tasks: list[dict[str, Any]] = []
+    seen: set[str] = set()
     for _ in range(num_tasks * 20):
         if len(tasks) == num_tasks:
             break

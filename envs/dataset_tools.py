@@ -73,7 +73,7 @@ def exact_calls(message: dict[str, Any], task: dict[str, Any]) -> tuple[float, d
         raise DataError(f"task {task.get('id')!r}: answer {expected!r} is not a list of {{'name', 'arguments'}} calls")
     got = [_call_key(c) for c in message.get("tool_calls") or []]
     errors = list(message.get("parse_errors") or [])
-    info = {"num_calls": len(got) + len(errors), "well_formed": float(not errors and None not in got)}
+    info: dict[str, Any] = {"num_calls": len(got) + len(errors), "well_formed": float(not errors and None not in got)}
     if errors:
         reason = f"a tool call did not parse: {errors[0]}"
     elif Counter(got) == Counter(_call_key(c) for c in expected):

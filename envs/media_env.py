@@ -74,6 +74,10 @@ class MediaToolEnv(ToolEnv):
         require(task, ("answer",), type(self).__name__)
         return {"role": "assistant", "content": f"Answer: {task['answer']}"}
 
+    def task_difficulty(self, task: dict[str, Any]) -> int:
+        """The difficulty ``task`` was made at (its ``difficulty``, else this env's)."""
+        return int(task.get("difficulty", self.difficulty))
+
     def _result_text(self, name: str, value: Any, error: BaseException | None) -> str:
         if error is None and _is_parts(value):
             self._media_results.append(list(value))

@@ -246,7 +246,8 @@ class PythonExecEnv(TextEnv):
 
     # -- stepping ------------------------------------------------------------------------------
     def _run_tool(self, call: dict[str, Any]) -> dict[str, Any]:
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        raw_function = call.get("function")
+        function = raw_function if isinstance(raw_function, dict) else {}
         name, args = function.get("name"), function.get("arguments")
         if isinstance(args, str):
             try:

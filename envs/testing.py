@@ -181,7 +181,8 @@ def check_tasks(make_env: Factory) -> None:
     """train/heldout task lists: dicts with unique ids, disjoint; reset(options={"task": t}) takes them."""
     with _Opened(make_env) as env:
         inner = env.unwrapped
-        _expect(isinstance(inner, HasTasks), "env.unwrapped.tasks(split) is missing (the trainer samples tasks from it)")
+        if not isinstance(inner, HasTasks):  # (an if, not _expect: it narrows ``inner`` for the type checker)
+            raise AssertionError("env.unwrapped.tasks(split) is missing (the trainer samples tasks from it)")
         train, heldout = inner.tasks("train"), inner.tasks("heldout")
         for name, split in (("train", train), ("heldout", heldout)):
             _expect(isinstance(split, list) and all(isinstance(t, dict) and "id" in t for t in split),
@@ -266,14 +267,15 @@ def check_async_api(make_env: Factory) -> None:
     """``async def areset/astep`` (when defined) match ``reset``/``step``."""
     with _Opened(make_env) as env:
         inner = env.unwrapped
-        methods = [getattr(inner, n, None) for n in ("areset", "astep")]
-        if not any(methods):
+        areset, astep = getattr(inner, "areset", None), getattr(inner, "astep", None)
+        if not (areset or astep):
             return
-        _expect(all(inspect.iscoroutinefunction(m) for m in methods), "define both areset and astep, as async def")
+        if not (inspect.iscoroutinefunction(areset) and inspect.iscoroutinefunction(astep)):
+            raise AssertionError("define both areset and astep, as async def")
         sync_out = [env.reset(seed=0), inner.step(dict(ANSWER))]
 
         async def play() -> list[Any]:
-            return [await inner.areset(seed=0), await inner.astep(dict(ANSWER))]
+            return [await areset(seed=0), await astep(dict(ANSWER))]
 
         async_out = asyncio.run(play())
         _check_reset_out(env, async_out[0], "areset")

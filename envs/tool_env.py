@@ -259,12 +259,15 @@ class ToolEnv(TextEnv):
         cid, name, fn, args, error = self._lookup(call)
         if error is not None:
             return cid, name, error
+        assert fn is not None  # _lookup returns a tool exactly when it returns no error
         box: dict[str, Any] = {}
 
         def work() -> None:
             try:
                 out = fn(**args)
-                box["value"] = asyncio.run(out) if inspect.isawaitable(out) else out
+                # asyncio.run takes coroutines only; another awaitable makes it raise, and that error
+                # becomes the tool message like any other
+                box["value"] = asyncio.run(out) if inspect.isawaitable(out) else out  # type: ignore[arg-type]
             except BaseException as exc:  # noqa: BLE001 - becomes the tool message
                 box["error"] = exc
 
@@ -279,6 +282,7 @@ class ToolEnv(TextEnv):
         cid, name, fn, args, error = self._lookup(call)
         if error is not None:
             return cid, name, error
+        assert fn is not None  # _lookup returns a tool exactly when it returns no error
         try:
             if inspect.iscoroutinefunction(fn):
                 value = await asyncio.wait_for(fn(**args), self.tool_timeout_s)

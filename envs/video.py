@@ -97,7 +97,7 @@ class VideoMotionEnv(MediaToolEnv):
             DataError: the task lacks ``clip_seed``, ``question`` or ``answer``.
         """
         require(task, ("clip_seed", "question", "answer"), "VideoMotion")
-        frames = frames_of(task, LEVELS[int(task.get("difficulty", self.difficulty))])
+        frames = frames_of(task, LEVELS[self.task_difficulty(task)])
         return [{"role": "user", "content": [{"type": "text", "text": task["question"]}, video_part(frames)]}]
 
     def score(self, message: dict[str, Any]) -> tuple[float, dict[str, Any]]:

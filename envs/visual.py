@@ -86,7 +86,9 @@ def draw(shapes: list[tuple[str, str, int, int, int]], size: int) -> Any:
 @functools.lru_cache(maxsize=16)
 def make_tasks(difficulty: int, num_tasks: int, seed: int) -> tuple[dict[str, Any], ...]:
     """``num_tasks`` distinct tasks ``{"id", "scene_seed", "question", "answer", "answer_kind", "difficulty"}``."""
-    level, tasks, seen = LEVELS[difficulty], [], set()
+    level = LEVELS[difficulty]
+    tasks: list[dict[str, Any]] = []
+    seen: set[tuple[Any, ...]] = set()
     rng = random.Random(f"visual-count-{difficulty}-{seed}")
     for _ in range(num_tasks * 20):
         if len(tasks) == num_tasks:
@@ -150,7 +152,7 @@ class VisualCountEnv(MediaToolEnv):
             DataError: the task lacks ``scene_seed``, ``question`` or ``answer``.
         """
         require(task, ("scene_seed", "question", "answer"), "VisualCount")
-        level = LEVELS[int(task.get("difficulty", self.difficulty))]
+        level = LEVELS[self.task_difficulty(task)]
         self._image = draw(_scene(int(task["scene_seed"]), level)[0], level.size)
         hint = " You may call zoom(quadrant) to see a quarter of the image enlarged." if self.tools else ""
         text = f"{task['question']}{hint} End with 'Answer: <answer>'."

@@ -275,10 +275,10 @@ class RewardClient:
         twice: set[str] = set()
         for entry in raw:
             rid = entry.get("id") if isinstance(entry, dict) else None
-            if rid not in wanted or rid in by_id:
+            if not isinstance(rid, str) or rid not in wanted or rid in by_id:
                 self._counts[UNEXPECTED_RESULTS] += 1
-                if rid in by_id:
-                    twice.add(rid)  # type: ignore[arg-type]
+                if isinstance(rid, str) and rid in by_id:
+                    twice.add(rid)
                 continue
             try:
                 by_id[rid] = RewardResult.model_validate(entry)

@@ -239,7 +239,8 @@ class LocalReward:
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
         self.fn = fn
-        self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
+        # not ``name or getattr(...)``: mypy types that ``str | Any | None``
+        self.name: str = name if name else getattr(fn, "__qualname__", type(fn).__name__)
         self.timeout_s = timeout_s
         self.batched, self._params, self._var_kw = _call_plan(fn, self.name)
         self._is_async = _is_async(fn)

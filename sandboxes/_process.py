@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import time
+from typing import Any
 
 from relax_agent.errors import SandboxError
 from relax_agent.sandboxes.base import RawResult
@@ -63,8 +64,9 @@ async def run_process(argv: list[str], *, timeout_s: float, stdin: bytes | None,
                           _pump(proc.stderr, err, overflow, max_drain_bytes), _feed(proc, stdin), proc.wait())
     stop = asyncio.ensure_future(overflow.wait())
     timed_out = False
+    waiters: set[asyncio.Future[Any]] = {work, stop}
     try:
-        done, _ = await asyncio.wait({work, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
             timed_out = stop not in done
             _killpg(proc.pid)

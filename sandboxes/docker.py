@@ -55,7 +55,7 @@ _shared: dict[str | None, tuple[Any, ThreadPoolExecutor]] = {}
 _started: set[str | None] = set()
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
+def _transport_errors() -> tuple[type[Exception], ...]:
     """Exceptions meaning "the daemon failed or is unreachable" (docker-py's and requests')."""
     import docker.errors
     import requests

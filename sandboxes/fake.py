@@ -24,6 +24,7 @@ import posixpath
 import shlex
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,11 +348,14 @@ class FakeSandbox(BaseSandbox):
 
 # -- "python": assignments and print() of safe arithmetic ------------------------------------
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: pow}
-_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-           ast.Gt: operator.gt, ast.GtE: operator.ge}
-_FUNCS = {f.__name__: f for f in (abs, min, max, sum, range, len, round, int, float, str, sorted, list, pow)}
+_BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: pow}
+_CMPOPS: dict[type[ast.cmpop], Callable[[Any, Any], Any]] = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+    ast.Gt: operator.gt, ast.GtE: operator.ge}
+_FUNCS: dict[str, Callable[..., Any]] = {
+    f.__name__: f for f in (abs, min, max, sum, range, len, round, int, float, str, sorted, list, pow)}
 _FUNCS.update(gcd=math.gcd, factorial=math.factorial, isqrt=math.isqrt)
 
 

@@ -173,7 +173,7 @@ def _mismatch_reason(errors: list[list[str | None]], expected: list[dict[str, An
     for i, row in enumerate(errors):
         if all(e is not None for e in row):
             name = next(iter(expected[i]))
-            best = next((e for e in row if not e.startswith("function name")), row[0])
+            best = next((e for e in row if e is not None and not e.startswith("function name")), row[0])
             return f"no call matches expected call {i} ({name}): {best}"
     return "calls match expected calls individually but not one-to-one"
 
@@ -329,7 +329,7 @@ def _dict_error(param: str, value: Any, allowed: list[Any]) -> str | None:
     """``value`` must fit one allowed dict ({key: [allowed values]}); ``""`` entries are skipped."""
     if not isinstance(value, dict):
         return f"parameter {param!r}: expected an object, got {type(value).__name__}"
-    error = f"parameter {param!r}: {value!r} fits no allowed object {allowed!r}"
+    error: str | None = f"parameter {param!r}: {value!r} fits no allowed object {allowed!r}"
     for candidate in allowed:
         if candidate == "" or not isinstance(candidate, dict):
             continue
@@ -353,7 +353,7 @@ def _dict_candidate_error(param: str, value: dict[str, Any], candidate: dict[str
 
 def _list_of_dicts_error(param: str, value: list[Any], allowed: list[Any]) -> str | None:
     """``value`` must equal one allowed list of dicts, dict by dict in order."""
-    error = f"parameter {param!r}: {value!r} fits no allowed list {allowed!r}"
+    error: str | None = f"parameter {param!r}: {value!r} fits no allowed list {allowed!r}"
     for candidate in allowed:
         candidate = [] if candidate == "" else candidate
         if not isinstance(candidate, list):

@@ -250,9 +250,9 @@ _JS_1D = re.compile(r"\[(.*?)\]|\bnew\s+Array\((.*?)\)")
 
 def _js_array(code: str, nested_type: str | None) -> Any:
     try:
-        if _JS_2D.match(code):
+        if match_2d := _JS_2D.match(code):
             rows = []
-            for i, inner in enumerate(re.findall(r"\[(.*?)\]", _JS_2D.match(code).group(0))):
+            for i, inner in enumerate(re.findall(r"\[(.*?)\]", match_2d.group(0))):
                 inner = inner.strip()
                 if i == 0 and inner.startswith("["):
                     inner = inner[1:]

@@ -102,6 +102,7 @@ class BFCLMultiTurnEnv(TextEnv):
         "results so far. Paid turn by turn (1/judged turns each). info['correct'] (also "
         "'task_correct'): 1.0 when every judged turn is correct and no turn hit the step limit."
     )
+    _turn_results: list[str]  # results of the current turn's calls; set by _reset_task
 
     def __init__(self, category: str = "multi_turn_base", split: str = "train", heldout_fraction: float = 0.25,
                  max_steps_per_turn: int = BFCL_MAX_STEPS_PER_TURN, max_observation_chars: int = 4000,

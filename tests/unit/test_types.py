@@ -1,4 +1,5 @@
-"""mypy over ``relax_agent/`` (the ``[tool.mypy]`` section of pyproject.toml) finds no error.
+"""mypy over the source tree (``relax_agent/``, ``envs/``, ``sandboxes/``, ``reward_services/``: the
+``[tool.mypy]`` section of pyproject.toml) finds no error.
 
 Without mypy (the ``dev`` extra installs it) this test skips, except under ``CI=true``, where a
 missing mypy fails it.
