@@ -132,13 +132,36 @@ def garbage_value(prop: Any, rng: random.Random) -> Any:
     return word  # integer, number, null and untyped properties: a random string
 
 
-def garbage_arguments(schema: dict[str, Any], rng: random.Random) -> dict[str, Any]:
-    """Wrong-typed values for every property a tool schema declares (one random string when it declares none)."""
+def random_value(prop: Any, rng: random.Random) -> Any:
+    """A value of the right JSON type for the schema property ``prop``, with random content (one of its
+    ``enum`` values when it lists them)."""
+    if isinstance(prop, dict) and isinstance(prop.get("enum"), list) and prop["enum"]:
+        return rng.choice(prop["enum"])
+    kind = prop.get("type") if isinstance(prop, dict) else None
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 5)))
+    if kind == "integer":
+        return rng.randint(-1000, 1000)
+    if kind == "number":
+        return round(rng.uniform(-1000, 1000), 3)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "array":
+        return [random_value(prop.get("items") or {"type": "string"}, rng)]
+    if kind == "object":
+        return {word: rng.randint(0, 9)}
+    return word  # strings and untyped properties
+
+
+def garbage_arguments(schema: dict[str, Any], rng: random.Random,
+                      value: Callable[[Any, random.Random], Any] = garbage_value) -> dict[str, Any]:
+    """``value(prop, rng)`` for every property a tool schema declares (wrong-typed values by default; one
+    ``"value"`` argument when it declares none)."""
     params = schema.get("function", schema).get("parameters") or {}
     props = params.get("properties") if isinstance(params, dict) else None
     if not isinstance(props, dict) or not props:
-        return {"value": garbage_value({}, rng)}
-    return {name: garbage_value(prop, rng) for name, prop in props.items()}
+        return {"value": value({}, rng)}
+    return {name: value(prop, rng) for name, prop in props.items()}
 
 
 def tool_names(tools: Sequence[dict[str, Any]]) -> list[str]:
@@ -163,6 +186,12 @@ def _garbage_calls(t: Turn) -> list[dict[str, Any]]:
     return [{"name": n, "arguments": garbage_arguments(s, rng)} for n, s in zip(tool_names(t.tools), t.tools, strict=False)]
 
 
+def _random_calls(t: Turn) -> list[dict[str, Any]]:
+    rng = t.rng("tool:random")
+    return [{"name": n, "arguments": garbage_arguments(s, rng, random_value)}
+            for n, s in zip(tool_names(t.tools), t.tools, strict=False)]
+
+
 def _repeat_call(t: Turn) -> str:
     first = Turn(t.messages, t.tools[:1], 0, t.episode, t.write_calls)  # turn 0's generator: the same call every turn
     return t.write_calls(_garbage_calls(first)[:1])
@@ -183,6 +212,8 @@ def _policies() -> list[Policy]:
                lambda t: junk(t.rng("junk"))),
         Policy("tool:garbage", "one call to every declared tool with wrong-typed arguments, then an empty reply",
                _calls_then_stop(_garbage_calls), needs_tools=True),
+        Policy("tool:random", "one call to every declared tool with well-typed random arguments (random strings, "
+               "numbers, an enum's values), then an empty reply", _calls_then_stop(_random_calls), needs_tools=True),
         Policy("tool:empty_args", "one call to every declared tool with {} arguments, then an empty reply",
                _calls_then_stop(lambda t: [{"name": n, "arguments": {}} for n in tool_names(t.tools)]), needs_tools=True),
         Policy("tool:repeat", "the first declared tool called with the same wrong-typed arguments every turn",
@@ -226,4 +257,5 @@ def select_policies(names: Sequence[str] | None) -> list[Policy]:
 
 
 __all__ = ["CLAIMS", "GUESSES", "JUNK_CHARS", "POLICIES", "SPRAY", "UNDECLARED_TOOL", "Policy", "Turn", "garbage_arguments",
-           "garbage_value", "junk", "last_user_text", "message_text", "select_policies", "tool_names"]
+           "garbage_value", "junk", "last_user_text", "message_text", "random_value", "select_policies",
+           "tool_names"]

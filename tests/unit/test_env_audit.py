@@ -22,6 +22,7 @@ from relax_agent.envaudit_policies import (
     UNDECLARED_TOOL,
     Turn,
     garbage_value,
+    random_value,
     select_policies,
 )
 from relax_agent.envs import TextEnv, register
@@ -154,6 +155,17 @@ def test_garbage_calls_reach_the_parser_as_calls_with_wrong_types():
     assert _parsed("tool:garbage", turn=1) == {"role": "assistant", "content": "", "tool_calls": []}  # then it stops
 
 
+def test_random_calls_have_the_declared_types():
+    msg = _parsed("tool:random")
+    calls = [c["function"] for c in msg["tool_calls"]]
+    assert [c["name"] for c in calls] == ["lookup", "note"] and "parse_errors" not in msg
+    args = calls[0]["arguments"]
+    assert isinstance(args["key"], str) and isinstance(args["count"], int) and isinstance(args["exact"], bool)
+    assert isinstance(args["tags"], list) and isinstance(calls[1]["arguments"]["text"], str)
+    assert random_value({"type": "string", "enum": ["a", "b"]}, random.Random(0)) in ("a", "b")
+    assert msg == _parsed("tool:random") and _parsed("tool:random", turn=1)["tool_calls"] == []
+
+
 def test_empty_args_repeat_and_undeclared_calls():
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in _parsed("tool:empty_args")["tool_calls"]] == \
         [("lookup", {}), ("note", {})]
@@ -168,7 +180,7 @@ def test_empty_args_repeat_and_undeclared_calls():
 
 @pytest.mark.parametrize("parser", [n for n in known_parsers() if isinstance(build_parser(n), WritesCalls)])
 def test_every_writing_parser_reads_the_tool_policies_back_as_calls(parser):
-    for name in ("tool:garbage", "tool:empty_args", "tool:repeat", "tool:undeclared"):
+    for name in ("tool:garbage", "tool:random", "tool:empty_args", "tool:repeat", "tool:undeclared"):
         msg = _parsed(name, parser=parser)
         assert msg["tool_calls"] and "parse_errors" not in msg, (parser, name, msg)
         assert not msg["content"], (parser, name, msg)
@@ -232,7 +244,7 @@ def test_env_rewarding_empty_replies_fails():
     report = audit("audit-test/Toy-v0", {"rule": "empty"}, episodes=3)
     assert report.verdict == "FAIL"
     # empty reply, calls then an empty reply, and the tag with nothing inside are not "empty" to this rule
-    assert report.earning == ["empty", "tool:garbage", "tool:empty_args", "tool:undeclared"]
+    assert report.earning == ["empty", "tool:garbage", "tool:random", "tool:empty_args", "tool:undeclared"]
 
 
 def test_threshold_is_strict_and_scaled_to_the_reward_range():
@@ -253,7 +265,7 @@ def test_env_that_raises_is_reported_not_a_crash():
     stats = report.stats()
     assert stats["tool:garbage"]["errors"] == {"KeyError": 3} and stats["tool:garbage"]["mean_reward"] == 0.0
     assert stats["empty"]["errors"] == {}
-    assert report.errors == 4 * 3 and report.verdict == "PASS"
+    assert report.errors == 5 * 3 and report.verdict == "PASS"  # the five tool: policies
     first = next(p for p in report.to_dict()["policies"] if p["policy"] == "tool:repeat")["first_error"]
     assert first["error"] == "KeyError: 'boom'" and first["where"] == "step 1"
     assert all(env.closes == 1 for env in OPENED)
