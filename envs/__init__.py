@@ -62,7 +62,7 @@ def make(env_id: str, **kwargs: Any) -> gymnasium.Env:
     Args:
         env_id: a registered id (``"relax/Calculator-v0"``), ``"module:ns/Name-v0"`` (the module is
             imported first, from the working directory too), or a bridge's ``"<scheme>:<name>"``
-            (``"gem:game:GuessTheNumber-v0"``, :mod:`relax_agent.envs.bridges`).
+            (``"gem:game:GuessTheNumber-v0-hard"``, :mod:`relax_agent.envs.bridges`).
         **kwargs: constructor arguments.
 
     Raises:

@@ -9,7 +9,7 @@ parsing and token records stay relax-agent's (one parser for training and evalua
 A config names a foreign environment with a scheme prefix in ``env.id``::
 
     env:
-      id: "gem:game:GuessTheNumber-v0"      # = id relax/GEM-v0, kwargs {game: "game:GuessTheNumber-v0"}
+      id: "gem:game:GuessTheNumber-v0-hard"      # = id relax/GEM-v0, kwargs {game: "game:GuessTheNumber-v0-hard"}
 
 :func:`resolve` turns ``"<scheme>:<name>"`` into the bridge's gymnasium id and one keyword
 argument; every place that makes an env from an id (``relax-agent train``, ``eval``, ``envs show``,
@@ -31,7 +31,7 @@ class Bridge:
     """One foreign ecosystem.
 
     Attributes:
-        scheme: the ``env.id`` prefix (``"gem"`` in ``"gem:game:GuessTheNumber-v0"``).
+        scheme: the ``env.id`` prefix (``"gem"`` in ``"gem:game:GuessTheNumber-v0-hard"``).
         env_id: the gymnasium id the bridge's env is registered under.
         kwarg: the constructor argument that receives the name after the scheme.
         module: the bridge module, ``relax_agent.envs.<module>``.
@@ -84,7 +84,7 @@ def split_scheme(env_id: str) -> tuple[Bridge | None, str]:
 def resolve(env_id: str, kwargs: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """The gymnasium id and constructor kwargs that ``env_id`` (and ``kwargs``) stand for.
 
-    ``"gem:game:GuessTheNumber-v0"`` -> ``("relax/GEM-v0", {"game": "game:GuessTheNumber-v0", **kwargs})``;
+    ``"gem:game:GuessTheNumber-v0-hard"`` -> ``("relax/GEM-v0", {"game": "game:GuessTheNumber-v0-hard", **kwargs})``;
     any other id is returned unchanged.
 
     Raises:

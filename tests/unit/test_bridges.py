@@ -15,7 +15,7 @@ from relax_agent.errors import ConfigError
 
 
 def test_a_scheme_resolves_to_the_bridge_id_and_its_kwarg():
-    assert resolve("gem:game:GuessTheNumber-v0") == ("relax/GEM-v0", {"game": "game:GuessTheNumber-v0"})
+    assert resolve("gem:game:GuessTheNumber-v0-hard") == ("relax/GEM-v0", {"game": "game:GuessTheNumber-v0-hard"})
     assert resolve("reasoning_gym:leg_counting", {"size": 10}) == ("relax/ReasoningGym-v0",
                                                                   {"dataset": "leg_counting", "size": 10})
     assert resolve("openenv:http://127.0.0.1:8000") == ("relax/OpenEnv-v0", {"env": "http://127.0.0.1:8000"})
