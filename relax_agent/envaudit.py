@@ -366,7 +366,9 @@ def _reason(info: dict[str, Any]) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    import re
+
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split())  # terminal colours some packages put in messages
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
