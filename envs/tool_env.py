@@ -111,8 +111,9 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) 
         pass
 
 
-def _call_parts(call: Any) -> tuple[str, str, Any]:
-    """(id, name, arguments) of an OpenAI-format or flat ``{"name", "arguments"}`` tool call."""
+def call_parts(call: Any) -> tuple[str, str, Any]:
+    """(id, name, arguments) of an OpenAI-format or flat ``{"name", "arguments"}`` tool call; JSON-string
+    arguments decoded (None when they are not valid JSON)."""
     if not isinstance(call, dict):
         return "", "", None
     function = call.get("function", call)
@@ -237,7 +238,7 @@ class ToolEnv(TextEnv):
 
     def _observe(self, results: list[tuple[str, str, str]], action: dict[str, Any], calls: list[Any]):
         over = calls[self.max_tool_calls_per_turn:]
-        results += [(*_call_parts(c)[:2],
+        results += [(*call_parts(c)[:2],
                      f"error: at most {self.max_tool_calls_per_turn} tool calls per turn; this call was not run")
                     for c in over]
         results += [("", "", f"error: could not parse a tool call: {e}") for e in action.get("parse_errors") or []]
@@ -247,7 +248,7 @@ class ToolEnv(TextEnv):
         return obs, 0.0, False, False, self._counts()
 
     def _lookup(self, call: Any) -> tuple[str, str, Callable[..., Any] | None, Any, str | None]:
-        cid, name, args = _call_parts(call)
+        cid, name, args = call_parts(call)
         fn = self.tools.get(name)
         if fn is None:
             return cid, name, None, args, f"error: unknown tool {name!r}; available: {sorted(self.tools)}"

@@ -28,6 +28,7 @@ from typing import Any
 
 from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import check_split_args, split_tasks
+from relax_agent.envs.tool_env import call_parts
 from relax_agent.errors import ConfigError, EnvError
 
 from .openenv_server import LocalServer, acquire, check_module, installed, normalize_name, release
@@ -317,7 +318,7 @@ class OpenEnvEnv(TextEnv):
         payload: dict[str, Any] | None = None
         refused = 0.0
         for call in calls:
-            cid, name, args = _call_parts(call)
+            cid, name, args = call_parts(call)
             if payload is not None or refused:
                 text = "error: one action per turn; this call was not run"
             elif name != self.tool_name:
@@ -379,21 +380,6 @@ def _went_away(server: LocalServer, wait_s: float = 1.0) -> bool:
 
 def _user(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
-
-
-def _call_parts(call: Any) -> tuple[str, str, Any]:
-    """(id, name, arguments) of an OpenAI-format tool call; JSON-string arguments decoded (None when invalid)."""
-    if not isinstance(call, dict):
-        return "", "", None
-    function = call.get("function", call)
-    function = function if isinstance(function, dict) else {}
-    args = function.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            args = None
-    return str(call.get("id") or ""), str(function.get("name") or ""), args
 
 
 def _check_ranges(**values: float) -> None:
