@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from relax_agent.commands.common import OVERRIDES, _fail, _load
+from relax_agent.commands.common import OVERRIDES, fail, load
 from relax_agent.errors import ConfigError, RelaxError
 
 agent_app = typer.Typer(help="Bring your own agent (rollout.driver: agent).", no_args_is_help=True)
@@ -35,7 +35,7 @@ def agent_check(
             agent_cfg = agent_cfg.model_copy(update={"timeout_s": timeout_s})
         rows = asyncio.run(check_agent(agent_cfg, run_tasks, renderer, parser))
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
     typer.echo(format_rows(rows))
     failed = [r.name for r in rows if r.status == "fail"]
@@ -56,7 +56,7 @@ def _check_setup(target: Path, overrides: list[str] | None, num_tasks: int, mode
     if target.suffix in (".yaml", ".yml"):
         from relax_agent.roles import make_env_factory
 
-        cfg = _load(target, overrides)
+        cfg = load(target, overrides)
         if not cfg.rollout.agent.command:
             raise ConfigError(f"{target}: rollout.agent.command is empty; nothing to check")
         r = cfg.rollout

@@ -18,7 +18,7 @@ console = Console(stderr=True, soft_wrap=True)
 OVERRIDES = typer.Argument(None, help="Dotted overrides of the config, e.g. rollout.group_size=4 eval.num_tasks=100")
 
 
-def _fail(exc: RelaxError, resume: str | None = None) -> None:
+def fail(exc: RelaxError, resume: str | None = None) -> None:
     """One ``error:`` line: the root cause (an error raised inside a Ray actor without Ray's wrapper
     header), then ``resume`` (the command that continues the run) when given; exit 2 for a config
     error, else 1."""
@@ -40,12 +40,13 @@ def _unwrapped(exc: BaseException) -> BaseException:
     return exc
 
 
-def _resume_command(config: Path, overrides: list[str] | None) -> str:
+def resume_command(config: Path, overrides: list[str] | None) -> str:
     """``relax-agent train CONFIG OVERRIDES... --resume``, quoted for a shell."""
     return shlex.join(["relax-agent", "train", str(config), *(overrides or []), "--resume"])
 
 
-def _load(config: Path, overrides: list[str] | None) -> Any:
+def load(config: Path, overrides: list[str] | None) -> Any:
+    """The config ``config`` with ``overrides`` applied, checked by the preflight."""
     from relax_agent.config import load_config
     from relax_agent.preflight import preflight
 
@@ -54,11 +55,14 @@ def _load(config: Path, overrides: list[str] | None) -> Any:
     return cfg
 
 
-def _announce(path: str) -> None:
+def announce(path: str) -> None:
+    """Print that the policy at ``path`` is loading (an ``on_load`` hook)."""
     console.print(f"loading policy {path} ...")
 
 
-class _null:
+class null:
+    """A context manager that does nothing."""
+
     def __enter__(self) -> None:
         return None
 
@@ -66,6 +70,7 @@ class _null:
         return None
 
 
-def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary`` as JSON to ``path``, creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2, default=str))

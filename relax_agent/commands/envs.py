@@ -7,7 +7,7 @@ import json
 
 import typer
 
-from relax_agent.commands.common import _fail
+from relax_agent.commands.common import fail
 from relax_agent.errors import ConfigError, RelaxError
 
 envs_app = typer.Typer(help="Registered environments.", no_args_is_help=True)
@@ -25,7 +25,7 @@ def envs_list(
 
     if bridge is not None:
         if bridge not in BRIDGES:
-            _fail(ConfigError(f"--bridge {bridge!r}: expected one of {sorted(BRIDGES)}"))
+            fail(ConfigError(f"--bridge {bridge!r}: expected one of {sorted(BRIDGES)}"))
             return
         for line in _bridge_lines(bridge, limit=None):
             typer.echo(line)
@@ -74,10 +74,10 @@ def envs_show(
         if model is not None:
             info["policy"] = _policy_tool_format(model, tool_parser, tools_in)
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
     except (gymnasium.error.Error, json.JSONDecodeError, ImportError, TypeError) as exc:
-        _fail(ConfigError(f"{env_id}: {exc}"))
+        fail(ConfigError(f"{env_id}: {exc}"))
         return
     if as_json:
         typer.echo(json.dumps(info, indent=2, default=str))
@@ -164,7 +164,7 @@ def envs_audit(
                        fail_on_errors=fail_on_errors, progress=None if as_json else lambda line: console.print(
                            f"  {line}", markup=False, highlight=False))
     except (RelaxError, gymnasium.error.Error, json.JSONDecodeError, ImportError, TypeError, OSError) as exc:
-        _fail(ConfigError(f"envs audit {env_id}: {type(exc).__name__}: {exc}"))
+        fail(ConfigError(f"envs audit {env_id}: {type(exc).__name__}: {exc}"))
         return
     if out is not None:
         command = shlex.join(["relax-agent", "envs", "audit", *sys.argv[sys.argv.index("audit") + 1:]]

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from relax_agent.commands.common import OVERRIDES, _announce, _fail, _load, _write_summary, console
+from relax_agent.commands.common import OVERRIDES, announce, console, fail, load, write_summary
 from relax_agent.errors import RelaxError
 
 
@@ -36,10 +36,10 @@ def eval_cmd(
     from relax_agent.rollout.engines.base import SamplingParams
 
     try:
-        cfg = _load(config, overrides)
+        cfg = load(config, overrides)
         model_path = resolve(checkpoint) / "model" if checkpoint else None
         base = output.with_suffix("") if output else Path(cfg.run.output_dir) / "eval"
-        roles = build_roles(cfg, model_path=model_path, train=False, on_load=_announce)
+        roles = build_roles(cfg, model_path=model_path, train=False, on_load=announce)
         e, r = cfg.eval, cfg.rollout
         params = SamplingParams(r.max_new_tokens, e.temperature, r.top_p)
         if bfcl:
@@ -53,7 +53,7 @@ def eval_cmd(
                               samples_path=Path(f"{base}.samples.jsonl"))
         roles.close()
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
     result["checkpoint"] = str(model_path.parent) if model_path else None
     if bfcl:
@@ -69,7 +69,7 @@ def eval_cmd(
         console.print(format_failure_table(result["eval/failure_reasons"], n), markup=False, highlight=False)
         console.print(f"samples: {result['eval/samples_path']}")
     if output:
-        _write_summary(output, result)
+        write_summary(output, result)
     typer.echo(json.dumps({k: v for k, v in result.items()}, default=str))
 
 
@@ -92,11 +92,11 @@ def replay(
     from relax_agent.replay import replay_step
 
     try:
-        cfg = _load(config, overrides)
+        cfg = load(config, overrides)
         run = run_dir or Path(cfg.run.output_dir)
         reports = replay_step(cfg, run, step, logprobs=logprobs, atol=atol)
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
     from relax_agent.models import load_tokenizer
 

@@ -11,13 +11,13 @@ import typer
 
 from relax_agent.commands.common import (
     OVERRIDES,
-    _announce,
-    _fail,
-    _load,
-    _null,
-    _resume_command,
-    _write_summary,
+    announce,
     console,
+    fail,
+    load,
+    null,
+    resume_command,
+    write_summary,
 )
 from relax_agent.errors import ConfigError, RelaxError, RuntimeServiceError
 
@@ -48,9 +48,9 @@ def train(
     from relax_agent.roles import build_run_roles
 
     try:
-        cfg = _load(config, overrides)
+        cfg = load(config, overrides)
         ckpt = _checkpoint_to_resume(cfg, resume)
-        roles = build_run_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=_announce,
+        roles = build_run_roles(cfg, model_path=None if ckpt is None else ckpt / "model", on_load=announce,
                             on_tasks=None if ckpt is None else _check_resume(ckpt, cfg))
         controller = build_controller(cfg, roles)
         try:
@@ -58,18 +58,18 @@ def train(
                 controller.restore(ckpt)
                 console.print(f"resumed from {ckpt} at step {controller.step}")
             show = cfg.logging.progress and not quiet
-            with ConsoleReporter(cfg.trainer.steps, controller.step, console) if show else _null() as reporter:
+            with ConsoleReporter(cfg.trainer.steps, controller.step, console) if show else null() as reporter:
                 controller.reporter = reporter
                 summary = controller.train()
         finally:
             controller.close()
     except RuntimeServiceError as exc:  # a role of a runtime: ray run died or hung past its restarts
-        _fail(exc, resume=_resume_command(config, overrides))
+        fail(exc, resume=resume_command(config, overrides))
         return
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
-    _write_summary(Path(cfg.run.output_dir) / "summary.json", summary)
+    write_summary(Path(cfg.run.output_dir) / "summary.json", summary)
     for key in ("eval_start", "eval_warmup", "eval_end"):
         if key in summary:
             console.print(f"{key.replace('_', ' ')}: {format_eval(summary[key])}")
@@ -110,7 +110,7 @@ def scale(
     try:
         status = scale_run(run_dir, rollout)
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
     states = ", ".join(f"{r['name']} {r['state']}" for r in status["replicas"])
     console.print(f"rollout replicas: target {status['target']} ({states})")

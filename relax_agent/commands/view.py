@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from relax_agent.commands.common import _fail, console
+from relax_agent.commands.common import console, fail
 from relax_agent.errors import ConfigError, RelaxError
 
 
@@ -38,7 +38,7 @@ def view(
             err = exc.errors()[0]
             raise ConfigError(f"view: --{err['loc'][0]}={err.get('input')}: {err['msg']}") from None
     except RelaxError as exc:
-        _fail(exc)
+        fail(exc)
         return
     if not is_loopback(host):
         console.print(f"[yellow]--host {host} is not a loopback address: anyone who reaches it and has the URL's "

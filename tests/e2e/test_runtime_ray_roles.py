@@ -86,7 +86,7 @@ def test_a_killed_weight_coordinator_ends_the_run_naming_it_and_restarts_no_trai
     assert [e["detail"] for e in died] == [text] and status["fatal"] == text
     # the CLI's one line: the cause and the command that resumes
     with common.console.capture() as captured, pytest.raises(common.typer.Exit) as ended:
-        common._fail(exc, resume=common._resume_command(Path("run.yaml"), ["runtime.kind=ray", "run.output_dir=a b"]))
+        common.fail(exc, resume=common.resume_command(Path("run.yaml"), ["runtime.kind=ray", "run.output_dir=a b"]))
     assert ended.value.exit_code == 1
     assert captured.get().splitlines() == [
         f"error: {text}; resume from the last checkpoint with: relax-agent train run.yaml runtime.kind=ray "
