@@ -13,7 +13,7 @@ from relax_agent.records import Trajectory
 
 
 @dataclass
-class _Group:
+class Group:
     """A complete group taken from the bus by the trainer side."""
 
     seq: int
@@ -27,7 +27,7 @@ class _Group:
     (a group started before a resume)."""
 
 
-def _episode_fields(groups: list[_Group]) -> dict[str, list[Any]]:
+def episode_fields(groups: list[Group]) -> dict[str, list[Any]]:
     """The episode fields (:data:`relax_agent.records.EPISODE_FIELDS`) of ``groups``' rows, concatenated in order."""
     return {name: [v for grp in groups for v in grp.fields[name]] for name in R.EPISODE_FIELDS}
 
@@ -50,7 +50,7 @@ def nothing_sampled(trajs: list[Trajectory], step: int, max_total_tokens: int) -
     return f"{head}; {n} of them ended with: {cause}"
 
 
-def _informative(group: _Group, estimator: str = "grpo") -> bool:
+def informative(group: Group, estimator: str = "grpo") -> bool:
     """A group carries a signal: some trainable sample has a non-zero advantage (its valid
     rewards differ; DAPO's ``0 < #correct < G`` for a binary reward). For ``reinforce_pp``, whose
     group-level value is the reward itself, the same test reads: the trainable samples' values differ."""
@@ -64,7 +64,7 @@ ADV_BATCH_MEAN = "advantage/batch_mean"
 ADV_BATCH_STD = "advantage/batch_std"
 
 
-def _batch_normalized(groups: list[_Group]) -> tuple[dict[tuple[int, int], float], dict[str, float]]:
+def batch_normalized(groups: list[Group]) -> tuple[dict[tuple[int, int], float], dict[str, float]]:
     """REINFORCE++'s step-level normalisation of the groups' advantage fields over their trainable
     rows' policy tokens (:func:`~relax_agent.train.algorithms.batch_normalized_advantages`).
 

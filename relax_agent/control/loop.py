@@ -38,7 +38,7 @@ from relax_agent import records as R
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
-from relax_agent.control.pipeline import KEEPER, TRAINER, _Run
+from relax_agent.control.pipeline import KEEPER, TRAINER, Run
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.stop import StopRequest
 from relax_agent.errors import ConfigError
@@ -169,7 +169,7 @@ class Controller:
             consumers.append(KEEPER)
         self.bus.create_partition(PARTITION, capacity, R.rollout_schema(*(routes or ())), group_size=self.G,
                                   retire_after=consumers)
-        run = _Run(self)
+        run = Run(self)
         try:
             self.stop.run(run.main)
         finally:

@@ -17,7 +17,7 @@ import numpy as np
 from relax_agent import metrics as M
 from relax_agent import records as R
 from relax_agent.control.advantages import AdvantageConsumer, overlong_field_metrics
-from relax_agent.control.groups import _batch_normalized, _episode_fields, _Group, _informative, nothing_sampled
+from relax_agent.control.groups import Group, batch_normalized, episode_fields, informative, nothing_sampled
 from relax_agent.control.reporting import episode_metrics, write_rollout_dump, write_token_record
 from relax_agent.control.schedule import (
     DRAWN_GROUPS,
@@ -55,7 +55,7 @@ def _mark_played(span: list[float], _fut: Any) -> None:
     span[1] = time.perf_counter()
 
 
-class _Run:
+class Run:
     """One pass of the pipeline: the coroutines and the trainer thread of :meth:`Controller.train`."""
 
     _kind_of_token: dict[int, str] | None  # read on first use by _placeholder_ids
@@ -73,10 +73,10 @@ class _Run:
         """Group ids trained or dropped (a re-delivered lease of one is acked and skipped)."""
         self.foreign_rows = 0
         """Rows of groups this run never started (put by another process on the bus): acked unread."""
-        self.dropped: list[_Group] = []
+        self.dropped: list[Group] = []
         """Groups dropped as too stale since the last step; dumped (untrained) with the next step."""
         self.dropped_this_step = 0
-        self.filtered: list[_Group] = []
+        self.filtered: list[Group] = []
         """Groups retired untrained by dynamic sampling since the last step; dumped with the next step."""
         self.filtered_this_step = 0
         self.cap_reached = False
@@ -108,6 +108,7 @@ class _Run:
         """(policy version of the update, sample ids) of the groups kept for a trainer restart."""
 
     def close(self) -> None:
+        """Shut the trainer thread's pool down, waiting for a job in flight."""
         self.pool.shutdown(wait=True)
 
     async def main(self) -> None:
@@ -188,10 +189,10 @@ class _Run:
             if ctrl.step < cfg.trainer.steps:
                 self.gate.step_done()
 
-    async def _collect(self) -> tuple[list[_Group], float]:
+    async def _collect(self) -> tuple[list[Group], float]:
         """Take B complete groups as they come; drop those that would exceed max_staleness and,
         under dynamic sampling, filter those without signal while the draw cap allows."""
-        groups: list[_Group] = []
+        groups: list[Group] = []
         wait_s = 0.0
         self.dropped_this_step = 0
         self.filtered_this_step = 0
@@ -212,7 +213,7 @@ class _Run:
                 continue
             if self.gate.too_stale(self.ctrl.version, group.version):
                 self._drop(group)
-            elif self.draw_cap is not None and not _informative(group, self.estimator):
+            elif self.draw_cap is not None and not informative(group, self.estimator):
                 if self._may_filter(len(groups), self.draw_cap):
                     self._filter(group)
                 else:
@@ -228,14 +229,14 @@ class _Run:
         taken = kept + self.dropped_this_step + self.filtered_this_step
         return taken + 1 + (self.ctrl.B - kept) <= draw_cap
 
-    def _filter(self, group: _Group) -> None:
+    def _filter(self, group: Group) -> None:
         """Dynamic sampling: retire a group without signal untrained and free its place for a new draw."""
         self.filtered.append(group)
         self._retire(group)
         self.gate.drop()
         self.filtered_this_step += 1
 
-    def _take(self, batch: Any, held: list[_Group]) -> _Group | None:
+    def _take(self, batch: Any, held: list[Group]) -> Group | None:
         """The group of ``batch``; None when it is a re-delivery of a group already trained or
         dropped (acked now) or held for this step (the newer lease replaces the held one)."""
         gid = batch.group_ids[0]
@@ -249,21 +250,21 @@ class _Run:
             print(f"warning: {len(batch.sample_ids)} rows of group {gid!r} (versions {sorted(versions)}) on the bus were "
                   "not started by this run; dropped untrained", file=sys.stderr, flush=True)
             return None
-        group = _Group(self.seq_of[gid], versions.pop(), dict(batch.fields), list(batch.fields[R.TRAJECTORY]),
-                       batch.lease_id, list(batch.sample_ids))
+        group = Group(self.seq_of[gid], versions.pop(), dict(batch.fields), list(batch.fields[R.TRAJECTORY]),
+                      batch.lease_id, list(batch.sample_ids))
         for i, other in enumerate(held):
             if other.seq == group.seq:
                 held[i] = group
                 return None
         return group
 
-    def _drop(self, group: _Group) -> None:
+    def _drop(self, group: Group) -> None:
         self.dropped.append(group)
         self._retire(group)
         self.gate.drop()
         self.dropped_this_step += 1
 
-    def _retire(self, group: _Group, trained_into: int | None = None) -> None:
+    def _retire(self, group: Group, trained_into: int | None = None) -> None:
         """Ack ``group`` for the trainer side. ``trained_into``: the policy version its rows were
         trained into, when some were; such rows stay on the bus until a checkpoint covers that version
         if the trainer service may read them again, the others are released now."""
@@ -306,7 +307,7 @@ class _Run:
         except LeaseError:
             pass  # the lease expired and the rows were handed out again: that lease is acked on arrival
 
-    def _step(self, groups: list[_Group], wait_s: float, t_last: float) -> float:
+    def _step(self, groups: list[Group], wait_s: float, t_last: float) -> float:
         """Train on the step's groups (in group order), publish, ack, log (trainer thread).
 
         ``t_last``: when the previous step ended; returns when this one did."""
@@ -346,14 +347,14 @@ class _Run:
         self.last_row = row
         return t_end
 
-    def _update(self, groups: list[_Group]) -> tuple[dict[str, float], set[str]]:
+    def _update(self, groups: list[Group]) -> tuple[dict[str, float], set[str]]:
         """Train on the rows of ``groups`` that are trainable with a non-zero advantage and publish
         the new version; returns the metrics and the ids of the rows that entered the gradient."""
         ctrl = self.ctrl
         out: dict[str, float] = {}
         final = None
         if self.estimator in BATCH_NORMALIZED:
-            final, out = _batch_normalized(groups)
+            final, out = batch_normalized(groups)
         adv_of = (lambda g, i: float(g.fields[R.ADVANTAGE][i])) if final is None else (lambda g, i: final[(g.seq, i)])
         keep = [(grp, i) for grp in groups for i in range(len(grp.trajs))
                 if bool(grp.fields[R.TRAINABLE][i]) and adv_of(grp, i) != 0.0]
@@ -386,7 +387,7 @@ class _Run:
                 self._kind_of_token = None
         return self._kind_of_token
 
-    def _row(self, groups: list[_Group], sampled: list[_Group], versions: list[int], trained_at: int,
+    def _row(self, groups: list[Group], sampled: list[Group], versions: list[int], trained_at: int,
              train_metrics: dict[str, float], wait_s: float, step_s: float, rollout_s: float) -> dict[str, Any]:
         """The step's metric row, from the rows' episode fields. ``groups``: the step's groups (trained
         or not), ``versions`` their rows'; ``sampled``: those and the groups dynamic sampling filtered
@@ -395,9 +396,9 @@ class _Run:
         ctrl = self.ctrl
         live = self.gate.started - self.gate.dropped - self.gate.steps_done * ctrl.B
         n = sum(len(grp.sample_ids) for grp in groups)
-        row = {**episode_metrics(_episode_fields(sampled), rollout_s), **ctrl.runtime.rollout.metrics(),
+        row = {**episode_metrics(episode_fields(sampled), rollout_s), **ctrl.runtime.rollout.metrics(),
                **train_metrics,
-               **overlong_field_metrics(_episode_fields(groups), ctrl.cfg.rollout.overlong,
+               **overlong_field_metrics(episode_fields(groups), ctrl.cfg.rollout.overlong,
                                         ctrl.cfg.rollout.max_new_tokens),
                **staleness_metrics([trained_at - v for v in versions], ctrl.s),
                M.DATA_WAIT: wait_s, M.SAMPLES_PER_S: n / max(step_s, 1e-9), M.STEP_TIME: step_s,
@@ -411,7 +412,7 @@ class _Run:
         return row
 
     @staticmethod
-    def _rollout_s(groups: list[_Group], step_s: float) -> float:
+    def _rollout_s(groups: list[Group], step_s: float) -> float:
         """Wall time the step's rollouts took: from the first of its groups (filtered ones included)
         starting to the last one reaching the bus. Under colocate the update and the weight sync are
         outside it; under async it may overlap the previous step. ``step_s`` when no span is known."""

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from relax_agent.config import validate_config
 from relax_agent.control import build_controller
-from relax_agent.control.pipeline import _Run
+from relax_agent.control.pipeline import Run
 from relax_agent.roles import Roles
 from relax_agent.rollout.engines.fake import FakeEngine
 from relax_agent.train.backends.fake import FakeTrainer
@@ -23,7 +23,7 @@ def test_a_group_this_run_never_started_is_dropped_not_a_crash(tmp_path, capsys)
     roles = Roles(cfg, "cpu", tokenizer, engine, FakeTrainer(), RewardRunner(engine, lambda t, s: 1.0),
                   [{"id": f"t{i}"} for i in range(4)], [])
     ctrl = build_controller(cfg, roles)
-    run = _Run(ctrl)
+    run = Run(ctrl)
     acked = []
     run._ack = acked.append
     try:

@@ -107,14 +107,14 @@ def test_an_exception_in_a_producer_or_consumer_ends_the_run_with_it(tmp_path, t
     cfg = _tiny_cfg(tmp_path, tiny_model_dir, "trainer.steps=3", "eval.at_start=true", "eval.num_tasks=1")
     calls = []
     if where == "producer":  # the task draw of the second step's first group raises (as a negative seed did)
-        next_job = pipeline._Run._next_job
+        next_job = pipeline.Run._next_job
 
         def failing(self):
             if self.next_seq == cfg.rollout.tasks_per_step:
                 raise _Boom("the producer broke")
             return next_job(self)
 
-        monkeypatch.setattr(pipeline._Run, "_next_job", failing)
+        monkeypatch.setattr(pipeline.Run, "_next_job", failing)
     elif where == "rollout service":
         play_group = LocalRolloutService.play_group
 
