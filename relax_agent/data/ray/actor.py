@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from relax_agent.data.channel import ChannelServer
-from relax_agent.data.ray.wire import _check_picklable, _InStore, _pack, _Parked
+from relax_agent.data.ray.wire import InStore, Parked, check_picklable, pack
 from relax_agent.data.samplers import Sampler
 from relax_agent.data.store import RefField, Store
 from relax_agent.errors import DataError, QueueTimeoutError
@@ -37,7 +37,7 @@ class MetadataActor:
             if method not in _METHODS:
                 raise DataError(f"unknown data-bus method {method!r}; expected one of {sorted(_METHODS)}")
             if method == "put":
-                _check_picklable(args[0], args[1], args[2])
+                check_picklable(args[0], args[1], args[2])
                 if self._adopt_values:
                     args = (*args[:2], await self._adopt(args[2]), *args[3:])
             async with self._cond:
@@ -68,10 +68,10 @@ class MetadataActor:
         except Exception as exc:  # unexpected: hand it to the caller instead of dropping the connection
             return False, exc
         pieces = None if not reply[0] else reply[1][4] if method == "get" else reply[1][0] if method == "read" else None
-        if pieces is not None and any(isinstance(box, _InStore) for segs in pieces.values() for box, _, _ in segs):
+        if pieces is not None and any(isinstance(box, InStore) for segs in pieces.values() for box, _, _ in segs):
             token = next(self._tokens)
             self._parked[token] = reply
-            return True, _Parked(token)
+            return True, Parked(token)
         return reply
 
     async def unpark(self, token: int) -> tuple[bool, Any]:
@@ -109,7 +109,7 @@ class MetadataActor:
                                         f"from partition {partition!r}: not ready after timeout_s={timeout_s}; "
                                         f"{self._store.not_ready(partition, fields, consumer, batch_size)}")
         try:
-            pieces, blob = _pack(taken)
+            pieces, blob = pack(taken)
         except DataError:  # checked at put, so only a value that changed since: release the rows
             self._store.nack(taken.lease_id)
             self._cond.notify_all()
@@ -118,7 +118,7 @@ class MetadataActor:
 
     async def _read(self, partition: str, sample_ids: list[str], fields: list[str]) -> tuple:
         taken = self._store.read(partition, sample_ids, fields)
-        pieces, blob = _pack(taken)
+        pieces, blob = pack(taken)
         return pieces, taken.specs, blob
 
     async def _ack(self, lease_id: str) -> bool:

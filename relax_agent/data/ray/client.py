@@ -16,8 +16,8 @@ from relax_agent.data.channel import ChannelClient
 from relax_agent.data.config import DataConfig
 from relax_agent.data.protocol import Batch
 from relax_agent.data.ray.actor import MetadataActor
-from relax_agent.data.ray.cluster import _on_this_node
-from relax_agent.data.ray.wire import _LOST, _dead_rows, _Parked, _unpack
+from relax_agent.data.ray.cluster import on_this_node
+from relax_agent.data.ray.wire import LOST, Parked, dead_rows, unpack
 from relax_agent.data.samplers import Sampler
 from relax_agent.data.schema import OBJECT, FieldSpec
 from relax_agent.data.store import RefField, check_ids, check_versions
@@ -59,7 +59,7 @@ class RayTransferQueue:
         deadline = time.monotonic() + timeout_s
         while True:
             actor = actor_cls.options(name=self.cfg.ray_actor_name, namespace=self.cfg.ray_namespace,
-                                      get_if_exists=True, scheduling_strategy=_on_this_node()).remote(
+                                      get_if_exists=True, scheduling_strategy=on_this_node()).remote(
                 self.cfg.lease_timeout_s, self.cfg.ray_adopt_values)
             try:
                 ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.1))
@@ -93,7 +93,7 @@ class RayTransferQueue:
             ok, value = ray.get(self._actor.call.remote(method, *args))
         else:
             ok, value = channel.call(method, args)
-            if ok and isinstance(value, _Parked):
+            if ok and isinstance(value, Parked):
                 ok, value = ray.get(self._actor.unpark.remote(value.token))
         if not ok:
             raise value
@@ -154,9 +154,9 @@ class RayTransferQueue:
             lease_id, ids, group_ids, versions, pieces, specs, blob = self._call(
                 "get", partition, list(fields), consumer, batch_size, left, sampler)
             try:
-                out = _unpack(partition, ids, pieces, specs, blob, "their lease is released")
+                out = unpack(partition, ids, pieces, specs, blob, "their lease is released")
             except DataError as exc:
-                dead = _dead_rows(pieces) if isinstance(exc.__cause__, _LOST) else []
+                dead = dead_rows(pieces) if isinstance(exc.__cause__, LOST) else []
                 if not dead:
                     self._release(lease_id)
                     raise
@@ -171,7 +171,7 @@ class RayTransferQueue:
         """See :meth:`relax_agent.data.TransferQueue.read` (runs on the store actor)."""
         ids = check_ids(partition, "sample_ids", sample_ids)
         pieces, specs, blob = self._call("read", partition, ids, list(fields))
-        return _unpack(partition, ids, pieces, specs, blob, "nothing was read")
+        return unpack(partition, ids, pieces, specs, blob, "nothing was read")
 
     def _release(self, lease_id: str) -> None:
         """Hand the rows of a lease this process could not read out again now (not after the lease timeout)."""

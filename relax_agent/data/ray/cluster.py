@@ -19,7 +19,7 @@ loop on each core leaves each worker about 3% of a core, heartbeats lag past
 share. (A cluster joined through ``data.ray_address`` keeps its own setting.)"""
 
 
-def _on_this_node() -> Any:
+def on_this_node() -> Any:
     """Put the metadata actor on the creating process's node (on a cluster of several hosts the bus
     stays with the driver, not on a worker host that may die)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

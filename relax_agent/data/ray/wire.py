@@ -17,7 +17,7 @@ from relax_agent.errors import DataError
 
 
 @dataclass(frozen=True)
-class _InStore:
+class InStore:
     """A reference to a chunk in the object store, as the actor hands it out (Ray passes
     references nested in a value through without resolving them)."""
 
@@ -34,17 +34,17 @@ class _Inline:
 
 
 @dataclass(frozen=True)
-class _Parked:
+class Parked:
     """A channel reply that holds object references: fetch it through Ray with ``unpark``."""
 
     token: int
 
 
-_LOST = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
+LOST = (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
 """What ``ray.get`` raises for a value freed with its owner."""
 
 
-def _pack(taken: Any) -> tuple[dict[str, list[tuple[Any, int, int]]], bytes]:
+def pack(taken: Any) -> tuple[dict[str, list[tuple[Any, int, int]]], bytes]:
     """A reply's field pieces (object-store references stay references) and its pickled inline values.
 
     Raises:
@@ -56,7 +56,7 @@ def _pack(taken: Any) -> tuple[dict[str, list[tuple[Any, int, int]]], bytes]:
         pieces[name] = []
         for stored, start, stop in segments:
             if stored.is_ref:
-                pieces[name].append((_InStore(stored.values), start, stop))
+                pieces[name].append((InStore(stored.values), start, stop))
             else:
                 pieces[name].append((_Inline(len(inline)), 0, stop - start))
                 inline.append(stored.values[start:stop])
@@ -72,7 +72,7 @@ def unpickle_rows(blob: bytes) -> list[Any]:
     return pickle.loads(blob)
 
 
-def _check_picklable(partition: str, sample_ids: list[str], fields: dict[str, Any]) -> None:
+def check_picklable(partition: str, sample_ids: list[str], fields: dict[str, Any]) -> None:
     """Refuse inline values that plain pickle cannot carry to a reader: the socket channel pickles
     every reply, so a value only Ray's cloudpickle handles (a lambda, a class defined in a
     driver's ``__main__``) would fail every read of its row.
@@ -97,15 +97,15 @@ def _check_picklable(partition: str, sample_ids: list[str], fields: dict[str, An
             raise
 
 
-def _unpack(partition: str, ids: list[str], pieces: dict[str, list[tuple[Any, int, int]]], specs: dict[str, Any],
-            blob: bytes, then: str) -> dict[str, np.ndarray | list]:
+def unpack(partition: str, ids: list[str], pieces: dict[str, list[tuple[Any, int, int]]], specs: dict[str, Any],
+           blob: bytes, then: str) -> dict[str, np.ndarray | list]:
     """The fields of a ``get`` or ``read`` reply: inline values unpickled, object-store pieces fetched.
 
     Raises:
         DataError: a value this process cannot unpickle, or one whose producer died (``then`` says
             what became of the rows).
     """
-    refs = list({box.ref: None for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)})
+    refs = list({box.ref: None for segs in pieces.values() for box, _, _ in segs if isinstance(box, InStore)})
     try:
         inline = unpickle_rows(blob)
     except Exception as exc:
@@ -114,28 +114,28 @@ def _unpack(partition: str, ids: list[str], pieces: dict[str, list[tuple[Any, in
                         "every process of the cluster can import)") from exc
     try:
         resolved = dict(zip(refs, ray.get(refs), strict=True))
-    except _LOST as exc:
+    except LOST as exc:
         raise DataError(f"partition {partition!r}: rows {ids} hold values whose producer process died "
                         f"({type(exc).__name__}); {then}; clear the partition") from exc
     out = {}
     for name, segs in pieces.items():
-        parts = [(resolved[box.ref] if isinstance(box, _InStore) else inline[box.index])[start:stop]
+        parts = [(resolved[box.ref] if isinstance(box, InStore) else inline[box.index])[start:stop]
                  for box, start, stop in segs]
         out[name] = assemble(specs[name], parts)
     return out
 
 
-def _dead_rows(pieces: dict[str, list[tuple[Any, int, int]]]) -> list[int]:
+def dead_rows(pieces: dict[str, list[tuple[Any, int, int]]]) -> list[int]:
     """Batch positions of rows whose object-store values are lost (owner died, object freed); empty
     when every value is reachable (the common case costs one wait on the references, no copy)."""
-    refs = [box.ref for segs in pieces.values() for box, _, _ in segs if isinstance(box, _InStore)]
+    refs = [box.ref for segs in pieces.values() for box, _, _ in segs if isinstance(box, InStore)]
     if not refs:
         return []
     dead: set[int] = set()
     for segs in pieces.values():
         row = 0
         for box, start, stop in segs:
-            if isinstance(box, _InStore) and _lost(box.ref):
+            if isinstance(box, InStore) and _lost(box.ref):
                 dead.update(range(row, row + stop - start))
             row += stop - start
     return sorted(dead)
@@ -144,6 +144,6 @@ def _dead_rows(pieces: dict[str, list[tuple[Any, int, int]]]) -> list[int]:
 def _lost(ref: Any) -> bool:
     try:
         ray.get(ref, timeout=30.0)
-    except _LOST:
+    except LOST:
         return True
     return False

@@ -47,8 +47,9 @@ def check_versions(partition: str, versions: Sequence[Any]) -> list[int]:
     return out
 
 
-def _check_ref(partition: str, name: str, ref: RefField, ids: list[str],
-               spec: FieldSpec | None) -> tuple[FieldSpec, list[int]]:
+def check_ref(partition: str, name: str, ref: RefField, ids: list[str],
+              spec: FieldSpec | None) -> tuple[FieldSpec, list[int]]:
+    """Check a put's reference field ``name`` against ``spec`` (inferred when None); the spec and each row's length."""
     if len(ref.row_shapes) != len(ids):
         raise DataError(f"field {name!r}: {len(ref.row_shapes)} values for {len(ids)} sample ids")
     first = tuple(ref.row_shapes[0])

@@ -6,13 +6,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from relax_agent.data.store.state import Lease, _Partition, _StoreState
+from relax_agent.data.store.state import Lease, Partition, StoreState
 from relax_agent.errors import LeaseError
 
 _FINISHED_LEASES_KEPT = 100_000
 
 
-class _Leases(_StoreState):
+class Leases(StoreState):
     """:class:`~relax_agent.data.store.Store`'s lease endings and row removal."""
 
     def ack(self, lease_id: str) -> bool:
@@ -67,6 +67,7 @@ class _Leases(_StoreState):
         return len(expired)
 
     def next_deadline(self) -> float | None:
+        """The earliest deadline of a live lease; None when there is none."""
         return min((lease.deadline for lease in self._leases.values()), default=None)
 
     def _finished_state(self, lease_id: str) -> tuple[str, Lease]:
@@ -98,7 +99,7 @@ class _Leases(_StoreState):
         while len(self._finished) > _FINISHED_LEASES_KEPT:
             self._finished.popitem(last=False)
 
-    def _retire(self, part: _Partition, sample_ids: Sequence[str]) -> None:
+    def _retire(self, part: Partition, sample_ids: Sequence[str]) -> None:
         if not part.retire_after:
             return
         done = [part.consumer(c).acked for c in part.retire_after]
@@ -108,7 +109,7 @@ class _Leases(_StoreState):
                 part.retired.add(sid)
         self._compact(part)
 
-    def _remove(self, part: _Partition, sid: str) -> None:
+    def _remove(self, part: Partition, sid: str) -> None:
         row = part.rows.pop(sid)
         part.order[row.seq] = None
         version, count = part.groups.pop(row.group_id)
@@ -144,7 +145,7 @@ class _Leases(_StoreState):
         self._compact(part)
         return drop
 
-    def _compact(self, part: _Partition) -> None:
+    def _compact(self, part: Partition) -> None:
         """Drop retired rows' slots from the order once they are most of it."""
         holes = len(part.order) - len(part.rows)
         if holes < 1024 or holes * 2 < len(part.order):

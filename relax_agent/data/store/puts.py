@@ -1,5 +1,5 @@
-"""A put: validated against the current state without changing it (:meth:`_Puts.plan_put`), then
-applied whole (:meth:`_Puts.commit_put`) once its new rows fit."""
+"""A put: validated against the current state without changing it (:meth:`Puts.plan_put`), then
+applied whole (:meth:`Puts.commit_put`) once its new rows fit."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from relax_agent.data.schema import FieldSpec, make_chunk
-from relax_agent.data.store.checks import _check_ref, check_ids, check_versions
-from relax_agent.data.store.state import RefField, Stored, _Partition, _PutPlan, _Row, _StoreState
+from relax_agent.data.store.checks import check_ids, check_ref, check_versions
+from relax_agent.data.store.state import Partition, PutPlan, RefField, Row, Stored, StoreState
 from relax_agent.errors import DataError
 
 
-class _Puts(_StoreState):
+class Puts(StoreState):
     """:class:`~relax_agent.data.store.Store`'s puts."""
 
     def plan_put(
@@ -23,7 +23,7 @@ class _Puts(_StoreState):
         group_ids: Sequence[str] | None = None,
         versions: Sequence[int] | None = None,
         overwrite: bool = False,
-    ) -> _PutPlan:
+    ) -> PutPlan:
         """Validate a put against the current state without changing it.
 
         Raises:
@@ -50,9 +50,9 @@ class _Puts(_StoreState):
                     if not is_new and name in part.rows[sid].values:
                         raise DataError(f"partition {partition!r}: field {name!r} of sample {sid!r} is already "
                                         "written (pass overwrite=True to replace it)")
-        return _PutPlan(part, ids, new, chunks, group_ids, versions)
+        return PutPlan(part, ids, new, chunks, group_ids, versions)
 
-    def _check_ids(self, part: _Partition, ids: list[str], group_ids: Sequence[str] | None,
+    def _check_ids(self, part: Partition, ids: list[str], group_ids: Sequence[str] | None,
                    versions: Sequence[int] | None, creating: bool) -> list[bool]:
         if creating:
             if group_ids is None or versions is None:
@@ -78,7 +78,7 @@ class _Puts(_StoreState):
                                 "group_ids and versions")
         return [False] * len(ids)
 
-    def _check_groups(self, part: _Partition, group_ids: list[str], versions: list[int]) -> None:
+    def _check_groups(self, part: Partition, group_ids: list[str], versions: list[int]) -> None:
         """A partition with ``group_size`` holds each group as at most ``group_size`` live rows of one
         policy version: a surplus row could never be handed out by the group sampler, and a group
         of mixed versions has no single version to train on."""
@@ -93,17 +93,17 @@ class _Puts(_StoreState):
                                 "rows; a surplus row would never be handed out by the group sampler")
             live[gid] = (version, count + 1)
 
-    def _chunk(self, part: _Partition, name: str, values: Any, ids: list[str]) -> tuple[Stored, FieldSpec, list[int]]:
+    def _chunk(self, part: Partition, name: str, values: Any, ids: list[str]) -> tuple[Stored, FieldSpec, list[int]]:
         spec = part.schema.get(name)
         if spec is None and part.fixed_schema:
             raise DataError(f"partition {part.name!r}: unknown field {name!r}; the schema has {sorted(part.schema)}")
         if isinstance(values, RefField):
-            spec, lengths = _check_ref(part.name, name, values, ids, spec)
+            spec, lengths = check_ref(part.name, name, values, ids, spec)
             return Stored(values.ref, is_ref=True), spec, lengths
         chunk = make_chunk(name, values, ids, spec)
         return Stored(chunk.values), chunk.spec, chunk.lengths
 
-    def commit_put(self, plan: _PutPlan) -> None:
+    def commit_put(self, plan: PutPlan) -> None:
         """Apply a plan from :meth:`plan_put` (the caller made sure the new rows fit)."""
         part = plan.partition
         assert part.capacity_rows - len(part.rows) >= plan.new_rows
@@ -112,7 +112,7 @@ class _Puts(_StoreState):
         for i, (sid, is_new) in enumerate(zip(plan.sample_ids, plan.new, strict=True)):
             if is_new:
                 assert plan.group_ids is not None and plan.versions is not None  # _check_ids requires both for new rows
-                row = _Row(len(part.order), str(plan.group_ids[i]), int(plan.versions[i]))
+                row = Row(len(part.order), str(plan.group_ids[i]), int(plan.versions[i]))
                 part.rows[sid] = row
                 part.groups[row.group_id] = (row.version, part.groups.get(row.group_id, (0, 0))[1] + 1)
                 part.order.append(sid)

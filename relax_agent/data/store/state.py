@@ -1,5 +1,5 @@
 """The store's records: stored chunks, partitions with their rows and consumer cursors, leases, a
-taken batch and a validated put; and :class:`_StoreState`, the state every part of the store reads."""
+taken batch and a validated put; and :class:`StoreState`, the state every part of the store reads."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ class RefField:
 
 
 @dataclass
-class _Row:
+class Row:
+    """A stored row: its put order, group, policy version and, per field, its chunk and index in it."""
+
     seq: int
     group_id: str
     version: int
@@ -46,7 +48,9 @@ class _Row:
 
 
 @dataclass
-class _Consumer:
+class Consumer:
+    """One consumer's cursor on a partition: the rows it acked and those leased to it."""
+
     acked: set[str] = field(default_factory=set)
     leased: dict[str, str] = field(default_factory=dict)
     start: int = 0
@@ -54,17 +58,19 @@ class _Consumer:
 
 
 @dataclass
-class _Partition:
+class Partition:
+    """A partition: its schema, its rows in put order and its consumers' cursors."""
+
     name: str
     capacity_rows: int
     schema: dict[str, FieldSpec]
     fixed_schema: bool
     group_size: int | None
     retire_after: tuple[str, ...]
-    rows: dict[str, _Row] = field(default_factory=dict)
+    rows: dict[str, Row] = field(default_factory=dict)
     order: list[str | None] = field(default_factory=list)
     retired: set[str] = field(default_factory=set)
-    consumers: dict[str, _Consumer] = field(default_factory=dict)
+    consumers: dict[str, Consumer] = field(default_factory=dict)
     groups: dict[str, tuple[int, int]] = field(default_factory=dict)
     """group id -> (policy version, live rows) of the groups with live rows."""
     put_rows: int = 0
@@ -74,8 +80,9 @@ class _Partition:
     dead: set[str] = field(default_factory=set)
     """Ids of rows dropped because a value of theirs was lost (see :meth:`Store.drop_dead`)."""
 
-    def consumer(self, name: str) -> _Consumer:
-        return self.consumers.setdefault(name, _Consumer())
+    def consumer(self, name: str) -> Consumer:
+        """Consumer ``name``'s cursor, created on first use."""
+        return self.consumers.setdefault(name, Consumer())
 
 
 @dataclass
@@ -103,8 +110,10 @@ class Taken:
 
 
 @dataclass
-class _PutPlan:
-    partition: _Partition
+class PutPlan:
+    """A put checked by :meth:`Puts.plan_put`, to be applied by :meth:`Puts.commit_put`."""
+
+    partition: Partition
     sample_ids: list[str]
     new: list[bool]
     chunks: dict[str, tuple[Stored, FieldSpec, list[int]]]
@@ -113,18 +122,19 @@ class _PutPlan:
 
     @property
     def new_rows(self) -> int:
+        """How many of the put's rows are new to the partition."""
         return sum(self.new)
 
 
-class _StoreState:
+class StoreState:
     """The state of a :class:`~relax_agent.data.store.Store` (set by its ``__init__``)."""
 
     lease_timeout_s: float
-    _partitions: dict[str, _Partition]
+    _partitions: dict[str, Partition]
     _leases: dict[str, Lease]
     _finished: OrderedDict[str, tuple[str, Lease]]
 
-    def _partition(self, partition: str) -> _Partition:
+    def _partition(self, partition: str) -> Partition:
         try:
             return self._partitions[partition]
         except KeyError:
@@ -132,7 +142,8 @@ class _StoreState:
                             f"(existing: {sorted(self._partitions)})") from None
 
 
-def _segments(rows: Sequence[_Row], name: str) -> list[tuple[Stored, int, int]]:
+def segments(rows: Sequence[Row], name: str) -> list[tuple[Stored, int, int]]:
+    """Field ``name`` of ``rows`` as (chunk, start, stop) runs, consecutive indices of one chunk merged."""
     out: list[tuple[Stored, int, int]] = []
     for row in rows:
         stored, i = row.values[name]

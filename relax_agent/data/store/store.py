@@ -12,18 +12,18 @@ from typing import Any
 from relax_agent.data.samplers import RowMeta, Sampler, resolve_sampler
 from relax_agent.data.schema import FieldSpec, parse_spec
 from relax_agent.data.store.checks import check_ids
-from relax_agent.data.store.leases import _Leases
-from relax_agent.data.store.puts import _Puts
-from relax_agent.data.store.state import Lease, Taken, _Consumer, _Partition, _segments
+from relax_agent.data.store.leases import Leases
+from relax_agent.data.store.puts import Puts
+from relax_agent.data.store.state import Consumer, Lease, Partition, Taken, segments
 from relax_agent.errors import DataError
 
 
-class Store(_Puts, _Leases):
+class Store(Puts, Leases):
     """All partitions and leases of one data bus (see the package docstring)."""
 
     def __init__(self, lease_timeout_s: float) -> None:
         self.lease_timeout_s = lease_timeout_s
-        self._partitions: dict[str, _Partition] = {}
+        self._partitions: dict[str, Partition] = {}
         self._leases: dict[str, Lease] = {}
         self._finished: OrderedDict[str, tuple[str, Lease]] = OrderedDict()
         self._ids = itertools.count()
@@ -45,7 +45,7 @@ class Store(_Puts, _Leases):
         if group_size is not None and group_size < 1:
             raise DataError(f"partition {partition!r}: group_size={group_size} must be at least 1")
         specs = {name: parse_spec(s) for name, s in (schema or {}).items()}
-        new = _Partition(partition, capacity_rows, specs, schema is not None, group_size, tuple(retire_after))
+        new = Partition(partition, capacity_rows, specs, schema is not None, group_size, tuple(retire_after))
         old = self._partitions.get(partition)
         if old is not None:
             same = (old.capacity_rows, old.fixed_schema, old.group_size, old.retire_after) == (
@@ -60,8 +60,8 @@ class Store(_Puts, _Leases):
         part = self._partition(partition)
         for lease in [lease for lease in self._leases.values() if lease.partition == partition]:
             self._finish(lease, "cleared")
-        fresh = _Partition(part.name, part.capacity_rows, part.schema, part.fixed_schema, part.group_size,
-                           part.retire_after)
+        fresh = Partition(part.name, part.capacity_rows, part.schema, part.fixed_schema, part.group_size,
+                          part.retire_after)
         fresh.cleared = part.cleared | part.retired | part.dead | set(part.rows)
         self._partitions[partition] = fresh
 
@@ -125,10 +125,10 @@ class Store(_Puts, _Leases):
             cons.leased[sid] = lease_id
         return Taken(
             lease_id, chosen, [r.group_id for r in rows], [r.version for r in rows],
-            {name: _segments(rows, name) for name in fields}, {name: part.schema[name] for name in fields},
+            {name: segments(rows, name) for name in fields}, {name: part.schema[name] for name in fields},
         )
 
-    def _ready(self, part: _Partition, cons: _Consumer, fields: Sequence[str]) -> Iterator[RowMeta]:
+    def _ready(self, part: Partition, cons: Consumer, fields: Sequence[str]) -> Iterator[RowMeta]:
         order = part.order
         while cons.start < len(order) and (order[cons.start] is None or order[cons.start] in cons.acked):
             cons.start += 1
@@ -167,7 +167,7 @@ class Store(_Puts, _Leases):
             name, bad = next(iter(lacking.items()))
             raise DataError(f"read from partition {partition!r}: rows {bad[:3]} have no field {name!r} yet")
         return Taken("", ids, [r.group_id for r in rows], [r.version for r in rows],
-                     {name: _segments(rows, name) for name in fields}, {name: part.schema[name] for name in fields})
+                     {name: segments(rows, name) for name in fields}, {name: part.schema[name] for name in fields})
 
     # -- stats ----------------------------------------------------------------------------------
 
