@@ -118,10 +118,10 @@ def aligned_and_shifted(model, prompt: list[int], gen) -> tuple[float, float]:
 def test_the_route_layout_comes_from_the_models_routers_and_a_dense_model_records_none(tmp_path):
     moe, _ = load_policy(ModelConfig(path=str(make_tiny_model(tmp_path / "moe", arch="qwen3_moe",
                                                               **FAMILIES["qwen3_moe"]))))
-    assert engine_module._route_layout(moe) == ((2, 2), "uint8")  # layers 1 and 2; layer 0 is dense
+    assert engine_module.route_layout(moe) == ((2, 2), "uint8")  # layers 1 and 2; layer 0 is dense
     dense, _ = load_policy(ModelConfig(path=str(make_tiny_model(tmp_path / "dense", arch="llama", head_dim=32))))
     with pytest.warns(UserWarning, match="routing_replay=rollout is ignored"):
-        assert engine_module._route_layout(dense) is None
+        assert engine_module.route_layout(dense) is None
 
 
 # ---------------------------------------------------------------------------- with a server
@@ -251,7 +251,7 @@ def test_an_moe_update_through_the_weight_sync_is_verified_under_the_checkpoints
 def test_a_server_that_cannot_record_routes_is_a_config_error_naming_why(tmp_path, monkeypatch):
     """A dense llama forced to record routes: the server refuses at start-up (exit 78), saying why."""
     model, tok = load_policy(ModelConfig(path=str(make_tiny_model(tmp_path / "dense", arch="llama", head_dim=32))))
-    monkeypatch.setattr(engine_module, "_route_layout", lambda _model: ((2, 2), "uint8"))
+    monkeypatch.setattr(engine_module, "route_layout", lambda _model: ((2, 2), "uint8"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ConfigError, match=r"refused its set-up: moe\.routing_replay=rollout \(--record-routes\): "

@@ -82,7 +82,7 @@ def check_media(messages: Sequence[dict[str, Any]], accepts_media: bool, where: 
         )
 
 
-def _template_part(part: dict[str, Any]) -> dict[str, Any]:
+def template_part(part: dict[str, Any]) -> dict[str, Any]:
     """A content part in the form chat templates read: the Responses API's ``input_text`` as
     ``text`` and ``input_image`` (its ``image_url`` a string) as ``image_url``."""
     kind = part.get("type")

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from relax_agent.errors import ConfigError
-from relax_agent.rollout.chat.plain import _PlainText
+from relax_agent.rollout.chat.plain import PlainText
 
-_REF_USER = {"role": "user", "content": "ping"}
-_REF_ASSISTANT = "pong"
+REF_USER = {"role": "user", "content": "ping"}
+REF_ASSISTANT = "pong"
 
 
-class _Deltas(_PlainText):
+class Deltas(PlainText):
     """:class:`~relax_agent.rollout.chat.ChatRenderer`'s context turn and closing-token search."""
 
     tool_role: str
@@ -29,7 +29,7 @@ class _Deltas(_PlainText):
         follows (templates may require ``tool_calls`` before a tool message; Gemma 4 names the tool in
         the result, so the names are the sampled calls' where known)."""
         if not calls:
-            return {"role": "assistant", "content": _REF_ASSISTANT}
+            return {"role": "assistant", "content": REF_ASSISTANT}
         return {"role": "assistant", "content": self._call_content,
                 "tool_calls": [{"id": i, "type": "function", "function": {"name": n, "arguments": {}}} for i, n in calls]}
 
@@ -60,8 +60,8 @@ class _Deltas(_PlainText):
         if key not in self._heads:
             if len(self._heads) >= 64:  # ids come from the env: keep the cache bounded
                 self._heads.clear()
-            self._heads[key] = self._render([_REF_USER, self._head(key)])[len(self._gen_prefix):]
-        full = self._render([_REF_USER, self._head(key), *new], gen=True)
+            self._heads[key] = self._render([REF_USER, self._head(key)])[len(self._gen_prefix):]
+        full = self._render([REF_USER, self._head(key), *new], gen=True)
         if not full.startswith(self._gen_prefix):
             raise ConfigError("model.path: the chat template renders the context before an assistant turn differently "
                               "once more messages follow it; token-in/token-out needs a stable prefix")
@@ -77,15 +77,15 @@ class _Deltas(_PlainText):
         renders *less* before the content is aligned so; one that renders more there (Gemma 4 puts
         the tool results before a past turn's content) is not dropping history.
         """
-        ca, ta = closed.rfind(_REF_ASSISTANT), tail.find(_REF_ASSISTANT)
+        ca, ta = closed.rfind(REF_ASSISTANT), tail.find(REF_ASSISTANT)
         try:
-            span = self._closing_token_from(closed, tail, roles, 0, ca + len(_REF_ASSISTANT) if ca >= 0 else 0)
+            span = self._closing_token_from(closed, tail, roles, 0, ca + len(REF_ASSISTANT) if ca >= 0 else 0)
         except ConfigError:
             if ca <= 0 or ta < 0 or closed[:ca] == tail[:ta] or ta >= ca:
                 raise
-            span = self._closing_token_from(closed[ca:], tail[ta:], roles, ta, len(_REF_ASSISTANT))
+            span = self._closing_token_from(closed[ca:], tail[ta:], roles, ta, len(REF_ASSISTANT))
             self.append_only = False
-        if ta >= 0 and span[0] < ta + len(_REF_ASSISTANT):
+        if ta >= 0 and span[0] < ta + len(REF_ASSISTANT):
             raise ConfigError(
                 f"model.path: the chat template closes an assistant turn with no special token after its content "
                 f"(its last special token, {tail[span[0]:span[1]]!r}, comes before it: {tail[:80]!r}); "

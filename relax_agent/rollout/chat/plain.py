@@ -20,7 +20,7 @@ def _placeholder(i: int) -> str:
     return f"\ue000{i}\ue001"  # private-use characters: no template trims or escapes them
 
 
-class _PlainText:
+class PlainText:
     """:class:`~relax_agent.rollout.chat.ChatRenderer`'s template rendering and plain-text tokenization."""
 
     tokenizer: Any

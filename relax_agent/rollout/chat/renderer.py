@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_agent.errors import ConfigError
-from relax_agent.rollout.chat.content import _template_part, check_media, text_of
-from relax_agent.rollout.chat.deltas import _REF_ASSISTANT, _REF_USER, _Deltas
+from relax_agent.rollout.chat.content import check_media, template_part, text_of
+from relax_agent.rollout.chat.deltas import REF_ASSISTANT, REF_USER, Deltas
 from relax_agent.rollout.chat.tools import EXAMPLE_TURNS, HERMES_SYSTEM, template_supports_tools
 from relax_agent.rollout.engines.base import default_stop_ids
 
@@ -29,7 +29,7 @@ class RenderedPrompt:
     messages: tuple[dict[str, Any], ...]
 
 
-class ChatRenderer(_Deltas):
+class ChatRenderer(Deltas):
     """Renders prompts and observation deltas with a tokenizer's chat template.
 
     Args:
@@ -76,9 +76,9 @@ class ChatRenderer(_Deltas):
         self._special_ids = frozenset(i for i, t in added.items() if t.special) | frozenset(self._eos_ids())
         self._stop_ids = frozenset(default_stop_ids(tokenizer)) & self._special_ids
         self._heads: dict[tuple[tuple[str, str], ...], str] = {}
-        self._call_content = _REF_ASSISTANT
+        self._call_content = REF_ASSISTANT
         self.append_only = True
-        self.system_role = self._renders([{"role": "system", "content": "s"}, _REF_USER])
+        self.system_role = self._renders([{"role": "system", "content": "s"}, REF_USER])
         self._gen_prefix = self._probe_generation_prompt()
         self.tool_role = "tool"
         self._end_after_user = self._probe_boundary([{"role": "user", "content": "x"}],
@@ -100,7 +100,7 @@ class ChatRenderer(_Deltas):
             try:
                 self._probe_boundary(tool, what)
             except ConfigError:
-                self._call_content, self._heads = _REF_ASSISTANT, {}
+                self._call_content, self._heads = REF_ASSISTANT, {}
                 raise
         if self.append_only and self._drops_past_reasoning():
             self.append_only = False
@@ -121,16 +121,16 @@ class ChatRenderer(_Deltas):
         """The text an assistant turn starts with after the context (the generation prompt, less any
         empty reasoning block it prefills that the template drops from past turns, as Gemma 4's
         ``<|channel>thought\n<channel|>`` with thinking off)."""
-        prefix = self._template("a user turn", [_REF_USER], gen=True)
-        turn = self._template("an assistant turn", [_REF_USER, {"role": "assistant", "content": _REF_ASSISTANT}])
+        prefix = self._template("a user turn", [REF_USER], gen=True)
+        turn = self._template("an assistant turn", [REF_USER, {"role": "assistant", "content": REF_ASSISTANT}])
         if turn.startswith(prefix):
             return prefix
         common = len(_common_prefix(prefix, turn))
         try:  # the prefilled block written as the start of a past turn's content is dropped again
-            dropped = self._render([_REF_USER, {"role": "assistant", "content": prefix[common:] + _REF_ASSISTANT}]) == turn
+            dropped = self._render([REF_USER, {"role": "assistant", "content": prefix[common:] + REF_ASSISTANT}]) == turn
         except Exception:  # the template refuses that content
             dropped = False
-        if not dropped or not turn[common:].startswith(_REF_ASSISTANT):
+        if not dropped or not turn[common:].startswith(REF_ASSISTANT):
             raise ConfigError(
                 "model.path: the chat template's generation prompt (add_generation_prompt=True ends with "
                 f"{prefix[-40:]!r}) is not how it starts an assistant turn ({turn[len(prefix) - 40:][:80]!r}); "
@@ -141,13 +141,13 @@ class ChatRenderer(_Deltas):
     def _drops_past_reasoning(self) -> bool:
         """True when a past assistant turn's reasoning (``reasoning_content``) is rendered differently
         once a user message follows (GLM-4.5+ drops it); informational (``append_only``)."""
-        turn = {"role": "assistant", "content": _REF_ASSISTANT, "reasoning_content": "r"}
+        turn = {"role": "assistant", "content": REF_ASSISTANT, "reasoning_content": "r"}
         try:
-            alone = self._render([_REF_USER, turn])
-            after = self._render([_REF_USER, turn, {"role": "user", "content": "x"}])
+            alone = self._render([REF_USER, turn])
+            after = self._render([REF_USER, turn, {"role": "user", "content": "x"}])
         except Exception:  # the template refuses the field: nothing to tell
             return False
-        a, b = alone.rfind(_REF_ASSISTANT), after.find(_REF_ASSISTANT)
+        a, b = alone.rfind(REF_ASSISTANT), after.find(REF_ASSISTANT)
         return a >= 0 and b >= 0 and alone[:a] != after[:b]
 
     def _probe_boundary(self, new: list[dict[str, Any]], what: str) -> str:
@@ -223,7 +223,7 @@ class ChatRenderer(_Deltas):
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):
-                content = [_template_part(p) for p in content]
+                content = [template_part(p) for p in content]
                 if all(p.get("type") == "text" for p in content):
                     content = text_of(content)
             out.append({**m, "content": "" if content is None else content})

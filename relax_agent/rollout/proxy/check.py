@@ -38,7 +38,7 @@ from relax_agent.rollout.engines.base import Generation, SamplingParams
 from relax_agent.rollout.parsers import ToolCallParser
 from relax_agent.rollout.proxy.openai_api import ChatRequest
 from relax_agent.rollout.proxy.session import AgentSession
-from relax_agent.rollout.proxy.session.calls import _call_text
+from relax_agent.rollout.proxy.session.calls import call_text
 
 FINAL_ANSWER = "Answer: 42"
 """What the scripted policy answers once no tool call is pending."""
@@ -146,7 +146,7 @@ class CheckSession(AgentSession):
         if req.tools and req.tool_choice.mode != "none" and not answered:
             tools = [t for t in req.tools if req.tool_choice.mode != "function"
                      or t["function"]["name"] == req.tool_choice.name]
-            text = _call_text(self.parser, call_of(tools[0]))
+            text = call_text(self.parser, call_of(tools[0]))
             forced = self._forced_text(req)
             self.engine.text = text[len(forced):] if forced and text.startswith(forced) else text
         else:

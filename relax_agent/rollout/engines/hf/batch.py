@@ -1,8 +1,8 @@
 """The HF engine's running batch: each request's decode state and the rows' shared KV layout.
 
-A :class:`_Request` is one ``generate`` call (its sampling parameters, stop ids, random stream and
-the tokens sampled so far); a :class:`_Row` is a prefilled request about to join; a
-:class:`_Batch` holds the rows decoding together, their KV right-aligned in one cache, and builds
+A :class:`Request` is one ``generate`` call (its sampling parameters, stop ids, random stream and
+the tokens sampled so far); a :class:`Row` is a prefilled request about to join; a
+:class:`Batch` holds the rows decoding together, their KV right-aligned in one cache, and builds
 each decode step's inputs.
 """
 
@@ -16,12 +16,14 @@ import torch
 from transformers import DynamicCache
 
 from relax_agent.rollout.engines.base import Generation, SamplingParams
-from relax_agent.rollout.engines.hf.kv_cache import KV, RowKV, _assemble, _kv_of
+from relax_agent.rollout.engines.hf.kv_cache import KV, RowKV, assemble, kv_of
 from relax_agent.rollout.engines.hf.sampling import sample_tokens
 
 
 @dataclass
-class _Request:
+class Request:
+    """One generation request: prompt, sampling, stop ids, seed and the callback its result goes to."""
+
     prompt_ids: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
@@ -42,17 +44,17 @@ class _Request:
 
 
 @dataclass
-class _Row:
+class Row:
     """A prefilled request joining the batch: its KV ([1, kv_heads, length, head_dim] per layer),
     cached length (= the position of its next input token) and that next input token."""
 
-    req: _Request
+    req: Request
     kv: KV
     length: int
     next_token: int
 
 
-class _Batch:
+class Batch:
     """The rows decoding together and their KV cache.
 
     Layout: per layer, keys and values [rows, kv_heads, width, head_dim]; row ``i`` holds its
@@ -63,7 +65,7 @@ class _Batch:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.rows: list[_Request] = []
+        self.rows: list[Request] = []
         self.lengths: list[int] = []
         self.next_tokens: list[int] = []
         self.cache: DynamicCache | None = None
@@ -71,18 +73,19 @@ class _Batch:
 
     @property
     def width(self) -> int:
+        """The KV cache's width in tokens (0 with no cache)."""
         if self.cache is None:
             return 0
         first: Any = self.cache.layers[0]  # an attention layer (transformers types its keys as optional)
         return first.keys.shape[-2]
 
-    def merge(self, new: list[_Row]) -> None:
+    def merge(self, new: list[Row]) -> None:
         """Add prefilled rows: the batch's KV is copied once into buffers wide enough for every row."""
         if not new:
             return
         rows_kv = [self._row_views(i) for i in range(len(self.rows))] + [[(k[0], v[0]) for k, v in r.kv] for r in new]
         self.lengths += [r.length for r in new]
-        self.cache = _assemble(rows_kv, self.lengths)
+        self.cache = assemble(rows_kv, self.lengths)
         self.rows += [r.req for r in new]
         self.next_tokens += [r.next_token for r in new]
         self._sampling = None
@@ -121,10 +124,10 @@ class _Batch:
             rows_kv = [self._row_views(i) for i in keep]
             self.rows = [self.rows[i] for i in keep]
             self.lengths = [self.lengths[i] for i in keep]
-            self.cache = _assemble(rows_kv, self.lengths) if keep else None
+            self.cache = assemble(rows_kv, self.lengths) if keep else None
         self.next_tokens = [tokens[i] for i in keep]
 
     def _row_views(self, i: int) -> RowKV:
         assert self.cache is not None  # rows have columns only once the batch has a cache
         start = self.width - self.lengths[i]
-        return [(k[i, :, start:], v[i, :, start:]) for k, v in _kv_of(self.cache)]
+        return [(k[i, :, start:], v[i, :, start:]) for k, v in kv_of(self.cache)]

@@ -26,10 +26,10 @@ from relax_agent.errors import ConfigError, DataError, EngineError, WeightSyncEr
 from relax_agent.moe.record import build_route_recorder
 from relax_agent.rollout.engines.base import Generation, SamplingParams, check_request, default_stop_ids
 from relax_agent.rollout.engines.config import EngineConfig
-from relax_agent.rollout.engines.hf.batch import _Request
-from relax_agent.rollout.engines.hf.kv_cache import _check_cache_layout, _PrefixCache
+from relax_agent.rollout.engines.hf.batch import Request
+from relax_agent.rollout.engines.hf.kv_cache import PrefixCache, check_cache_layout
 from relax_agent.rollout.engines.hf.media import MediaPath, is_media_model
-from relax_agent.rollout.engines.hf.scheduler import _STOP, EngineStats, _Scheduler
+from relax_agent.rollout.engines.hf.scheduler import STOP, EngineStats, Scheduler
 from relax_agent.weights.digest import Expected, TensorDigest, load_failure, tensor_digest
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ _CLOSE_JOIN_S = 60.0
 """Seconds :meth:`HFEngine.close` waits for the worker thread to end."""
 
 
-class HFEngine(_Scheduler):
+class HFEngine(Scheduler):
     """Batched sampling from a Hugging Face causal LM (implements ``InferenceEngine``).
 
     Args:
@@ -91,8 +91,8 @@ class HFEngine(_Scheduler):
         self._queue: queue.Queue[Any] = queue.Queue()
         self.stats = EngineStats()
         self._metrics_mark = (0, 0)
-        _check_cache_layout(model)
-        self._prefix = _PrefixCache(cfg.prefix_cache_max_tokens) if cfg.uses_prefix_cache() else None
+        check_cache_layout(model)
+        self._prefix = PrefixCache(cfg.prefix_cache_max_tokens) if cfg.uses_prefix_cache() else None
         self._loads_pending = 0
         self._loads_cv = threading.Condition()
         self._routes = build_route_recorder(model) if record_routes else None
@@ -303,7 +303,7 @@ class HFEngine(_Scheduler):
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(_STOP)
+            self._queue.put(STOP)
         if threading.current_thread() is not self._worker:
             self._worker.join(_CLOSE_JOIN_S)
             if self._worker.is_alive():
@@ -313,7 +313,7 @@ class HFEngine(_Scheduler):
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Request):
+            if isinstance(item, Request):
                 item.deliver(EngineError("the engine was closed before this request ran"))
         if self._media is not None:
             self._media.close()
@@ -328,11 +328,11 @@ class HFEngine(_Scheduler):
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams,
                 deliver: Callable[[Generation | BaseException], None],
-                on_token: Callable[[int, float, int], None] | None = None) -> _Request:
+                on_token: Callable[[int, float, int], None] | None = None) -> Request:
         self._check_request(prompt_ids, params)
         seed = self._draw_seed(params)
-        req = _Request(list(prompt_ids), params, self._default_stop | frozenset(params.stop_token_ids), seed, deliver,
-                       on_token)
+        req = Request(list(prompt_ids), params, self._default_stop | frozenset(params.stop_token_ids), seed, deliver,
+                      on_token)
         with self._submit_lock:
             if self._closed:
                 raise EngineError("the engine is closed")

@@ -1,10 +1,10 @@
 """The HF engine's KV storage: batch buffers that grow in place, and the prefix cache across requests.
 
-- :func:`_assemble` lays rows' keys/values right-aligned into shared buffers with spare columns,
+- :func:`assemble` lays rows' keys/values right-aligned into shared buffers with spare columns,
   which :class:`_GrowingLayer` fills one decode step at a time (no copy per step).
-- :class:`_PrefixCache` keeps the KV of recent prompts and finished sequences, found again by
+- :class:`PrefixCache` keeps the KV of recent prompts and finished sequences, found again by
   longest common token prefix (the next turn of an episode prefills only its new tokens).
-- :func:`_check_cache_layout` refuses models whose cache is not plain attention KV.
+- :func:`check_cache_layout` refuses models whose cache is not plain attention KV.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _SPARE_COLUMNS = 64
 """Columns a KV buffer holds beyond its content, for decode steps to write into."""
 
 
-class _PrefixCache:
+class PrefixCache:
     """KV of recent prompts and finished sequences, found again by longest common token prefix.
 
     An entry is ``ids`` [m] (CPU long) with keys and values [1, kv_heads, m, head_dim] per layer,
@@ -74,6 +74,7 @@ class _PrefixCache:
             self._drop(next(iter(self._entries)))
 
     def clear(self) -> None:
+        """Drop every entry."""
         self._entries.clear()
         self.tokens = 0
 
@@ -89,12 +90,13 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(mismatch[0]) if len(mismatch) else n
 
 
-def _kv_of(cache: DynamicCache) -> KV:
+def kv_of(cache: DynamicCache) -> KV:
+    """The (keys, values) of each layer of ``cache``, not copied."""
     layers: list[Any] = cache.layers  # attention layers (transformers types their keys/values as optional)
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def _cache_of(kv: KV | None) -> DynamicCache:
+def cache_of(kv: KV | None) -> DynamicCache:
     """A ``DynamicCache`` holding ``kv`` (no copy), or an empty one for None."""
     cache = DynamicCache()
     for keys, values in kv or ():
@@ -146,7 +148,7 @@ def _widened(buf: torch.Tensor, filled: int, capacity: int) -> torch.Tensor:
     return out
 
 
-def _assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
+def assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
     """A batch cache: row ``j``'s ``lengths[j]`` columns right-aligned in ``max(lengths)`` columns
     (zeros before them), in buffers with ``_SPARE_COLUMNS`` more for decode steps."""
     width = max(lengths)
@@ -164,7 +166,7 @@ def _assemble(rows_kv: list[RowKV], lengths: list[int]) -> DynamicCache:
     return cache
 
 
-def _check_cache_layout(model: Any) -> None:
+def check_cache_layout(model: Any) -> None:
     """Refuse models whose cache is not plain attention KV (linear attention, shared KV layers).
 
     The engine keeps a full ``DynamicLayer`` per layer (sliding-window layers included: the

@@ -5,7 +5,7 @@ tokens the prefix cache lacks) and samples its first token, then runs one decode
 rows at a time; between two steps a queued request joins while the batch has room and no weight
 load is pending, and a row that finishes is delivered at once. Under ``engine.hf.update_policy:
 abort_resume`` a pending weight load also goes in between two steps, and the running rows resume
-on the new weights (:meth:`_Scheduler._resume_on_new_weights`). :class:`_Scheduler` holds these
+on the new weights (:meth:`Scheduler._resume_on_new_weights`). :class:`Scheduler` holds these
 steps; :class:`~relax_agent.rollout.engines.hf.engine.HFEngine` inherits it and owns the state
 it declares.
 """
@@ -24,11 +24,11 @@ from relax_agent.errors import EngineError
 from relax_agent.moe.record import RouteRecorder, stack_routes
 from relax_agent.rollout.engines.base import Generation
 from relax_agent.rollout.engines.config import EngineConfig
-from relax_agent.rollout.engines.hf.batch import _Batch, _Request, _Row
-from relax_agent.rollout.engines.hf.kv_cache import _cache_of, _kv_of, _PrefixCache
+from relax_agent.rollout.engines.hf.batch import Batch, Request, Row
+from relax_agent.rollout.engines.hf.kv_cache import PrefixCache, cache_of, kv_of
 from relax_agent.rollout.engines.hf.sampling import sample_tokens
 
-_STOP = object()
+STOP = object()
 """Queue sentinel that ends the worker."""
 
 
@@ -76,7 +76,7 @@ class _Closed(Exception):
     """Raised inside the decode loop when the engine closes mid-batch."""
 
 
-class _Scheduler:
+class Scheduler:
     """The worker loop of :class:`~relax_agent.rollout.engines.hf.engine.HFEngine` (its ``_run`` is
     the worker thread's target). The attributes below are the engine's, set in its ``__init__``."""
 
@@ -91,7 +91,7 @@ class _Scheduler:
     _weights_lock: threading.Lock
     _loads_cv: threading.Condition
     _loads_pending: int
-    _prefix: _PrefixCache | None
+    _prefix: PrefixCache | None
     _routes: RouteRecorder | None
     stats: EngineStats
 
@@ -105,10 +105,10 @@ class _Scheduler:
                 continue
             self._serve(waiting)
 
-    def _collect(self) -> list[_Request] | None:
+    def _collect(self) -> list[Request] | None:
         """Block for one request, then gather more for up to ``batch_wait_s``; None once closed."""
         first = self._queue.get()
-        if first is _STOP:
+        if first is STOP:
             return None
         batch = [first]
         deadline = time.monotonic() + self._cfg.batch_wait_s
@@ -118,13 +118,13 @@ class _Scheduler:
                 item = self._queue.get(timeout=remaining_s) if remaining_s > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is _STOP:
-                self._queue.put(_STOP)
+            if item is STOP:
+                self._queue.put(STOP)
                 break
             batch.append(item)
         return batch
 
-    def _serve(self, waiting: list[_Request]) -> None:
+    def _serve(self, waiting: list[Request]) -> None:
         """Decode ``waiting`` and every request admitted after them until no row is left."""
         live = [r for r in waiting if not r.cancelled]
         if not live:
@@ -146,12 +146,12 @@ class _Scheduler:
             _fail_unfinished(served, error)
 
     @torch.inference_mode()
-    def _decode(self, waiting: list[_Request], served: list[_Request], version: int) -> None:
+    def _decode(self, waiting: list[Request], served: list[Request], version: int) -> None:
         """Admit requests, then one decode step for all rows, until no row is left.
 
         ``served`` collects every request taken from the queue (to fail them if a step fails).
         """
-        batch = _Batch(self._device)
+        batch = Batch(self._device)
         self.stats.batches += 1
         while True:
             batch.merge(self._admit(waiting, batch, served, version))
@@ -166,7 +166,7 @@ class _Scheduler:
                 continue
             self._step(batch, version)
 
-    def _resume_on_new_weights(self, batch: _Batch) -> tuple[_Batch, int]:
+    def _resume_on_new_weights(self, batch: Batch) -> tuple[Batch, int]:
         """Let the pending weight loads run between two decode steps, then rebuild the running
         rows on the new weights: each row's KV is recomputed by one prefill of its prompt and the
         tokens it has sampled but the last (which is fed by the next step, as before). The tokens
@@ -187,18 +187,18 @@ class _Scheduler:
             self._weights_lock.acquire()
         if self._unverified is not None:
             raise EngineError(f"the engine's weights are not verified: {self._unverified}")
-        fresh = _Batch(self._device)
+        fresh = Batch(self._device)
         rows = [r for r in batch.rows if not r.cancelled]
-        fresh.merge([_Row(r, self._forward_ids(r.prompt_ids + r.token_ids[:-1])[1],
-                          len(r.prompt_ids) + len(r.token_ids) - 1, r.token_ids[-1]) for r in rows])
+        fresh.merge([Row(r, self._forward_ids(r.prompt_ids + r.token_ids[:-1])[1],
+                         len(r.prompt_ids) + len(r.token_ids) - 1, r.token_ids[-1]) for r in rows])
         self.stats.resumed_rows += len(rows)
         return fresh, self._version
 
-    def _admit(self, waiting: list[_Request], batch: _Batch, served: list[_Request],
-               version: int) -> list[_Row]:
+    def _admit(self, waiting: list[Request], batch: Batch, served: list[Request],
+               version: int) -> list[Row]:
         """Prefill ``waiting``, then queued requests while the batch has room and no weight
         load is pending; returns the prefilled rows that did not finish at their first token."""
-        rows: list[_Row] = []
+        rows: list[Row] = []
         mid_batch = bool(batch.rows)
         pending = iter(waiting)
         while len(batch.rows) + len(rows) < self._cfg.max_batch_size:
@@ -217,18 +217,18 @@ class _Scheduler:
                 rows.append(row)
         return rows
 
-    def _take_queued(self) -> _Request | None:
+    def _take_queued(self) -> Request | None:
         """The next queued request without waiting; None if there is none or the engine closes."""
         try:
             item = self._queue.get_nowait()
         except queue.Empty:
             return None
-        if item is _STOP:
-            self._queue.put(_STOP)
+        if item is STOP:
+            self._queue.put(STOP)
             return None
         return item
 
-    def _prefill(self, req: _Request, version: int) -> _Row | None:
+    def _prefill(self, req: Request, version: int) -> Row | None:
         """Run the prompt tokens the prefix cache lacks and sample the first token.
 
         Shapes: ``input_ids`` and ``position_ids`` [1, n - reused], ``attention_mask`` [1, n];
@@ -247,7 +247,7 @@ class _Scheduler:
         routes = self._routes.last_position(1) if self._routes is not None else None
         if not self._advance([req], tokens.tolist(), logprobs.tolist(), version, routes):
             return None
-        return _Row(req, kv, n, int(tokens[0]))
+        return Row(req, kv, n, int(tokens[0]))
 
     def _forward_ids(self, ids: list[int]) -> tuple[Any, Any]:
         """Forward ``ids`` over the tokens the prefix cache lacks (at least the last one) and cache
@@ -259,20 +259,20 @@ class _Scheduler:
         out = self._model(input_ids=prompt[None, reused:].to(self._device),
                           attention_mask=torch.ones((1, n), dtype=torch.long, device=self._device),
                           position_ids=torch.arange(reused, n, device=self._device)[None],
-                          use_cache=True, logits_to_keep=1, **{self._cache_kw: _cache_of(past)})
+                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache_of(past)})
         self.stats.forward_passes += 1
         self.stats.prefill_tokens += n - reused
         self.stats.prefix_hit_tokens += reused
-        kv = _kv_of(getattr(out, self._cache_kw))
+        kv = kv_of(getattr(out, self._cache_kw))
         if self._prefix is not None:
             self._prefix.insert(prompt, kv)
         return out, kv
 
-    def _step(self, batch: _Batch, version: int) -> None:
+    def _step(self, batch: Batch, version: int) -> None:
         """One forward pass over every row (its last sampled token), then sample each row's next.
 
         Shapes: ``input_ids`` and ``position_ids`` [rows, 1]; ``attention_mask`` [rows, width + 1],
-        1 on the columns a row really holds (see :class:`_Batch`).
+        1 on the columns a row really holds (see :class:`Batch`).
         """
         input_ids, attn, positions = batch.step_inputs()
         out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
@@ -290,7 +290,7 @@ class _Scheduler:
                     self._prefix.insert(torch.tensor(req.prompt_ids + req.token_ids[:-1]), batch.row_kv(i))
         batch.select(keep, token_list)
 
-    def _advance(self, rows: list[_Request], tokens: list[int], logprobs: list[float], version: int,
+    def _advance(self, rows: list[Request], tokens: list[int], logprobs: list[float], version: int,
                  routes: Any = None) -> list[int]:
         """Append each row's token; deliver rows that finished; return indices of rows still going."""
         keep = []
@@ -311,7 +311,7 @@ class _Scheduler:
                 keep.append(i)
         return keep
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         """Deliver ``req``: its policy version is that of its first token (versions only rise), and the
         per-token versions come along only when it was resumed on new weights mid-generation."""
         req.done = True
@@ -322,7 +322,7 @@ class _Scheduler:
                                token_versions=tuple(req.versions) if spans else ()))
 
 
-def _fail_unfinished(reqs: list[_Request], error: EngineError) -> None:
+def _fail_unfinished(reqs: list[Request], error: EngineError) -> None:
     """Deliver ``error`` to every request of a failed batch that has not been answered yet."""
     for req in reqs:
         if not req.done:

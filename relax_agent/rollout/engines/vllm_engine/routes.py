@@ -11,7 +11,7 @@ import numpy as np
 from relax_agent.errors import EngineError
 
 
-def _route_layout(model: Any) -> tuple[tuple[int, int], str] | None:
+def route_layout(model: Any) -> tuple[tuple[int, int], str] | None:
     """``((moe_layers, top_k), dtype name)`` of ``model``'s routers, as the HF engine records them;
     None (with a warning) for a dense model.
 
@@ -26,8 +26,8 @@ def _route_layout(model: Any) -> tuple[tuple[int, int], str] | None:
     return (len(routers), routers[0].top_k), route_dtype(max(r.num_experts for r in routers)).name
 
 
-def _decode_routes(reply: dict[str, Any], request_id: str, layout: tuple[tuple[int, int], str]) -> np.ndarray:
-    """The reply's routes as [n, moe_layers, top_k] in the dtype of ``layout`` (:func:`_route_layout`).
+def decode_routes(reply: dict[str, Any], request_id: str, layout: tuple[tuple[int, int], str]) -> np.ndarray:
+    """The reply's routes as [n, moe_layers, top_k] in the dtype of ``layout`` (:func:`route_layout`).
 
     Raises:
         EngineError: the reply has no routes, or not one row of the layout per token.

@@ -25,8 +25,8 @@ from relax_agent.weights.digest import TensorDigest, tensor_digest
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _save_model(model: Any, out: Path,
-                dtype: torch.dtype) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], set[str]]:
+def save_model(model: Any, out: Path,
+               dtype: torch.dtype) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], set[str]]:
     """Save ``model`` in ``dtype`` as the server's model folder ``out``; (layout: name -> (shape, dtype)
     of its ``state_dict``, names in the file)."""
     from safetensors import safe_open
@@ -39,8 +39,8 @@ def _save_model(model: Any, out: Path,
     return layout, names
 
 
-def _write_version(path: Path, state_dict: Mapping[str, Any], current_file: Path, file_names: set[str],
-                   dtype: torch.dtype, to_checkpoint: Any) -> dict[str, tuple[str, torch.Tensor]]:
+def write_version(path: Path, state_dict: Mapping[str, Any], current_file: Path, file_names: set[str],
+                  dtype: torch.dtype, to_checkpoint: Any) -> dict[str, tuple[str, torch.Tensor]]:
     """Write every checkpoint tensor (``state_dict`` values, the rest from ``current_file``, the version
     served now, whose tensors are ``file_names``) to ``path`` in ``dtype``;
     returns checkpoint name -> (the ``state_dict`` name it came from, or "" for a renamed one, the
@@ -49,7 +49,7 @@ def _write_version(path: Path, state_dict: Mapping[str, Any], current_file: Path
     ``state_dict`` has the model's names; they are turned into the checkpoint's names first, as
     ``save_pretrained`` does (transformers 5 un-fuses MoE experts: ``mlp.experts.gate_up_proj``
     [E, 2I, H] is saved as ``mlp.experts.{e}.gate_proj.weight`` and ``up_proj.weight``) by ``to_checkpoint``
-    (:func:`_checkpoint_renamer`; None: the names are the checkpoint's)."""
+    (:func:`checkpoint_renamer`; None: the names are the checkpoint's)."""
     from safetensors import safe_open
 
     given = state_dict
@@ -64,8 +64,8 @@ def _write_version(path: Path, state_dict: Mapping[str, Any], current_file: Path
     return sent
 
 
-def _file_digests(written: Mapping[str, tuple[str, torch.Tensor]], expected: Mapping[str, TensorDigest],
-                  dtype: torch.dtype) -> dict[str, list[Any]]:
+def file_digests(written: Mapping[str, tuple[str, torch.Tensor]], expected: Mapping[str, TensorDigest],
+                 dtype: torch.dtype) -> dict[str, list[Any]]:
     """The ``expected`` body of ``/load_weights``: per checkpoint name, the digest of what was sent
     (``expected`` under its state_dict name), or for a tensor the checkpoint renames (MoE experts
     split per expert), the digest of the tensor written (cast to the engine ``dtype``), with the
@@ -80,7 +80,7 @@ def _file_digests(written: Mapping[str, tuple[str, torch.Tensor]], expected: Map
     return out
 
 
-def _checkpoint_renamer(model: Any) -> Any:
+def checkpoint_renamer(model: Any) -> Any:
     """A function from ``model``'s state_dict names to its checkpoint's (transformers' reverse weight
     conversion, which ``save_pretrained`` applies), or None where transformers has none. It keeps an
     empty meta-device copy of the model, not its weights."""

@@ -18,9 +18,9 @@ from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, now_s
 from relax_agent.rollout.proxy.session.calls import normalise
-from relax_agent.rollout.proxy.session.planning import _Plan, _Planning
-from relax_agent.rollout.proxy.session.records import SessionStats, _Records
-from relax_agent.rollout.proxy.session.sampling import OnText, _Sampled, _Sampling, streams_tokens
+from relax_agent.rollout.proxy.session.planning import Plan, Planning
+from relax_agent.rollout.proxy.session.records import Records, SessionStats
+from relax_agent.rollout.proxy.session.sampling import OnText, Sampled, Sampling, streams_tokens
 from relax_agent.rollout.proxy.session.text import token_bytes
 from relax_agent.rollout.proxy.session.tree import Reply, Segment
 from relax_agent.rollout.recorder import TrajectoryRecorder
@@ -34,7 +34,7 @@ def mixed_seed(request_seed: int, episode_seed: int, request: int) -> int:
 
 
 @dataclass
-class AgentSession(_Planning, _Sampling, _Records):
+class AgentSession(Planning, Sampling, Records):
     """The endpoint's state for one episode.
 
     Args:
@@ -162,7 +162,7 @@ class AgentSession(_Planning, _Sampling, _Records):
         await asyncio.gather(*running, return_exceptions=True)
 
     # -- answering ------------------------------------------------------------------------
-    async def _answer(self, req: ChatRequest, plan: _Plan, params: SamplingParams, turn: int,
+    async def _answer(self, req: ChatRequest, plan: Plan, params: SamplingParams, turn: int,
                       on_text: OnText | None) -> Answer:
         forced_text, forced = self._forced_text(req), self._forced_ids(req)
         markers = self._markers(req)
@@ -177,7 +177,7 @@ class AgentSession(_Planning, _Sampling, _Records):
         return Answer(answer_id, req.model or self.model_name, tuple(choices),
                       len(plan.prompt_ids), sum(len(s.gen.token_ids) for s in sampled), req.logprobs, now_s())
 
-    def _record(self, req: ChatRequest, plan: _Plan, s: _Sampled, forced: tuple[int, ...], index: int,
+    def _record(self, req: ChatRequest, plan: Plan, s: Sampled, forced: tuple[int, ...], index: int,
                 request: int, answer_id: str, prompt: list[int]) -> Choice:
         """Add choice ``index`` to its segment and to the reply tree; return it as the agent sees it."""
         content, calls, internal, failed = self._reply(req, s.text, s.parsed_text or s.text)
@@ -253,7 +253,7 @@ class AgentSession(_Planning, _Sampling, _Records):
             if reply.delivered is not True:
                 reply.delivered = delivered
 
-    def _segment_for(self, plan: _Plan, index: int) -> Segment:
+    def _segment_for(self, plan: Plan, index: int) -> Segment:
         """Choice 0 extends the planned segment in place when nobody extended it meanwhile; otherwise
         (and for siblings) a copy of the planned prefix becomes a new segment."""
         if plan.base is None:

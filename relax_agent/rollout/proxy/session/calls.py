@@ -5,7 +5,6 @@ history re-rendered)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from relax_agent.rollout.chat import text_of
@@ -31,11 +30,7 @@ def _decoded(arguments: Any) -> Any:
     return arguments
 
 
-def _tools_key(tools: Sequence[dict[str, Any]]) -> str:
-    return json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
-
-
-def _call_opening(parser: ToolCallParser) -> str | None:
+def call_opening(parser: ToolCallParser) -> str | None:
     """The text every call of ``parser``'s format starts with, up to the function name; None if unknown."""
     if isinstance(parser, HermesParser):
         return HermesParser.OPEN + '\n{"name": "'
@@ -46,7 +41,7 @@ def _call_opening(parser: ToolCallParser) -> str | None:
     return None
 
 
-def _call_text(parser: ToolCallParser, call: dict[str, Any]) -> str:
+def call_text(parser: ToolCallParser, call: dict[str, Any]) -> str:
     """One OpenAI tool call written in ``parser``'s format (for re-rendering edited history)."""
     body = json.dumps({"name": call["function"]["name"], "arguments": _decoded(call["function"].get("arguments"))},
                       ensure_ascii=False)

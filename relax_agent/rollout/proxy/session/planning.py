@@ -15,13 +15,17 @@ from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.parsers import HermesParser, ToolCallParser
 from relax_agent.rollout.proxy.openai_api import ChatRequest, RequestError
-from relax_agent.rollout.proxy.session.calls import _call_opening, _call_text, _tools_key, normalise
+from relax_agent.rollout.proxy.session.calls import call_opening, call_text, normalise
 from relax_agent.rollout.proxy.session.records import SessionStats
 from relax_agent.rollout.proxy.session.tree import Segment
 
 
+def _tools_key(tools: Sequence[dict[str, Any]]) -> str:
+    return json.dumps(list(tools), sort_keys=True, ensure_ascii=False)
+
+
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Where a request's reply goes: the segment it extends (None: a fresh render) and the tokens."""
 
     base: Segment | None
@@ -37,7 +41,7 @@ class _Plan:
 
 
 
-class _Planning:
+class Planning:
     """:class:`~relax_agent.rollout.proxy.session.AgentSession`'s planning of a request."""
 
     spec: EpisodeSpec
@@ -51,7 +55,7 @@ class _Planning:
     segments: list[Segment]
     _reserved: int
 
-    def _plan(self, req: ChatRequest) -> _Plan:
+    def _plan(self, req: ChatRequest) -> Plan:
         convo = tuple(normalise(m) for m in req.messages)
         tools_key = _tools_key(req.tools)
         found = self._extends(convo, tools_key)
@@ -67,14 +71,14 @@ class _Planning:
                 raise RequestError(f"messages[{num_convo}:] cannot be rendered after the assistant turn: "
                                    f"{type(exc).__name__}: {exc}", "messages") from exc
             prompt = tuple(base.rec.token_ids[:num_tokens]) + tuple(delta)
-            return _Plan(base, base.version, state, prompt, tuple(delta), tuple(new), (), convo, tools_key)
+            return Plan(base, base.version, state, prompt, tuple(delta), tuple(new), (), convo, tools_key)
         try:
             rendered = self.renderer.render_prompt(self._as_template_messages(req.messages), req.tools)
         except Exception as exc:
             raise RequestError(f"messages cannot be rendered by the policy's chat template: "
                                f"{type(exc).__name__}: {exc}", "messages") from exc
-        return _Plan(None, 0, (0, 0, 0, True), rendered.token_ids, rendered.token_ids, (), rendered.messages, convo,
-                     tools_key)
+        return Plan(None, 0, (0, 0, 0, True), rendered.token_ids, rendered.token_ids, (), rendered.messages, convo,
+                    tools_key)
 
     def _extends(self, convo: tuple[str, ...], tools_key: str) -> tuple[Segment, tuple[int, int, int, bool]] | None:
         """(segment, state after one of its turns) whose conversation ``convo`` extends by
@@ -98,7 +102,7 @@ class _Planning:
         out = []
         for m in messages:
             if m["role"] == "assistant" and m.get("tool_calls") and not self.renderer.use_template_tools:
-                calls = "".join(_call_text(self.parser, c) for c in m["tool_calls"])
+                calls = "".join(call_text(self.parser, c) for c in m["tool_calls"])
                 text = text_of(m.get("content"))
                 out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls})
             elif m["role"] == "tool" and self.renderer.tool_role == "user":
@@ -107,7 +111,7 @@ class _Planning:
                 out.append({k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")})
         return out
 
-    def _sampling(self, req: ChatRequest, plan: _Plan, notes: dict[str, str] | None = None) -> SamplingParams:
+    def _sampling(self, req: ChatRequest, plan: Plan, notes: dict[str, str] | None = None) -> SamplingParams:
         base = self.params
         for key, asked, run in (("temperature", req.temperature, base.temperature), ("top_p", req.top_p, base.top_p)):
             if asked is not None and asked != run and not self.honor_request_sampling:
@@ -149,7 +153,7 @@ class _Planning:
         mode = req.tool_choice.mode
         if mode not in ("required", "function"):
             return ""
-        opening = _call_opening(self.parser)
+        opening = call_opening(self.parser)
         if opening is None:
             raise RequestError(f"tool_choice={mode!r} is enforced by opening the parser's call format, which "
                                f"{type(self.parser).__name__} has none of; use tool_choice 'auto'", "tool_choice")

@@ -36,7 +36,7 @@ class SessionStats:
     capped_max_tokens: int = 0
 
 
-class _Records:
+class Records:
     """:class:`~relax_agent.rollout.proxy.session.AgentSession`'s records of the episode."""
 
     spec: EpisodeSpec

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from relax_agent.rollout.engines.base import Generation, InferenceEngine, SamplingParams
-from relax_agent.rollout.proxy.session.text import IncrementalText, _marker_cut, _stop_hit
+from relax_agent.rollout.proxy.session.text import IncrementalText, marker_cut, stop_hit
 
 OnText = Callable[[int, str], None]
 """Streaming listener: (choice index, the reply's text so far, forced opening included)."""
@@ -33,7 +33,7 @@ def streams_tokens(engine: InferenceEngine) -> bool:
 
 
 @dataclass
-class _Sampled:
+class Sampled:
     """One choice as sampled: the generation, its text (special tokens skipped, as content is shown)
     and the text the parser reads (special tokens kept for a family parser whose call markers are
     special tokens; the same text otherwise)."""
@@ -44,7 +44,7 @@ class _Sampled:
     stop_string: str | None = None
 
 
-class _Sampling:
+class Sampling:
     """:class:`~relax_agent.rollout.proxy.session.AgentSession`'s sampling of one choice."""
 
     engine: InferenceEngine
@@ -53,7 +53,7 @@ class _Sampling:
     _parse_decode: Callable[[Sequence[int]], str]
 
     async def _sample(self, index: int, prompt: list[int], params: SamplingParams, markers: list[tuple[str, bool]],
-                      forced_text: str, on_text: OnText | None) -> _Sampled:
+                      forced_text: str, on_text: OnText | None) -> Sampled:
         """One choice: the engine's generation, cut at the first marker, and its text (forced opening included)."""
         tokens: list[int] = []
         lps: list[float] = []
@@ -69,7 +69,7 @@ class _Sampling:
             lps.append(lp)
             version[0] = v
             text = forced_text + detok.push(tok)
-            cut = _marker_cut(text, markers)
+            cut = marker_cut(text, markers)
             if cut is not None:
                 hit.set_result(len(tokens))
             if on_text is not None:
@@ -95,18 +95,18 @@ class _Sampling:
                 on_text(index, forced_text + self._decode(gen.token_ids))
         gen = self._cut(gen, markers, forced_text)
         text = forced_text + self._decode(gen.token_ids)
-        cut = _marker_cut(text, markers)
+        cut = marker_cut(text, markers)
         parsed = forced_text + self._parse_decode(gen.token_ids)
-        parsed_cut = _marker_cut(parsed, markers)
-        return _Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut],
-                        _stop_hit(text, markers))
+        parsed_cut = marker_cut(parsed, markers)
+        return Sampled(gen, text if cut is None else text[:cut], parsed if parsed_cut is None else parsed[:parsed_cut],
+                       stop_hit(text, markers))
 
     def _cut(self, gen: Generation, markers: list[tuple[str, bool]], forced_text: str) -> Generation:
         """``gen`` up to the token that completes the first marker (finish reason "stop"), or as is."""
-        if not markers or _marker_cut(forced_text + self._decode(gen.token_ids), markers) is None:
+        if not markers or marker_cut(forced_text + self._decode(gen.token_ids), markers) is None:
             return gen
         for k in range(1, len(gen.token_ids) + 1):
-            if _marker_cut(forced_text + self._decode(gen.token_ids[:k]), markers) is not None:
+            if marker_cut(forced_text + self._decode(gen.token_ids[:k]), markers) is not None:
                 break
         if k == len(gen.token_ids) and gen.finish_reason == "stop":
             return gen

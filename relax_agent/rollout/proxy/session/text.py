@@ -71,7 +71,7 @@ def token_bytes(tokenizer: Any, ids: Sequence[int]) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
+def marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
     """End of the reply's text at the earliest marker (before a stop string, after a kept tag), or None."""
     best: tuple[int, int] | None = None
     for marker, keep in markers:
@@ -81,7 +81,7 @@ def _marker_cut(text: str, markers: list[tuple[str, bool]]) -> int | None:
     return None if best is None else best[1]
 
 
-def _stop_hit(text: str, markers: list[tuple[str, bool]]) -> str | None:
+def stop_hit(text: str, markers: list[tuple[str, bool]]) -> str | None:
     """The stop string (a marker not kept) that ends ``text`` at the earliest marker, or None."""
     found = [(i, marker) for marker, keep in markers if (i := text.find(marker)) >= 0]
     if not found:
