@@ -386,7 +386,7 @@ class Supervisor:
         if self._node_id is None:
             self._node_id = ray.get_runtime_context().get_node_id()
         if rep.pid is not None and rep.node_id == self._node_id:
-            _kill_ray_worker(rep.pid)
+            kill_ray_worker(rep.pid)
         if role_died:
             return
         if rep.subscriber is not None:
@@ -453,7 +453,7 @@ class Supervisor:
                 "hangs": self.trainer_hangs, "last_hang": self.last_trainer_hang, "restarts": self.restarts["trainer"]}
 
 
-def _kill_ray_worker(pid: int) -> None:
+def kill_ray_worker(pid: int) -> None:
     """SIGKILL ``pid`` if it still is a Ray worker process (never another process that reused the pid)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -262,7 +262,7 @@ class RayTrainerService:
     def _kill_actor(self, sigkill: bool = False) -> None:
         """``ray.kill`` the actor; with ``sigkill`` (a hung actor, so its process is still there) its
         process is SIGKILLed too when on this node (a stopped process may not answer Ray)."""
-        from relax_agent.runtime.ray_supervisor import _kill_ray_worker
+        from relax_agent.runtime.ray_supervisor import kill_ray_worker
 
         if self.actor is not None:
             try:
@@ -270,7 +270,7 @@ class RayTrainerService:
             except Exception:  # gone already
                 pass
         if sigkill and self.pid is not None and self.node_id == ray.get_runtime_context().get_node_id():
-            _kill_ray_worker(self.pid)
+            kill_ray_worker(self.pid)
 
     def _recover(self, exc: BaseException) -> None:
         """Restart the actor (again while restarts die or hang), within the restart budget, unless

@@ -12,8 +12,8 @@ import math
 import torch
 
 from relax_agent.errors import ConfigError, DataError
-from relax_agent.train.algorithms.kl import _K3_MAX_DELTA, k3_kl
-from relax_agent.train.algorithms.losses import _masked_mean
+from relax_agent.train.algorithms.kl import K3_MAX_DELTA, k3_kl
+from relax_agent.train.algorithms.losses import masked_mean
 from relax_agent.train.algorithms.names import (
     CORR_CLIPPED_TOKEN_FRAC,
     CORR_MASKED_SEQ_FRAC,
@@ -125,7 +125,7 @@ def importance_weight_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torc
     if old_logprobs.numel() == 0:
         return {IW_MEAN: 0.0, IW_MAX: 0.0, IW_CLIPPED_FRAC: 0.0}
     log_w = old_logprobs.detach().double() - rollout_logprobs.detach().double()
-    w = torch.exp(log_w.clamp(max=_K3_MAX_DELTA))
+    w = torch.exp(log_w.clamp(max=K3_MAX_DELTA))
     return {IW_MEAN: float(w.mean()), IW_MAX: float(w.max()),
             IW_CLIPPED_FRAC: float((log_w > math.log(cap)).double().mean())}
 
@@ -234,9 +234,9 @@ def mismatch_correction(
     seqs = has_tokens.to(dtype)
     n_seqs = seqs.sum().clamp(min=1.0)
     metrics = {
-        CORR_WEIGHT_MEAN: _masked_mean(weights, mask),
-        CORR_MASKED_TOKEN_FRAC: _masked_mean(masked.to(dtype), mask),
-        CORR_CLIPPED_TOKEN_FRAC: _masked_mean(clipped.to(dtype), mask),
+        CORR_WEIGHT_MEAN: masked_mean(weights, mask),
+        CORR_MASKED_TOKEN_FRAC: masked_mean(masked.to(dtype), mask),
+        CORR_CLIPPED_TOKEN_FRAC: masked_mean(clipped.to(dtype), mask),
         CORR_MASKED_SEQ_FRAC: (seq_all_masked.to(dtype) * seqs).sum() / n_seqs,
         CORR_SEQ_LOG_RATIO_MEAN: (seq_log_r / n_tokens.clamp(min=1).to(dtype) * seqs).sum() / n_seqs,
     }

@@ -10,7 +10,7 @@ import torch
 
 from relax_agent.errors import DataError
 
-_K3_MAX_DELTA = 20.0
+K3_MAX_DELTA = 20.0
 """Log-ratios above this are clamped in :func:`k3_kl` so exp() stays finite (exp(20) ≈ 4.9e8)."""
 
 
@@ -41,5 +41,5 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
         )
     m = mask.bool()
     delta = torch.where(m, ref_logprobs.to(logprobs.dtype) - logprobs, torch.zeros_like(logprobs))
-    delta = delta.clamp(max=_K3_MAX_DELTA)
+    delta = delta.clamp(max=K3_MAX_DELTA)
     return torch.expm1(delta) - delta

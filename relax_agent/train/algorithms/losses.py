@@ -148,9 +148,9 @@ def ppo_clip_loss(
     loss = masked_aggregate(per_token, mask, agg, normalizer)
     with torch.no_grad():
         metrics = {
-            CLIP_FRAC: _masked_mean((clipped < unclipped).to(logprobs.dtype), mask),
-            RATIO_MEAN: _masked_mean(ratio, mask),
-            APPROX_KL: _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            CLIP_FRAC: masked_mean((clipped < unclipped).to(logprobs.dtype), mask),
+            RATIO_MEAN: masked_mean(ratio, mask),
+            APPROX_KL: masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
         }
     return loss, metrics
 
@@ -227,9 +227,9 @@ def gspo_loss(
     loss = masked_aggregate(per_token, mask, agg, normalizer)
     with torch.no_grad():
         metrics = {
-            CLIP_FRAC: _masked_mean((clipped < unclipped).to(logprobs.dtype)[:, None].expand_as(logprobs), mask),
-            RATIO_MEAN: _masked_mean(seq_ratio[:, None].expand_as(logprobs), mask),
-            APPROX_KL: _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            CLIP_FRAC: masked_mean((clipped < unclipped).to(logprobs.dtype)[:, None].expand_as(logprobs), mask),
+            RATIO_MEAN: masked_mean(seq_ratio[:, None].expand_as(logprobs), mask),
+            APPROX_KL: masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
         }
     return loss, metrics
 
@@ -285,9 +285,9 @@ def cispo_loss(
     loss = masked_aggregate(per_token, mask, agg, normalizer)
     with torch.no_grad():
         metrics = {
-            CLIP_FRAC: _masked_mean((weight != ratio).to(logprobs.dtype), mask),
-            RATIO_MEAN: _masked_mean(ratio, mask),
-            APPROX_KL: _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            CLIP_FRAC: masked_mean((weight != ratio).to(logprobs.dtype), mask),
+            RATIO_MEAN: masked_mean(ratio, mask),
+            APPROX_KL: masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
         }
     return loss, metrics
 
@@ -318,6 +318,7 @@ def policy_loss(
                      token_weights=token_weights)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is set (0 where nothing is)."""
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp(min=1.0)

@@ -20,7 +20,7 @@ STEP_TIME_S = "timing/train_step_s"
 RESIDENT_GB = "memory/trainer_resident_gb"
 
 
-class _Totals:
+class Totals:
     """Sums of per-micro-batch values, some weighted by policy tokens."""
 
     def __init__(self) -> None:
@@ -29,8 +29,10 @@ class _Totals:
         self.rollout_lp: list[torch.Tensor] = []
 
     def add(self, key: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        """Add ``value`` times ``weight`` to the sum under ``key``."""
         value = value.detach().double() * weight
         self.sums[key] = self.sums[key] + value if key in self.sums else value
 
     def get(self, key: str, divide_by: float = 1.0) -> float:
+        """The sum under ``key`` divided by ``divide_by``."""
         return float(self.sums[key]) / divide_by

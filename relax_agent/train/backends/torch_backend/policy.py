@@ -14,7 +14,7 @@ from relax_agent.errors import ConfigError
 from relax_agent.train.config import TrainerConfig
 
 
-def _with_lora(model: nn.Module, cfg: TrainerConfig) -> tuple[nn.Module, Any, str]:
+def with_lora(model: nn.Module, cfg: TrainerConfig) -> tuple[nn.Module, Any, str]:
     """(base model with adapters injected, the peft wrapper, sha256 of the base weights)."""
     from relax_agent.train.lora import apply_lora, base_fingerprint
 
@@ -23,24 +23,25 @@ def _with_lora(model: nn.Module, cfg: TrainerConfig) -> tuple[nn.Module, Any, st
     return wrapper.get_base_model(), wrapper, fingerprint
 
 
-class _LinearWarmup:
+class LinearWarmup:
     """lr multiplier: (k + 1) / warmup_steps for update k < warmup_steps, then 1."""
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps
 
     def __call__(self, k: int) -> float:
+        """The lr multiplier of update ``k``."""
         return 1.0 if self.warmup_steps <= 0 else min(1.0, (k + 1) / self.warmup_steps)
 
 
-def _with_master_weights(model: nn.Module) -> nn.Module:
+def with_master_weights(model: nn.Module) -> nn.Module:
     """The model with fp16/bf16 floating-point weights upcast to fp32 (fp32/fp64 kept)."""
     if any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
         model = model.float()
     return model
 
 
-def _freeze_input_embeddings(model: nn.Module) -> None:
+def freeze_input_embeddings(model: nn.Module) -> None:
     """requires_grad=False on the input embeddings (also on a tied output head)."""
     get = getattr(model, "get_input_embeddings", None)
     emb = get() if get is not None else None
@@ -57,7 +58,8 @@ def _dropout_modules(model: nn.Module) -> Iterator[str]:
             yield name
 
 
-def _warn_on_dropout(model: nn.Module) -> None:
+def warn_on_dropout(model: nn.Module) -> None:
+    """Warn when ``model`` has dropout: its log-probs would not match the rollout's."""
     config = getattr(model, "config", None)
     attn = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     named = list(_dropout_modules(model))

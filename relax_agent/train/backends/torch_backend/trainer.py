@@ -62,14 +62,14 @@ from relax_agent.train.backends.torch_backend.metrics import (
     STEP,
     STEP_TIME_S,
     TOKENS,
-    _Totals,
+    Totals,
 )
 from relax_agent.train.backends.torch_backend.policy import (
-    _freeze_input_embeddings,
-    _LinearWarmup,
-    _warn_on_dropout,
-    _with_lora,
-    _with_master_weights,
+    LinearWarmup,
+    freeze_input_embeddings,
+    warn_on_dropout,
+    with_lora,
+    with_master_weights,
 )
 from relax_agent.train.backends.torch_backend.shared_prefix import MicroBatch, can_share, plan_micro_batches
 from relax_agent.train.batch import TrainBatch
@@ -117,15 +117,15 @@ class TorchTrainer:
         self.cfg = cfg
         self.device = torch.device(device)
         self.temperature = float(temperature)
-        self.model = _with_master_weights(model.to(self.device))
+        self.model = with_master_weights(model.to(self.device))
         self.lora = None
         """The ``peft.PeftModel`` wrapper under ``trainer.lora`` (``self.model`` is its base model, adapters in it)."""
         if cfg.lora.enabled:
-            self.model, self.lora, self.base_fingerprint = _with_lora(self.model, cfg)
+            self.model, self.lora, self.base_fingerprint = with_lora(self.model, cfg)
         self.model.train()
-        _warn_on_dropout(self.model)
+        warn_on_dropout(self.model)
         if cfg.freeze_embeddings:
-            _freeze_input_embeddings(self.model)
+            freeze_input_embeddings(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no trainable parameters (all have requires_grad=False)")
@@ -135,7 +135,7 @@ class TorchTrainer:
         self.ref_model = self._setup_ref_model(ref_model)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self._sft_optimizer = None
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _LinearWarmup(cfg.warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LinearWarmup(cfg.warmup_steps))
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.dtype == "fp16" else None
         self.step = 0
         """Optimizer updates taken so far (skipped fp16 overflow steps not counted)."""
@@ -148,7 +148,7 @@ class TorchTrainer:
             return None
         if ref_model is None:  # kl_coef > 0 (the config refuses a negative one)
             raise ConfigError(f"trainer.kl_coef={self.cfg.kl_coef} needs a reference model (ref_model=...)")
-        ref_model = _with_master_weights(ref_model.to(self.device)).eval()
+        ref_model = with_master_weights(ref_model.to(self.device)).eval()
         ref_model.requires_grad_(False)
         return ref_model
 
@@ -225,7 +225,7 @@ class TorchTrainer:
         normalizer = loss_normalizer(batch.loss_mask, self.cfg.loss_agg)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = _Totals()
+        totals = Totals()
         for micro in self._micro_batches(batch):
             mb = micro.batch.to(self.device)
             with replaying(self.routing_replay, mb):  # R3: the rollout's experts, forward and backward
@@ -241,7 +241,7 @@ class TorchTrainer:
             return plan_micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens)
         return [MicroBatch(mb) for mb in batch.split(cfg.micro_batch_size, cfg.micro_batch_tokens)]
 
-    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: _Totals, prefix_len: int = 0) -> None:
+    def _backward_micro_batch(self, mb: TrainBatch, normalizer: float, totals: Totals, prefix_len: int = 0) -> None:
         cfg = self.cfg
         first = max(first_scored_position(mb.loss_mask), prefix_len + 1)
         with self._autocast():
@@ -285,7 +285,7 @@ class TorchTrainer:
             return token_logprobs(self.ref_model, mb.input_ids, mb.attention_mask, self.temperature,
                                   media=mb.media, first_position=first, prefix_len=prefix_len)
 
-    def _summarize(self, totals: _Totals, batch: TrainBatch) -> dict[str, float]:
+    def _summarize(self, totals: Totals, batch: TrainBatch) -> dict[str, float]:
         n_policy = float(batch.num_policy_tokens)
         out = {LOSS: totals.get(LOSS), PG_LOSS: totals.get(PG_LOSS)}
         if KL_REF in totals.sums:
