@@ -5,17 +5,35 @@ evaluation's samples."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from relax_agent.errors import ConfigError, DataError
-from relax_agent.viewer.data.episodes import EpisodeFilter, _mean, _num, _std, crossed_update, group_of, is_failed
+from relax_agent.viewer.data.episodes import EpisodeFilter, crossed_update, group_of, is_failed
 from relax_agent.viewer.data.jsonl import JsonlRead, read_jsonl
 from relax_agent.viewer.data.tokens import TOKEN_FIELDS, TokenDecoder, checkpoint_tokenizer
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _mean(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _std(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
 class RunReader:
