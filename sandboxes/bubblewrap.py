@@ -55,7 +55,7 @@ def reap_work_dirs(tmp_dir: str | None = None, dry_run: bool = False) -> list[st
             m = _OWNED_DIR.match(entry.name)
             if m is None or not entry.is_dir(follow_symlinks=False):
                 continue
-            ticks = reaper._start_ticks(int(m.group(1)))
+            ticks = reaper.start_ticks(int(m.group(1)))
             if ticks is None or (m.group(2) != "0" and ticks != m.group(2)):  # dead, or its pid was reused
                 if not dry_run:
                     shutil.rmtree(entry.path, ignore_errors=True)
@@ -105,7 +105,7 @@ class BubblewrapSandbox(BaseSandbox):
 
     def __init__(self, config: SandboxConfig, bwrap: str, setpriv: str = "/usr/bin/setpriv"):
         pid = os.getpid()
-        self.host_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{pid}-{reaper._start_ticks(pid) or 0}-")
+        self.host_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{pid}-{reaper.start_ticks(pid) or 0}-")
         super().__init__(config, f"bwrap-{uuid.uuid4().hex[:12]}", config.workdir)
         self._bwrap = bwrap
         self._setpriv = setpriv

@@ -42,7 +42,7 @@ _cleanups: dict[str, Callable[[], None]] = {}
 _atexit_installed = False
 
 
-def _start_ticks(pid: int) -> str | None:
+def start_ticks(pid: int) -> str | None:
     """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/PID/stat), or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -56,7 +56,7 @@ def _start_ticks(pid: int) -> str | None:
 def owner_token(pid: int | None = None) -> str:
     """The :data:`LABEL_OWNER` value for ``pid`` (default: this process)."""
     pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid) or 0}"
+    return f"{socket.gethostname()}:{pid}:{start_ticks(pid) or 0}"
 
 
 def default_run_id() -> str:
@@ -75,7 +75,7 @@ def owner_alive(token: str) -> bool | None:
         return None
     if not pid_s.isdigit():
         return False
-    now_ticks = _start_ticks(int(pid_s))
+    now_ticks = start_ticks(int(pid_s))
     return now_ticks is not None and (ticks in ("", "0") or now_ticks == ticks)
 
 

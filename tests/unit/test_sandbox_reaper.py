@@ -176,11 +176,11 @@ def test_cli_reap_also_removes_the_work_dirs_of_dead_bubblewrap_owners(monkeypat
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    ticks = reaper._start_ticks(proc.pid)
+    ticks = reaper.start_ticks(proc.pid)
     proc.kill()
     proc.wait(10)  # dead: its pid no longer runs the process that started at those ticks
     dead = tmp_path / f"{WORK_DIR_PREFIX}{proc.pid}-{ticks}-abc"
-    alive = tmp_path / f"{WORK_DIR_PREFIX}{os.getpid()}-{reaper._start_ticks(os.getpid())}-def"
+    alive = tmp_path / f"{WORK_DIR_PREFIX}{os.getpid()}-{reaper.start_ticks(os.getpid())}-def"
     for d in (dead, alive):
         (d / "sub").mkdir(parents=True)
         (d / "sub" / "f.txt").write_text("x")
