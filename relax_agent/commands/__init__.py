@@ -4,7 +4,7 @@ command group, :func:`register` adds them all to the root app.
 - :mod:`.training`: ``train``, ``scale``;
 - :mod:`.evaluate`: ``eval``, ``replay``;
 - :mod:`.view`: ``view``;
-- :mod:`.envs`: ``envs list``, ``envs show``;
+- :mod:`.envs`: ``envs list``, ``envs show``, ``envs audit``;
 - :mod:`.agent`: ``agent check``;
 - :mod:`.common`: the console, error reporting and config loading they share.
 """
