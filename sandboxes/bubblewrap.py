@@ -38,22 +38,26 @@ from relax_agent.sandboxes.config import SandboxConfig
 from relax_agent.sandboxes.local_unsafe import HOST_PATH, prlimit_prefix
 
 WORK_DIR_PREFIX = "relax-bwrap-"
-"""Host work dirs are ``<tmp>/relax-bwrap-<owner pid>-<owner start ticks>-<random>``."""
+"""Host work dirs are ``<tmp>/relax-bwrap-<owner pid>-<owner start ticks>-n<owner pid namespace>-<random>``."""
 HOST_ENV = {"PATH": HOST_PATH, "LANG": "C.UTF-8"}
 """The whole environment of the host-side processes (setpriv, bwrap): the caller's never reaches them."""
-_OWNED_DIR = re.compile(re.escape(WORK_DIR_PREFIX) + r"(\d+)-(\d+)-")
+_OWNED_DIR = re.compile(re.escape(WORK_DIR_PREFIX) + r"(\d+)-(\d+)-(?:n(\d+)-)?")
 
 
 def reap_work_dirs(tmp_dir: str | None = None, dry_run: bool = False) -> list[str]:
     """Remove the host work dirs of bubblewrap sandboxes whose owner process has died (SIGKILL
     leaves them); returns the paths removed (``dry_run``: that would be, and removes nothing).
-    Dirs of live processes are kept. Run when a backend is built and by ``relax-agent sandbox reap``."""
+    Dirs of live processes are kept, and so are those of processes in another pid namespace (their pid
+    means another process here). Run when a backend is built and by ``relax-agent sandbox reap``."""
     tmp_dir = tmp_dir or tempfile.gettempdir()
+    namespace = reaper.pid_namespace()
     removed = []
     with os.scandir(tmp_dir) as entries:
         for entry in entries:
             m = _OWNED_DIR.match(entry.name)
             if m is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            if m.group(3) not in (None, "0", namespace):  # its owner's pid is not ours to look up
                 continue
             ticks = reaper.start_ticks(int(m.group(1)))
             if ticks is None or (m.group(2) != "0" and ticks != m.group(2)):  # dead, or its pid was reused
@@ -105,7 +109,8 @@ class BubblewrapSandbox(BaseSandbox):
 
     def __init__(self, config: SandboxConfig, bwrap: str, setpriv: str = "/usr/bin/setpriv"):
         pid = os.getpid()
-        self.host_dir = tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{pid}-{reaper.start_ticks(pid) or 0}-")
+        self.host_dir = tempfile.mkdtemp(
+            prefix=f"{WORK_DIR_PREFIX}{pid}-{reaper.start_ticks(pid) or 0}-n{reaper.pid_namespace()}-")
         super().__init__(config, f"bwrap-{uuid.uuid4().hex[:12]}", config.workdir)
         self._bwrap = bwrap
         self._setpriv = setpriv

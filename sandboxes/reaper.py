@@ -31,7 +31,7 @@ from typing import Any
 LABEL_SANDBOX = "relax-agent.sandbox"
 """Present on every sandbox container; its value is the run id."""
 LABEL_OWNER = "relax-agent.owner"
-"""``<hostname>:<pid>:<process start ticks>`` of the process that created the container."""
+"""``<hostname>:<pid>:<process start ticks>:<pid namespace>`` of the process that created the container."""
 LABEL_CREATED = "relax-agent.created-at"
 """Unix time (seconds) the container was created."""
 LABEL_EXPIRES = "relax-agent.expires-at"
@@ -53,10 +53,22 @@ def start_ticks(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), or "0" when unknown: a pid
+    means a process only inside its own namespace."""
+    try:
+        link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return "0"
+    digits = "".join(c for c in link if c.isdigit())
+    return digits or "0"
+
+
 def owner_token(pid: int | None = None) -> str:
-    """The :data:`LABEL_OWNER` value for ``pid`` (default: this process)."""
+    """The :data:`LABEL_OWNER` value for ``pid`` (default: this process):
+    ``<hostname>:<pid>:<start ticks>:<pid namespace>``."""
     pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{start_ticks(pid) or 0}"
+    return f"{socket.gethostname()}:{pid}:{start_ticks(pid) or 0}:{pid_namespace()}"
 
 
 def default_run_id() -> str:
@@ -65,13 +77,18 @@ def default_run_id() -> str:
 
 
 def owner_alive(token: str) -> bool | None:
-    """Whether the process named by an owner token still runs; None when it is on another host.
+    """Whether the process named by an owner token still runs; None when it cannot be told from here:
+    another host, or another pid namespace on this host (a container or sandbox with the same
+    hostname sees other processes under the same pids).
 
     A pid that was reused by another process counts as dead (its start time differs).
     """
     host, _, rest = token.partition(":")
-    pid_s, _, ticks = rest.partition(":")
+    pid_s, _, rest = rest.partition(":")
+    ticks, _, namespace = rest.partition(":")
     if host != socket.gethostname():
+        return None
+    if namespace not in ("", "0") and namespace != pid_namespace():
         return None
     if not pid_s.isdigit():
         return False

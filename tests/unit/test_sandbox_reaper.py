@@ -68,8 +68,9 @@ def container(cid, run="r1", owner=None, expires=NOW + 100, state="running"):
 def test_owner_liveness():
     assert owner_alive(owner_token()) is True
     assert owner_alive(_dead_pid_token()) is False
-    host, pid, ticks = owner_token().split(":")
+    host, pid, ticks, namespace = owner_token().split(":")
     assert owner_alive(f"{host}:{pid}:{int(ticks) + 1}") is False, "a reused pid (other start time) is dead"
+    assert owner_alive(f"{host}:{pid}:{ticks}") is True, "a token without a namespace (older label) still works"
     assert owner_alive(f"not-{socket.gethostname()}:1:1") is None, "other hosts are unknown, not dead"
     assert owner_alive("garbage") in (None, False)
 
@@ -199,3 +200,28 @@ def test_cli_reap_also_removes_the_work_dirs_of_dead_bubblewrap_owners(monkeypat
     monkeypatch.setattr(cli, "_client", lambda docker_host: (_ for _ in ()).throw(AssertionError("no Docker")))
     res = runner.invoke(cli.app, ["reap", "--backend", "bubblewrap"])
     assert res.exit_code == 0 and "removed 1 bubblewrap work dir(s)" in res.output and not dead.exists()
+
+
+def test_an_owner_in_another_pid_namespace_is_unknown_not_dead(tmp_path):
+    """A run in a container or sandbox with this hostname has its own pids: another process there with a
+    pid that is dead here deleted a live run's bubblewrap work dir and marked its containers for removal."""
+    from relax_agent.sandboxes.bubblewrap import reap_work_dirs
+    from relax_agent.sandboxes.reaper import pid_namespace
+
+    here = pid_namespace()
+    assert here.isdigit() and here != "0"
+    host, pid, ticks, _ = _dead_pid_token().split(":")
+    other = str(int(here) + 1)
+    assert owner_alive(f"{host}:{pid}:{ticks}:{here}") is False
+    assert owner_alive(f"{host}:{pid}:{ticks}:{other}") is None
+    client = FakeClient([container("theirs", owner=f"{host}:{pid}:{ticks}:{other}"),
+                         container("ours-dead", owner=f"{host}:{pid}:{ticks}:{here}")])
+    reap(client, now=NOW)
+    assert client.api.removed == ["ours-dead"]
+    theirs = tmp_path / f"relax-bwrap-{pid}-{ticks}-n{other}-abc"
+    ours = tmp_path / f"relax-bwrap-{pid}-{ticks}-n{here}-abc"
+    old = tmp_path / f"relax-bwrap-{pid}-{ticks}-xyz"
+    for d in (theirs, ours, old):
+        d.mkdir()
+    assert sorted(reap_work_dirs(str(tmp_path))) == sorted([str(ours), str(old)])
+    assert theirs.is_dir() and not ours.exists() and not old.exists()
