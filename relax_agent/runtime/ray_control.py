@@ -11,8 +11,11 @@ While the run lives, ``run.output_dir/runtime.json`` (mode 0600) holds the endpo
 :func:`scale_run` reads it, so ``relax-agent scale RUN_DIR --rollout N`` needs neither Ray nor the token.
 
 Each connection holds one thread of the driver: a connection idle for ``idle_timeout_s`` (10 s) is
-closed, and beyond ``max_connections`` (16) open at once a new one is answered 503 and closed, so
-idle or unauthenticated clients cannot pile up threads.
+closed, a connection still open ``request_timeout_s`` (15 s) after it was accepted is cut (a client
+trickling one byte every few seconds never goes idle), and beyond ``max_connections`` (16) open at
+once a new one is answered 503 and closed, so idle, slow or unauthenticated clients cannot pile up
+threads or keep the owner out for longer than ``request_timeout_s``; :func:`scale_run` retries a 503
+until its own timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -40,9 +45,11 @@ class _CappedServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int,
+                 request_timeout_s: float = 15.0) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.request_timeout_s = request_timeout_s
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -59,10 +66,22 @@ class _CappedServer(ThreadingHTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        deadline = threading.Timer(self.request_timeout_s, _cut, args=(request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self._slots.release()
+
+
+def _cut(request: socket.socket) -> None:
+    """End a connection past its deadline: its blocked read returns, its thread ends, its slot frees."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class ControlServer:
@@ -71,6 +90,7 @@ class ControlServer:
 
     Args:
         idle_timeout_s: a connection that sends nothing for this long is closed.
+        request_timeout_s: a connection still open this long after it was accepted is cut.
         max_connections: connections served at once; one more is answered 503 and closed.
         advertise: the host written into the URL in ``runtime.json`` (None: ``host``; the driver's node
             address when ``host`` binds every interface).
@@ -80,12 +100,13 @@ class ControlServer:
     """
 
     def __init__(self, supervisor: Any, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, *,
-                 idle_timeout_s: float = 10.0, max_connections: int = 16, advertise: str | None = None) -> None:
+                 idle_timeout_s: float = 10.0, request_timeout_s: float = 15.0, max_connections: int = 16,
+                 advertise: str | None = None) -> None:
         self.token = secrets.token_urlsafe(24)
         self.path = Path(run_dir) / RUNTIME_FILE
         try:
             self._server = _CappedServer((host, port), _handler(supervisor, self.token, idle_timeout_s),
-                                         max_connections)
+                                         max_connections, request_timeout_s)
         except OSError as exc:
             raise ConfigError(f"the control endpoint cannot listen on {host}:{port} (runtime.control_host / "
                               f"runtime.control_port): {exc}") from exc
@@ -153,9 +174,12 @@ def _handler(supervisor: Any, token: str, idle_timeout_s: float) -> type[BaseHTT
 def scale_run(run_dir: str | Path, rollout: int, timeout_s: float = 10.0) -> dict[str, Any]:
     """Ask the running controller of ``run_dir`` for ``rollout`` replicas; returns its status.
 
+    A 503 (every connection slot taken) is retried with back-off until ``timeout_s`` has passed.
+
     Raises:
         ConfigError: no ``runtime.json`` in ``run_dir`` (not a live ``runtime: ray`` run), nothing
-            answers at its URL (the run ended), or the controller refused the value.
+            answers at its URL (the run ended), the controller stayed busy for ``timeout_s``, or it
+            refused the value.
     """
     import httpx
 
@@ -167,13 +191,29 @@ def scale_run(run_dir: str | Path, rollout: int, timeout_s: float = 10.0) -> dic
                           "with runtime.kind=ray (and runtime.control_port set)") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} cannot be read ({exc}); is it a runtime: ray run folder?") from exc
+    deadline, wait_s = time.monotonic() + timeout_s, 0.1
+    while True:
+        try:
+            resp = httpx.post(f"{info['url']}/scale", json={"rollout": rollout}, timeout=timeout_s,
+                              headers={"Authorization": f"Bearer {info['token']}"})
+        except httpx.HTTPError as exc:
+            raise ConfigError(f"the controller of {run_dir} does not answer at {info['url']} "
+                              f"({type(exc).__name__}); the run has ended? ({path} is left from it)") from exc
+        if resp.status_code != 503 or time.monotonic() + wait_s > deadline:
+            break
+        time.sleep(wait_s)
+        wait_s = min(2 * wait_s, 2.0)
+    body = _json_or_none(resp)
+    if resp.status_code != 200 or not isinstance(body, dict):
+        detail = body.get("detail") if isinstance(body, dict) else resp.text.strip() or "(no body)"
+        busy = " (every connection slot stayed taken)" if resp.status_code == 503 else ""
+        raise ConfigError(f"the controller of {run_dir} refused the request: HTTP {resp.status_code}{busy} {detail}")
+    return body
+
+
+def _json_or_none(resp: Any) -> Any:
+    """The response's JSON body, or None when it has none (a 503 has an empty body)."""
     try:
-        resp = httpx.post(f"{info['url']}/scale", json={"rollout": rollout}, timeout=timeout_s,
-                          headers={"Authorization": f"Bearer {info['token']}"})
-    except httpx.HTTPError as exc:
-        raise ConfigError(f"the controller of {run_dir} does not answer at {info['url']} ({type(exc).__name__}); "
-                          f"the run has ended? ({path} is left from it)") from exc
-    if resp.status_code != 200:
-        raise ConfigError(f"the controller of {run_dir} refused the request: HTTP {resp.status_code} "
-                          f"{resp.json().get('detail', resp.text)}")
-    return resp.json()
+        return resp.json()
+    except ValueError:
+        return None
