@@ -157,17 +157,37 @@ class TcpSender:
         self._acceptor.join(5.0)
 
     def _accept(self) -> None:
+        """Accept subscribers until :meth:`close`. A failed accept (out of file descriptors) or thread
+        start (out of threads) drops that one connection, is logged, and the loop goes on after a short
+        back-off: the server never stops accepting for good while the run lives."""
+        backoff_s = 0.0
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                backoff_s = min(max(2 * backoff_s, 0.05), 1.0)
+                log.warning("weight server: accept failed (%s); accepting again in %.2f s", exc, backoff_s)
+                time.sleep(backoff_s)
+                continue
             with self._lock:
                 if self._closed:
                     _shutdown(conn)
                     return
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="weights-tcp-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="weights-tcp-conn", daemon=True).start()
+            except RuntimeError as exc:  # can't start new thread: this subscriber retries its pull
+                with self._lock:
+                    self._conns.discard(conn)
+                _shutdown(conn)
+                backoff_s = min(max(2 * backoff_s, 0.05), 1.0)
+                log.warning("weight server: no thread for a connection (%s); accepting again in %.2f s", exc, backoff_s)
+                time.sleep(backoff_s)
+                continue
+            backoff_s = 0.0
 
     def _serve(self, conn: socket.socket) -> None:
         offer = None

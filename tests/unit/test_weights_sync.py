@@ -350,3 +350,45 @@ def test_close_while_a_version_is_applied_reports_it_before_unregistering():
         coordinator.release.set()
         sub.close()
         sync.close()
+
+
+def test_the_weight_server_keeps_accepting_after_fd_and_thread_exhaustion(monkeypatch):
+    """One failed accept (EMFILE) or thread start ended the acceptor for good: every later pull was refused."""
+    import errno
+
+    from relax_agent.weights import tcp
+
+    real_create_server, real_thread = tcp.socket.create_server, tcp.threading.Thread
+    failures = {"accept": 2, "thread": 1}
+
+    class FlakyListener:
+        def __init__(self, sock):
+            self.sock = sock
+
+        def accept(self):
+            if failures["accept"]:
+                failures["accept"] -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    class FlakyThread(real_thread):
+        def start(self):
+            if self.name == "weights-tcp-conn" and failures["thread"]:
+                failures["thread"] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(tcp.socket, "create_server", lambda *a, **k: FlakyListener(real_create_server(*a, **k)))
+    monkeypatch.setattr(tcp.threading, "Thread", FlakyThread)
+    engine = TensorEngine(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", bucket_mb=SMALL_BUCKETS_MB), [engine])
+    try:
+        for version in (1, 2):
+            sync.publish(make_state(version), version)
+            assert_holds(engine, make_state(version), version)
+        assert failures == {"accept": 0, "thread": 0}  # both faults happened, and the server went on
+    finally:
+        sync.close()
