@@ -85,7 +85,11 @@ class RuntimeConfig(Section):
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0)
     """ray: seconds between heartbeats a service sends from its own work loop."""
     heartbeat_timeout_s: float = Field(default=30.0, gt=0.0)
-    """ray: a rollout replica whose last heartbeat is older than this is hung: killed and replaced."""
+    """ray: a rollout replica whose last heartbeat is older than this is hung: killed and replaced. A
+    trainer call during which the trainer process sends no heartbeat for twice this long (it beats
+    every ``heartbeat_interval_s`` while a call runs) is a hang: the process is stopped or wedged
+    (warned on the console at half of it; then killed and restarted as for
+    ``trainer_hang_timeout_s``), caught in a minute instead of that bound's 30."""
     request_timeout_s: float | None = Field(default=None, gt=0.0)
     """ray: watchdog of one group on a replica; past it the replica is replaced and the group played
     again elsewhere. None: ``rollout.episode_timeout_s + 60``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+import time
 import warnings
 
 import pytest
@@ -463,3 +464,50 @@ def test_replicas_get_the_reward_service_tokens_of_the_driver(monkeypatch):
     monkeypatch.setenv("RXT_TEST_OTHER", "not for replicas")
     assert replica_env_vars(cfg) == {"RXT_TEST_REWARD_TOKEN": "s3cret"}
     assert replica_env_vars(load_config(None, ["runtime.kind=ray"])) == {}  # the env's own reward: nothing
+
+
+def test_a_trainer_that_stops_beating_during_a_call_is_a_hang_in_seconds_not_the_30_minute_bound(tmp_path, monkeypatch,
+                                                                                                 caplog):
+    """A stopped trainer (SIGSTOP) was acted on only after runtime.trainer_hang_timeout_s (1800 s), with no
+    console line before: now silence past 2 x runtime.heartbeat_timeout_s is the hang, warned at half of it."""
+    import logging
+
+    from relax_agent.runtime.ray_trainer import service as svc_module
+
+    svc = _trainer_service(tmp_path)
+    svc.cfg = load_config(None, ["runtime.kind=ray", f"run.output_dir={tmp_path}", "runtime.heartbeat_timeout_s=0.4",
+                                 "runtime.heartbeat_interval_s=0.05"])
+    svc.pid = 4242
+    last_beat = [time.monotonic()]
+    svc.supervisor.trainer_beat = lambda: (time.monotonic() - last_beat[0], {"pid": 4242, "busy": True, "doing": "train"})
+    hung, killed = [], []
+    svc.supervisor.note_trainer_hung = hung.append
+    svc._kill_actor = lambda sigkill=False: killed.append(sigkill)
+    monkeypatch.setattr(svc_module.ray, "wait", lambda refs, timeout: (time.sleep(timeout), ([], refs))[1])
+    with caplog.at_level(logging.WARNING, logger="relax_agent.runtime"), \
+            pytest.raises(svc_module._TrainerHung, match=r"sent no heartbeat for more than 2 x runtime.heartbeat_timeout_s"
+                                                       r" = 0.8 s; no heartbeat for [\d.]+ s \(stopped or wedged\)"):
+        svc._get(object())
+    assert killed == [True] and len(hung) == 1
+    assert any("has sent no heartbeat for" in r.getMessage() and "judged hung at 0.8 s" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_trainer_that_beats_through_a_long_call_is_not_a_hang(tmp_path, monkeypatch):
+    from relax_agent.runtime.ray_trainer import service as svc_module
+
+    svc = _trainer_service(tmp_path)
+    svc.cfg = load_config(None, ["runtime.kind=ray", f"run.output_dir={tmp_path}", "runtime.heartbeat_timeout_s=0.2",
+                                 "runtime.heartbeat_interval_s=0.05"])
+    svc.pid = 4242
+    svc.supervisor.trainer_beat = lambda: (0.01, {"pid": 4242, "busy": True, "doing": "train"})  # beating
+    calls = []
+
+    def wait(refs, timeout):
+        calls.append(1)
+        time.sleep(timeout)
+        return (refs, []) if len(calls) > 30 else ([], refs)  # 1.5 s: long past the 0.4 s silence bound
+
+    monkeypatch.setattr(svc_module.ray, "wait", wait)
+    monkeypatch.setattr(svc_module.ray, "get", lambda ref: "done")
+    assert svc._get(object()) == "done"

@@ -226,11 +226,12 @@ class RayTrainerService:
         ``per_op``, the updates a replay re-takes) the hang is reported (console, ``/status``) and the
         actor killed; raises :class:`_TrainerHung`."""
         bound = self.cfg.runtime.trainer_hang_timeout_s
+        silent_limit = 2 * self.cfg.runtime.heartbeat_timeout_s
         self.supervisor.note_trainer_call("call")
         try:
             if bound is None:
                 return ray.get(ref)
-            limit, started = bound * max(per_op, 1), time.monotonic()
+            limit, started, warned = bound * max(per_op, 1), time.monotonic(), False
             poll = min(1.0, self.cfg.runtime.heartbeat_interval_s)
             while True:
                 done, _ = ray.wait([ref], timeout=poll)
@@ -239,21 +240,40 @@ class RayTrainerService:
                 running_s = time.monotonic() - started
                 if running_s > limit:
                     raise self._hung(running_s, limit)
+                silent_s = self._silent_s(running_s)
+                if silent_s > silent_limit:  # the process does not run: stopped, or wedged holding the GIL
+                    raise self._hung(running_s, silent_limit, bound_key="2 x runtime.heartbeat_timeout_s")
+                if not warned and silent_s > silent_limit / 2:
+                    warned = True
+                    log.warning("runtime: the trainer actor (pid %s) has sent no heartbeat for %.1f s during a call "
+                                "(it is judged hung at %g s: 2 x runtime.heartbeat_timeout_s)", self.pid, silent_s,
+                                silent_limit)
         finally:
             self.supervisor.note_trainer_call(None)
 
-    def _hung(self, running_s: float, limit: float) -> _TrainerHung:
-        """Say that the call in flight hangs (console, ``/status``), kill the actor; the error to recover from."""
+    def _silent_s(self, running_s: float) -> float:
+        """Seconds of the call in flight (``running_s`` long) without a beat of this trainer process: since
+        its last beat or the call's start, whichever came later (the trainer beats only around calls)."""
+        beat = self.supervisor.trainer_beat()
+        if beat is None or beat[1].get("pid") != self.pid:
+            return running_s
+        return min(beat[0], running_s)
+
+    def _hung(self, running_s: float, limit: float, bound_key: str = "runtime.trainer_hang_timeout_s") -> _TrainerHung:
+        """Say that the call in flight hangs (console, ``/status``), kill the actor; the error to recover from.
+        ``limit`` is the bound it passed, ``bound_key`` the config that sets it."""
         beat = self.supervisor.trainer_beat()
         age, info = beat if beat is not None and beat[1].get("pid") == self.pid else (None, {})
         doing = f"`{info['doing']}`" if info.get("doing") else "a call"
-        beating = age is not None and info.get("busy") and age <= max(3 * self.cfg.runtime.heartbeat_interval_s, 5.0)
+        beating = (bound_key.startswith("runtime.trainer") and age is not None and info.get("busy")
+                   and age <= max(3 * self.cfg.runtime.heartbeat_interval_s, 5.0))
         if not beating:  # no beat during this call: the process does not run (stopped, or wedged holding the GIL)
-            how = "no heartbeat " + ("at all" if age is None else f"for {age:.0f} s") + " (stopped or wedged)"
+            how = "no heartbeat " + ("at all" if age is None else f"for {age:.1f} s") + " (stopped or wedged)"
         else:
             how = f"its last heartbeat {age:.1f} s ago (the process runs, the call does not return)"
-        detail = (f"the trainer actor (pid {self.pid}) has been in {doing} for {running_s:.0f} s, more than "
-                  f"runtime.trainer_hang_timeout_s={limit:g}; {how}")
+        over = (f"more than {bound_key}={limit:g}" if bound_key.startswith("runtime.trainer")
+                else f"and sent no heartbeat for more than {bound_key} = {limit:g} s")
+        detail = f"the trainer actor (pid {self.pid}) has been in {doing} for {running_s:.0f} s, {over}; {how}"
         log.warning("runtime: %s: killing it", detail)
         self.supervisor.note_trainer_hung(detail)
         self._kill_actor(sigkill=True)
