@@ -211,7 +211,7 @@ def test_dropping_dead_rows_frees_their_group_and_hands_the_rest_back():
     put_rows(tq, "p", ["b0", "b1"], group="b", reward=[2.0, 3.0])
     batch = tq.get("p", ["reward"], "t", 4, sampler="group")
     assert tq._store.drop_dead(batch.lease_id, ["a1"]) == ["a0", "a1"]
-    assert tq.get("p", ["reward"], "t", 2, sampler="group", timeout_s=1).sample_ids == ["b0", "b1"]
+    assert tq.get("p", ["reward"], "t", 2, sampler="group", timeout_s=30).sample_ids == ["b0", "b1"]
     assert tq.stats("p")["dead_rows"] == 2 and tq.stats("p")["rows"] == 2
     with pytest.raises(LeaseError, match="was nacked"):
         tq._store.drop_dead(batch.lease_id, ["b0"])
