@@ -88,11 +88,11 @@ def test_tasks_per_step_beyond_the_train_split_is_refused_before_the_model_loads
     from relax_agent.envs.calculator import CalculatorEnv
     from relax_agent.roles import build_roles
 
-    cfg = load_config(None, ["env.id=relax/Calculator-v0", "env.kwargs.num_tasks=20", "rollout.tasks_per_step=1000000",
+    cfg = load_config(None, ["env.id=relax/Calculator-v0", "env.kwargs.num_tasks=20", "rollout.tasks_per_step=60000",
                              "model.path=/nonexistent/model", "run.device=cpu"])
     loaded = []
     with pytest.raises(ConfigError) as err:
         build_roles(cfg, on_load=loaded.append)
     n_train = len(CalculatorEnv(num_tasks=20).tasks("train"))
-    assert f"rollout.tasks_per_step=1000000 is more than the {n_train} train tasks" in str(err.value)
+    assert f"rollout.tasks_per_step=60000 is more than the {n_train} train tasks" in str(err.value)
     assert loaded == []
