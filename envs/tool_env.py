@@ -111,6 +111,20 @@ def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) 
         pass
 
 
+def action_calls(action: Any) -> list[Any]:
+    """The ``tool_calls`` of an assistant message (empty when it has none).
+
+    Raises:
+        EnvError: ``action`` is not a dict, or its ``tool_calls`` is not a list.
+    """
+    if not isinstance(action, dict):
+        raise EnvError(f"action must be an assistant message dict, got {type(action).__name__}")
+    calls = action.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise EnvError(f"action['tool_calls'] must be a list, got {type(calls).__name__}")
+    return calls
+
+
 def call_parts(call: Any) -> tuple[str, str, Any]:
     """(id, name, arguments) of an OpenAI-format or flat ``{"name", "arguments"}`` tool call; JSON-string
     arguments decoded (None when they are not valid JSON)."""
@@ -221,11 +235,7 @@ class ToolEnv(TextEnv):
     def _begin_step(self, action: Any) -> list[Any] | None:
         if self.task is None or self._done:
             raise EnvError(f"{type(self).__name__}.step() needs a fresh episode: call reset() first")
-        if not isinstance(action, dict):
-            raise EnvError(f"action must be an assistant message dict, got {type(action).__name__}")
-        calls = action.get("tool_calls") or []
-        if not isinstance(calls, list):
-            raise EnvError(f"action['tool_calls'] must be a list, got {type(calls).__name__}")
+        calls = action_calls(action)
         return calls if calls or action.get("parse_errors") else None
 
     def _finish(self, action: dict[str, Any]):

@@ -33,6 +33,7 @@ from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import check_split_args, split_tasks
 from relax_agent.envs.bridges.harbor_task import HarborTask, Verdict, find_tasks, parse_reward, read_task, resolve_env
 from relax_agent.envs.python_exec import format_result
+from relax_agent.envs.tool_env import action_calls
 from relax_agent.errors import ConfigError, DataError, EnvError, SandboxError
 from relax_agent.sandboxes import Sandbox, SandboxConfig, run_sync
 
@@ -268,11 +269,7 @@ class HarborEnv(TextEnv):
         """
         if self.harbor_task is None or self._done:
             raise EnvError(f"{type(self).__name__}.step() needs a fresh episode: call reset() first")
-        if not isinstance(action, dict):
-            raise EnvError(f"action must be an assistant message dict, got {type(action).__name__}")
-        calls = action.get("tool_calls") or []
-        if not isinstance(calls, list):
-            raise EnvError(f"action['tool_calls'] must be a list, got {type(calls).__name__}")
+        calls = action_calls(action)
         if not calls and not action.get("parse_errors"):
             self._done = True
             return [], *self._verify(truncated=False)
