@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -59,7 +60,8 @@ def test_train_on_gem_guess_the_number_rewards_are_gems(tiny_model_dir, tmp_path
                              "trainer.sft_batch_size=2")
     sft = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
     assert [r["sft/step"] for r in sft] == [1] and sft[0]["sft/loss"] > 0  # trained on the binary-search demonstrations
-    game = "game:GuessTheNumber-v0-hard"
+    game = yaml.safe_load((REPO / "examples" / "guess_the_number.yaml").read_text())["env"]["id"].removeprefix("gem:")
+    assert game.startswith("game:GuessTheNumber-v0")
     seeds = {t["id"]: t["seed"] for t in GEMEnv(game, num_tasks=50, num_heldout=10).tasks("train")}
     for rec in records:
         row = dumped[rec["sample_id"]]
