@@ -59,6 +59,16 @@ class StopReason(str, Enum):
     POLICY_ERROR = "policy_error"
     """The policy sampled what the episode cannot go on with (a media placeholder token no media
     fills); ``error`` names it. Failed and masked like ``env_error``, but the env is not at fault."""
+    CONTEXT = "context"
+    """Not an end: an earlier segment of a multi-segment episode stopped here because its context was
+    full (``rollout.context``), and the episode went on in a new context."""
+    MAX_SEGMENTS = "max_segments"
+    """The episode used ``rollout.context.max_segments`` contexts and the last one was full."""
+    MAX_SAMPLED_TOKENS = "max_sampled_tokens"
+    """The episode sampled ``rollout.context.max_sampled_tokens`` tokens over all its segments."""
+    SUMMARY_FAILED = "summary_failed"
+    """``rollout.context.policy: compact``: the policy's summary was empty, cut at its token cap or
+    held a tool call; ``env_reason`` says which. The episode keeps its reward so far and trains."""
 
     def __str__(self) -> str:
         return self.value
@@ -204,6 +214,11 @@ class Trajectory:
             did not keep: abandoned requests, unchosen ``n > 1`` siblings, side calls after the answer,
             rewritten histories), sample ids ``{sample_id}/seg{k}``, the episode's reward; never trained,
             written to the rollout dump after the episode (``side_branch_of``). Empty otherwise.
+        context_segments: a multi-segment episode (``rollout.context``; an agent that rewrote its
+            history): the earlier contexts, in order, each a trajectory of its own tokens, turns and
+            messages (sample ids ``{sample_id}/ctx{k}``, stop reason "context", the episode's reward).
+            This trajectory is the last context. Every segment trains with the episode's advantage
+            (each sampled token once); the group's advantages are computed over the episodes.
 
     MoE routing replay: :attr:`routed_experts` [T, layers, top_k] and :attr:`routes_mask` [T]
     assemble the turns' routes at the turns' token positions, and their context routes
@@ -227,6 +242,7 @@ class Trajectory:
     media: MediaInputs | None = None
     env_reason: str | None = None
     side_segments: tuple[Trajectory, ...] = ()
+    context_segments: tuple[Trajectory, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reward_status", RewardStatus(self.reward_status))
@@ -243,7 +259,13 @@ class Trajectory:
                       else dataclasses.replace(t, routed_experts=None, context_routed_experts=None) for t in self.turns)
         media = None if self.media is None else self.media.summary()
         side = tuple(seg.for_records() for seg in self.side_segments)
-        return dataclasses.replace(self, turns=turns, media=media, side_segments=side)
+        ctx = tuple(seg.for_records() for seg in self.context_segments)
+        return dataclasses.replace(self, turns=turns, media=media, side_segments=side, context_segments=ctx)
+
+    @property
+    def segments(self) -> tuple[Trajectory, ...]:
+        """Every context of the episode in order: :attr:`context_segments`, then this one."""
+        return (*self.context_segments, self)
 
     @property
     def trainable(self) -> bool:
@@ -252,8 +274,13 @@ class Trajectory:
 
     @property
     def num_policy_tokens(self) -> int:
-        """Tokens the policy sampled (the ones ``loss_mask`` marks)."""
+        """Tokens the policy sampled (the ones ``loss_mask`` marks), in this context only."""
         return sum(self.loss_mask)
+
+    @property
+    def episode_policy_tokens(self) -> int:
+        """Tokens the policy sampled over every context of the episode."""
+        return sum(seg.num_policy_tokens for seg in self.segments)
 
     @property
     def policy_versions(self) -> tuple[int, ...]:
@@ -322,9 +349,10 @@ AUDIO_CLIPS_CUT = "audio_clips_cut"
 EPISODE_FIELDS = (REWARD, STOP_REASON, TURNS, RESPONSE_TOKENS, LONGEST_REPLY, TRUNCATED, CORRECT, WELL_FORMED,
                   FAILED, ERROR, CROSSED_UPDATE_TURNS, AUDIO_CLIPS_CUT)
 """What the step metrics read of each row (see :func:`episode_fields`)."""
-TRUNCATED_STOPS = (StopReason.LENGTH, StopReason.MAX_TOTAL_TOKENS)
-"""Stop reasons of a sample cut by a length limit (the reply's ``max_new_tokens`` or the episode's
-``max_total_tokens``)."""
+TRUNCATED_STOPS = (StopReason.LENGTH, StopReason.MAX_TOTAL_TOKENS, StopReason.MAX_SEGMENTS,
+                   StopReason.MAX_SAMPLED_TOKENS)
+"""Stop reasons of a sample cut by a length limit (the reply's ``max_new_tokens``, the context's
+``max_total_tokens``, the episode's ``rollout.context`` caps)."""
 
 
 def rollout_schema(route_shape: tuple[int, int] | None = None, route_dtype: str = "uint8") -> dict[str, FieldSpec]:
@@ -390,14 +418,16 @@ def route_layout(trajs: Sequence[Trajectory]) -> tuple[tuple[int, ...], str] | N
 
 def episode_fields(trajs: Sequence[Trajectory]) -> dict[str, Any]:
     """The per-episode scalar fields of ``trajs`` ([B] each; see :func:`rollout_schema`) and ``reward``
-    ([B] float32, 0 for a failed episode): everything the step metrics and overlong shaping need."""
+    ([B] float32, 0 for a failed episode): everything the step metrics and overlong shaping need.
+    Turns and response tokens count every context of a multi-segment episode."""
     return {
         REWARD: np.asarray([t.reward if t.trainable else 0.0 for t in trajs], dtype=np.float32),
         STOP_REASON: [str(t.stop_reason) for t in trajs],
-        TURNS: np.asarray([len(t.turns) for t in trajs], dtype=np.int32),
-        RESPONSE_TOKENS: np.asarray([sum(len(turn.token_ids) for turn in t.turns) for t in trajs], dtype=np.int32),
-        LONGEST_REPLY: np.asarray([max((len(turn.token_ids) for turn in t.turns), default=0) for t in trajs],
-                                  dtype=np.int32),
+        TURNS: np.asarray([sum(len(s.turns) for s in t.segments) for t in trajs], dtype=np.int32),
+        RESPONSE_TOKENS: np.asarray([sum(len(turn.token_ids) for s in t.segments for turn in s.turns) for t in trajs],
+                                    dtype=np.int32),
+        LONGEST_REPLY: np.asarray([max((len(turn.token_ids) for s in t.segments for turn in s.turns), default=0)
+                                   for t in trajs], dtype=np.int32),
         TRUNCATED: np.asarray([t.stop_reason in TRUNCATED_STOPS for t in trajs], dtype=bool),
         CORRECT: np.asarray([float(t.metrics.get("correct", 0.0)) if t.trainable else 0.0 for t in trajs],
                             dtype=np.float32),
@@ -423,7 +453,7 @@ def trajectory_fields(trajs: Sequence[Trajectory], routes: tuple[tuple[int, ...]
         LOSS_MASK: [np.asarray(t.loss_mask, dtype=np.int8) for t in trajs],
         ROLLOUT_LOGPROBS: [np.asarray(t.rollout_logprobs, dtype=np.float32) for t in trajs],
         TRAINABLE: np.asarray([t.trainable for t in trajs], dtype=bool),
-        POLICY_TOKENS: np.asarray([t.num_policy_tokens for t in trajs], dtype=np.int32),
+        POLICY_TOKENS: np.asarray([t.episode_policy_tokens for t in trajs], dtype=np.int32),
         MEDIA: [t.media for t in trajs],
         TRAJECTORY: [t.for_records() for t in trajs],
         **episode_fields(trajs),

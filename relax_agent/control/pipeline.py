@@ -99,8 +99,9 @@ class Run:
         self.train_fields = tuple(R.TRAIN_FIELDS)
         if ctrl.runtime.rollout.routes is not None:
             self.train_fields += tuple(R.ROUTE_FIELDS)
-        self.train_branches = ctrl.cfg.rollout.driver == "agent" and ctrl.cfg.rollout.agent.train_branches
-        if self.train_branches:  # the trainer reads each row's side segments from its trajectory
+        agent = ctrl.cfg.rollout.driver == "agent"
+        self.train_branches = agent and ctrl.cfg.rollout.agent.train_branches
+        if agent or ctrl.cfg.rollout.context.policy != "truncate":  # segments are read from the trajectory
             self.train_fields += (R.TRAJECTORY,)
         self.keep = ctrl.trainer.rows_needed_after() is not None
         """Trained rows wait on the bus (consumer :data:`KEEPER`) until a checkpoint covers them."""
@@ -364,7 +365,7 @@ class Run:
         if not keep:
             return out, kept  # every group was uniform: no gradient, no new version
         ref = TrainRef(PARTITION, tuple(grp.sample_ids[i] for grp, i in keep), self.train_fields, ctrl.version + 1,
-                       None if final is None else tuple(final[(grp.seq, i)] for grp, i in keep))
+                       None if final is None else tuple(final[(grp.seq, i)] for grp, i in keep), self.train_branches)
         ctrl.weights_dirty = True
         out.update(ctrl.trainer.train(ref))
         ctrl.version += 1

@@ -140,6 +140,45 @@ class OverlongConfig(Section):
         return self.buffer_tokens if self.buffer_tokens is not None else max(1, max_new_tokens // 4)
 
 
+DEFAULT_COMPACT_INSTRUCTION = (
+    "The conversation is about to run out of room. Summarise everything so far that you need to finish "
+    "the task: what the task is, what you tried, what you learned from each result, and what to do next. "
+    "Write only the summary, no tool call.")
+"""``rollout.context.instruction``'s default."""
+
+
+class ContextConfig(Section):
+    """What an episode does when its context is full (``rollout.max_total_tokens``): end, or go on in a
+    new context (a multi-segment episode, :mod:`relax_agent.rollout.context`).
+
+    A new context starts when the next observation and a whole reply (``rollout.max_new_tokens``;
+    ``compact`` also the summary request) would not fit. It holds the task's opening messages (system
+    prompt, task, tools), for ``compact`` the policy's summary, and the latest whole turns that fit
+    (an assistant reply with the tool results after it: a call and its result are never split). Every
+    sampled token of every context (the summaries included) trains once, with the episode's advantage.
+    """
+
+    policy: Literal["truncate", "drop_oldest", "compact"] = "truncate"
+    """"truncate": the episode ends when its context is full (stop reason "max_total_tokens");
+    "drop_oldest": the new context keeps the latest whole turns that fit (a sliding window);
+    "compact": the policy is first asked (``instruction``) to summarise the episode; the new context is
+    the opening messages, the summary and the last ``keep_last_turns`` turns."""
+    keep_last_turns: int = Field(default=1, ge=0, le=1024)
+    """"compact": whole turns kept word for word after the summary (fewer when they do not fit)."""
+    instruction: str = DEFAULT_COMPACT_INSTRUCTION
+    """"compact": the user message that asks the policy for its summary."""
+    summary_prefix: str = "Summary of the episode so far (earlier turns were removed to make room):\n"
+    """"compact": what precedes the summary in the user message that opens the new context."""
+    summary_max_tokens: int = Field(default=128, ge=1)
+    """"compact": most tokens of a summary; a summary cut there fails the episode's compaction."""
+    max_segments: int = Field(default=8, ge=1, le=1024)
+    """Most contexts of one episode; when the last is full the episode ends (stop reason "max_segments")."""
+    max_sampled_tokens: int | None = Field(default=None, ge=1)
+    """Most tokens the policy samples over all contexts of one episode (replies and summaries); a reply
+    is capped to what is left and the episode ends when nothing is (stop reason "max_sampled_tokens").
+    None: ``max_segments`` bounds the episode."""
+
+
 class RolloutConfig(Section):
     """How episodes are sampled: groups, lengths and sampling parameters."""
 
@@ -161,7 +200,10 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(default=128, ge=1)
     """Tokens the policy may sample in one assistant turn."""
     max_total_tokens: int = Field(default=2048, ge=16)
-    """Budget for prompt + all turns of an episode; the episode is truncated past it."""
+    """Budget for prompt + all turns of one context: the episode ends past it, or with
+    ``rollout.context`` goes on in a new context."""
+    context: ContextConfig = Field(default_factory=ContextConfig)
+    """Long episodes: end at a full context (default), or go on in a new one (window or summary)."""
     prompt_check_tasks: int = Field(default=4, ge=0)
     """At start-up the opening prompts of the first this-many train and held-out tasks are rendered
     (text policies) and a prompt that alone fills ``max_total_tokens`` is refused, naming the task
@@ -205,6 +247,9 @@ class RolloutConfig(Section):
         if cap is not None and cap < self.tasks_per_step:
             raise ValueError(f"rollout.dynamic_sampling.max_draws_per_step={cap} must be >= rollout.tasks_per_step="
                              f"{self.tasks_per_step} (a step trains tasks_per_step groups)")
+        if self.context.policy != "truncate" and self.driver == "agent":
+            raise ValueError(f"rollout.context.policy={self.context.policy!r} applies to env-driven episodes; an agent "
+                             "(rollout.driver=agent) manages its own context (a history it rewrites starts a new segment)")
         buffer = self.overlong.buffer_tokens
         if self.overlong.mode == "soft" and buffer is not None and buffer > self.max_new_tokens:
             raise ValueError(f"rollout.overlong.buffer_tokens={buffer} must be <= rollout.max_new_tokens="

@@ -125,6 +125,9 @@ class TrainRef:
         version: the policy version the update publishes.
         advantages: [B] advantages that replace the rows' ``advantage`` field (REINFORCE++'s
             step-level normalisation); None: the field as written.
+        side_branches: with the ``trajectory`` field among ``fields``: agent episodes' side segments
+            train too (``rollout.agent.train_branches``); earlier contexts of multi-segment episodes
+            always do.
     """
 
     partition: str
@@ -132,6 +135,7 @@ class TrainRef:
     fields: tuple[str, ...]
     version: int
     advantages: tuple[float, ...] | None = None
+    side_branches: bool = False
 
     def __post_init__(self) -> None:
         assert self.advantages is None or len(self.advantages) == len(self.sample_ids), "one advantage per row"

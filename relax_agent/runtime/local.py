@@ -21,6 +21,8 @@ from relax_agent.runtime.base import PARTITION, GroupDone, GroupJob, Runtime, Ta
 
 SIDE_BRANCHES = "train/side_branches"
 """Side segments of agent episodes trained in the update (``rollout.agent.train_branches``)."""
+CONTEXT_SEGMENTS = "train/context_segments"
+"""Earlier contexts of multi-segment episodes trained in the update (``rollout.context``)."""
 
 
 class LocalRolloutService:
@@ -110,7 +112,7 @@ class LocalTrainerService:
         """Read ``ref``'s rows, take one update and publish the weights as ``ref.version``; returns the
         update's metrics, the bus read time (``timing/bus_read_s``) and the weight-sync metrics."""
         fields, read_s = self.read(ref)
-        out = self.update(fields)
+        out = self.update(fields, ref.side_branches)
         out["timing/bus_read_s"] = read_s
         out.update(self._publish(ref.version))
         return out
@@ -133,23 +135,24 @@ class LocalTrainerService:
             fields[R.ADVANTAGE] = [np.float32(a) for a in ref.advantages]
         return fields, time.perf_counter() - t0
 
-    def update(self, fields: Mapping[str, Any]) -> dict[str, float]:
+    def update(self, fields: Mapping[str, Any], side_branches: bool = False) -> dict[str, float]:
         """Collate ``fields`` (B rows of :data:`~relax_agent.records.TRAIN_FIELDS`) and take one
         update without publishing; returns ``train/*`` metrics and ``timing/train_s``. With a
-        ``trajectory`` field the rows' side segments train too (:func:`~relax_agent.train.collate.
-        with_side_branches`, metric :data:`SIDE_BRANCHES`)."""
+        ``trajectory`` field the rows' earlier contexts train too, and with ``side_branches`` their
+        side segments (:func:`~relax_agent.train.collate.with_segments`, metrics
+        :data:`CONTEXT_SEGMENTS`, :data:`SIDE_BRANCHES`)."""
         from relax_agent import records as R
-        from relax_agent.train.collate import collate_fields, with_side_branches
+        from relax_agent.train.collate import collate_fields, with_segments
 
-        branches = None
-        if R.TRAJECTORY in fields:  # rollout.agent.train_branches: the side segments train too
-            fields, branches = with_side_branches(fields)
+        added = None
+        if R.TRAJECTORY in fields:  # multi-segment episodes, rollout.agent.train_branches
+            fields, *added = with_segments(fields, side_branches)
         batch = collate_fields(fields, self.pad_token_id)
         t0 = time.perf_counter()
         out = dict(self.trainer.train_step(batch))
         out["timing/train_s"] = time.perf_counter() - t0
-        if branches is not None:
-            out[SIDE_BRANCHES] = float(branches)
+        if added is not None:
+            out[CONTEXT_SEGMENTS], out[SIDE_BRANCHES] = float(added[0]), float(added[1])
         return out
 
     def rows_needed_after(self) -> int | None:

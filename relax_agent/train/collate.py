@@ -50,46 +50,55 @@ def field_advantages(fields: Mapping[str, Any], group_ids: Sequence[str], std_no
     return estimator_advantages(estimator, rewards, group_index, valid)
 
 
-def with_side_branches(fields: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
-    """``fields`` with a training row appended for every side segment of every row
-    (``rollout.agent.train_branches``), and the number appended.
+def with_segments(fields: Mapping[str, Any], side_branches: bool = True) -> tuple[dict[str, Any], int, int]:
+    """``fields`` with a training row appended for every earlier context of every row (a multi-segment
+    episode, ``rollout.context``) and, with ``side_branches`` (``rollout.agent.train_branches``), for
+    every side segment; returns (fields, context rows appended, side-branch rows appended).
 
     Each row's ``trajectory`` (a :class:`~relax_agent.records.Trajectory` as the bus keeps it) carries
-    its agent episode's side segments (replies off the trained chain: abandoned requests, unchosen
-    ``n > 1`` siblings, side calls after the answer). A segment trains with the advantage of the
-    episode it branched from: the group's advantages are computed over the trained chains only, as
-    without branches, so a segment changes no baseline. A row that is not trainable, and a segment
-    with no sampled token, adds nothing. Appended rows have no media and no recorded routes (zeros
-    with an all-False routes mask when the step replays routes). The ``trajectory`` field is dropped.
+    its episode's earlier contexts (``context_segments``) and, for an agent episode, its side segments
+    (replies off the trained chain: abandoned requests, unchosen ``n > 1`` siblings, side calls after
+    the answer). An appended row trains with the advantage of its episode: the group's advantages are
+    computed over the episodes only, so a segment changes no baseline and every sampled token of the
+    episode trains once. A row that is not trainable, and a segment with no sampled token, adds
+    nothing. Appended rows have no media and no recorded routes (zeros with an all-False routes mask
+    when the step replays routes). The ``trajectory`` field is dropped.
 
     Raises:
         DataError: ``fields`` has no ``trajectory`` field.
     """
     if R.TRAJECTORY not in fields:
-        raise DataError(f"side branches are read from the {R.TRAJECTORY!r} field; got {sorted(fields)}")
+        raise DataError(f"segments are read from the {R.TRAJECTORY!r} field; got {sorted(fields)}")
     out = {k: list(v) for k, v in fields.items() if k != R.TRAJECTORY}
     trainable = fields.get(R.TRAINABLE)
-    added = 0
+    added = {"context": 0, "side": 0}
     for i, traj in enumerate(fields[R.TRAJECTORY]):
         if trainable is not None and not bool(trainable[i]):
             continue
-        for seg in traj.side_segments:
-            if not seg.trainable or not any(seg.loss_mask):
+        extra = [("context", seg) for seg in traj.context_segments]
+        extra += [("side", seg) for seg in traj.side_segments] if side_branches else []
+        for kind, seg in extra:
+            if (kind == "side" and not seg.trainable) or not any(seg.loss_mask):
                 continue
-            out[R.TOKEN_IDS].append(np.asarray(seg.token_ids, dtype=np.int64))
-            out[R.LOSS_MASK].append(np.asarray(seg.loss_mask, dtype=np.int8))
-            out[R.ROLLOUT_LOGPROBS].append(np.asarray(seg.rollout_logprobs, dtype=np.float32))
-            out[R.ADVANTAGE].append(fields[R.ADVANTAGE][i])
-            for name, value in ((R.TRAINABLE, True), (R.MEDIA, None)):
-                if name in out:
-                    out[name].append(value)
-            if R.ROUTED_EXPERTS in out:
-                shape = np.asarray(fields[R.ROUTED_EXPERTS][i]).shape[1:]
-                out[R.ROUTED_EXPERTS].append(np.zeros((len(seg.token_ids), *shape),
-                                                      dtype=np.asarray(fields[R.ROUTED_EXPERTS][i]).dtype))
-                out[R.ROUTES_MASK].append(np.zeros(len(seg.token_ids), dtype=bool))
-            added += 1
-    return out, added
+            _append_row(out, fields, i, seg)
+            added[kind] += 1
+    return out, added["context"], added["side"]
+
+
+def _append_row(out: dict[str, Any], fields: Mapping[str, Any], i: int, seg: Any) -> None:
+    """Append ``seg`` to ``out`` as a row with row ``i``'s advantage, no media and no recorded routes."""
+    out[R.TOKEN_IDS].append(np.asarray(seg.token_ids, dtype=np.int64))
+    out[R.LOSS_MASK].append(np.asarray(seg.loss_mask, dtype=np.int8))
+    out[R.ROLLOUT_LOGPROBS].append(np.asarray(seg.rollout_logprobs, dtype=np.float32))
+    out[R.ADVANTAGE].append(fields[R.ADVANTAGE][i])
+    for name, value in ((R.TRAINABLE, True), (R.MEDIA, None)):
+        if name in out:
+            out[name].append(value)
+    if R.ROUTED_EXPERTS in out:
+        shape = np.asarray(fields[R.ROUTED_EXPERTS][i]).shape[1:]
+        out[R.ROUTED_EXPERTS].append(np.zeros((len(seg.token_ids), *shape),
+                                              dtype=np.asarray(fields[R.ROUTED_EXPERTS][i]).dtype))
+        out[R.ROUTES_MASK].append(np.zeros(len(seg.token_ids), dtype=bool))
 
 
 def collate_fields(fields: Mapping[str, Any], pad_token_id: int, advantages: Any = None) -> TrainBatch:

@@ -220,7 +220,7 @@ def test_with_train_branches_a_side_segment_trains_with_its_episodes_advantage(t
     from relax_agent import records as R
     from relax_agent.control.reporting import write_rollout_dump
     from relax_agent.errors import DataError
-    from relax_agent.train.collate import collate_fields, with_side_branches
+    from relax_agent.train.collate import collate_fields, with_segments
 
     answer, title = _ids(tok, ANSWER), _ids(tok, "Adding numbers")
     traj = _play(_driver(tok, CallEngine([(answer, 0.0), (title, 0.0)]), tmp_path, SIDE_CALL))
@@ -228,15 +228,16 @@ def test_with_train_branches_a_side_segment_trains_with_its_episodes_advantage(t
     fields[R.ADVANTAGE] = [np.float32(0.75), np.float32(-0.5)]
     fields[R.TRAINABLE] = np.asarray([True, False])
     (side,) = traj.side_segments
-    out, added = with_side_branches(fields)
-    assert added == 1 and R.TRAJECTORY not in out and len(out[R.TOKEN_IDS]) == 3
+    assert with_segments(fields, side_branches=False)[1:] == (0, 0)  # without train_branches: no extra row
+    out, contexts, added = with_segments(fields)
+    assert contexts == 0 and added == 1 and R.TRAJECTORY not in out and len(out[R.TOKEN_IDS]) == 3
     assert list(out[R.TOKEN_IDS][2]) == list(side.token_ids) and list(out[R.LOSS_MASK][2]) == list(side.loss_mask)
     assert list(out[R.ROLLOUT_LOGPROBS][2]) == pytest.approx(list(side.rollout_logprobs))
     assert float(out[R.ADVANTAGE][2]) == 0.75 and out[R.MEDIA][2] is None
     batch = collate_fields(out, tok.pad_token_id or 0)
     assert batch.loss_mask[2].sum().item() == len(title) and batch.advantages.tolist() == [0.75, -0.5, 0.75]
     with pytest.raises(DataError, match="trajectory"):
-        with_side_branches({k: v for k, v in fields.items() if k != R.TRAJECTORY})
+        with_segments({k: v for k, v in fields.items() if k != R.TRAJECTORY})
     path = tmp_path / "step_000001.jsonl"
     slim = fields[R.TRAJECTORY][0]
     write_rollout_dump(path, [(slim, 0)], 1, {traj.sample_id}, set(), tok.decode, train_branches=True)

@@ -172,7 +172,7 @@ class TrainerActor:
         def run() -> None:
             for kind, fields, arg in ops:
                 if kind == "train":
-                    self.service.update(self.service.read(fields)[0])
+                    self.service.update(self.service.read(fields)[0], fields.side_branches)
                 elif kind == "sft":
                     self.service.sft(fields, arg)
                 else:
