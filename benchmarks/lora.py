@@ -9,6 +9,7 @@ build the merged weights the weight sync publishes. The last line is LoRA / full
 
     python benchmarks/lora.py                    # ~2 minutes on 2 CPU cores
     python benchmarks/lora.py --rank 16 --steps 5
+    python benchmarks/lora.py --repeats 3 --record docs/results/lora-smollm2/
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from run_record import Recorder, add_record_args  # noqa: E402
 
 
 def _batch(tokenizer_vocab: int, batch: int, tokens: int, seed: int):
@@ -85,13 +87,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--which", choices=["full", "lora"], default=None, help=argparse.SUPPRESS)
+    add_record_args(p, repeats=1)
     args = p.parse_args()
     if args.which:
         print(json.dumps(run_one(args)))
         return
+    recorder = Recorder.start(args.record, f"LoRA rank {args.rank} against full fine-tuning (SmolLM2-135M fp32)", {
+        "full_adam_mb": "AdamW state after one step, full fine-tuning: MB",
+        "lora_adam_mb": f"AdamW state after one step, LoRA rank {args.rank}: MB",
+        "full_step_s": f"trainer step, full fine-tuning, median of {args.steps} steps: s",
+        "lora_step_s": f"trainer step, LoRA, median of {args.steps} steps: s",
+        "lora_vs_full_step": "LoRA step time / full step time",
+        "lora_vs_full_trainable": "LoRA trainable parameters / full trainable parameters",
+    }, args.repeats)
+    for _ in range(args.repeats):
+        recorder.add_repeat(compare(args))
+    recorder.finish()
+
+
+def compare(args: argparse.Namespace) -> dict[str, float]:
+    """Both trainers, each in a fresh subprocess; prints their table and returns the figures."""
     rows = {}
+    forwarded = strip_record_args(sys.argv[1:])
     for which in ("full", "lora"):
-        cmd = [sys.executable, __file__, "--which", which, *sys.argv[1:]]
+        cmd = [sys.executable, __file__, "--which", which, *forwarded]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows[which] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{'trainer':<6} {'trainable':>12} {'AdamW MB':>9} {'step s':>7} {'publish s':>9} {'peak RSS GB':>11}")
@@ -101,6 +120,23 @@ def main() -> None:
     f, lo = rows["full"], rows["lora"]
     print(f"lora / full: trainable {lo['trainable'] / f['trainable']:.3f}x, AdamW state {lo['adam_mb'] / f['adam_mb']:.3f}x, "
           f"step time {lo['step_s'] / f['step_s']:.2f}x, peak RSS {lo['peak_rss_gb'] / f['peak_rss_gb']:.2f}x")
+    return {"full_adam_mb": f["adam_mb"], "lora_adam_mb": lo["adam_mb"], "full_step_s": f["step_s"],
+            "lora_step_s": lo["step_s"], "lora_vs_full_step": lo["step_s"] / f["step_s"],
+            "lora_vs_full_trainable": lo["trainable"] / f["trainable"], "full_peak_rss_gb": f["peak_rss_gb"],
+            "lora_peak_rss_gb": lo["peak_rss_gb"], "lora_publish_s": lo["publish_s"]}
+
+
+def strip_record_args(argv: list[str]) -> list[str]:
+    """``argv`` without ``--record DIR`` and ``--repeats N`` (the subprocess measures one trainer once)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--record", "--repeats"):
+            skip = True
+        elif not arg.startswith(("--record=", "--repeats=")):
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ by ``--logit-scale`` before anything runs.
 
     python benchmarks/r3.py                          # ~2 min on one CPU core
     python benchmarks/r3.py --arch mixtral --samples 16
+    python benchmarks/r3.py --repeats 3 --record docs/results/r3-tiny-moe/   # seeds 0, 1, 2
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import warnings
 from typing import Any
 
 import torch
+from run_record import Recorder, add_record_args
 
 from relax_agent.config import EngineConfig, ModelConfig, TrainerConfig
 from relax_agent.models import load_policy, make_tiny_model
@@ -137,13 +139,30 @@ def main() -> None:
     ap.add_argument("--router-scale", type=float, default=4.0)
     ap.add_argument("--expert-scale", type=float, default=4.0)
     ap.add_argument("--logit-scale", type=float, default=20.0)
-    ap.add_argument("--repeats", type=int, default=10, help="timed trainer steps per side")
+    ap.add_argument("--repeats-steps", type=int, default=10, help="timed trainer steps per side")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch default)")
+    args = ap.parse_args()
+    add_record_args(ap, repeats=1)
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
     if args.threads:
         torch.set_num_threads(args.threads)
+    recorder = Recorder.start(args.record, f"MoE routing replay (R3) on a tiny {args.arch}: mismatch and step time", {
+        "bf16_k3_kl_cut_pct": "bf16 rollout, fp32 trainer: k3 KL lower with replay on than off, %",
+        "bf16_mean_abs_diff_cut_pct": "bf16 rollout: mean |logp train - logp rollout| lower with replay, %",
+        "step_on_vs_off": f"trainer step CPU s with replay / without, median of {args.repeats_steps} interleaved steps",
+        "fp16_vs_bf16_mean_abs_diff": "mean |d logp| of a bf16 rollout / of an fp16 rollout, replay on (x lower)",
+    }, args.repeats)
+    base_seed = args.seed
+    for i in range(args.repeats):
+        args.seed = base_seed + i  # each repeat: another random model and other prompts
+        recorder.add_repeat(measure(args))
+    recorder.finish()
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    """One whole measurement (model, rollouts, trainer scores, step times); prints it and returns its figures."""
     with tempfile.TemporaryDirectory(prefix="r3-") as tmp:
         model, tokenizer = build_model(args, tmp)
     prompts = prompts_for(args.samples, args.seed)
@@ -155,7 +174,7 @@ def main() -> None:
         for replay in (False, True):
             rows[(dtype, replay)] = trainer(model, replay, mbs).compute_gradients(batches[dtype])
     _, rollout_s[("bf16", False)] = rollout(model, tokenizer, "bf16", prompts, args.max_new_tokens, record=False)
-    times = step_times(model, batches["bf16"], args.repeats, mbs)
+    times = step_times(model, batches["bf16"], args.repeats_steps, mbs)
 
     tokens = batches["bf16"].num_policy_tokens
     print(f"tiny {args.arch}: {args.layers} layers, hidden 128, {args.experts} experts top-2, scales router x"
@@ -180,11 +199,18 @@ def main() -> None:
               f"{bf[MISMATCH_ABS_DIFF_MAX] / fp[MISMATCH_ABS_DIFF_MAX]:.1f}x lower")
     for name, stat in (("median", statistics.median), ("min", min)):
         off_s, on_s = stat(times[False]), stat(times[True])
-        print(f"trainer step (bf16 batch, CPU s, {name} of {args.repeats}): replay off {off_s * 1e3:.1f} ms, on "
+        print(f"trainer step (bf16 batch, CPU s, {name} of {args.repeats_steps}): replay off {off_s * 1e3:.1f} ms, on "
               f"{on_s * 1e3:.1f} ms, ratio {on_s / off_s:.3f} (overhead {100 * (on_s / off_s - 1):+.1f}%, "
               "target <= +3%)")
     rec, plain = rollout_s[("bf16", True)], rollout_s[("bf16", False)]
     print(f"bf16 rollout: recording routes {rec:.2f} s vs not {plain:.2f} s (CPU s; ratio {rec / plain:.3f}, one run each)")
+    off, on = rows[("bf16", False)], rows[("bf16", True)]
+    return {"bf16_k3_kl_cut_pct": 100 * (1 - on[MISMATCH_K3_KL] / off[MISMATCH_K3_KL]),
+            "bf16_mean_abs_diff_cut_pct": 100 * (1 - on[MISMATCH_ABS_DIFF_MEAN] / off[MISMATCH_ABS_DIFF_MEAN]),
+            "step_on_vs_off": statistics.median(times[True]) / statistics.median(times[False]),
+            "fp16_vs_bf16_mean_abs_diff": on[MISMATCH_ABS_DIFF_MEAN] / rows[("fp16", True)][MISMATCH_ABS_DIFF_MEAN],
+            "bf16_route_flip_frac_off": off.get(ROUTE_FLIP_FRAC, float("nan")),
+            "seed": float(args.seed)}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ copy per put):
 Ours hands out read-only numpy views (no copy in-process, shared memory on Ray); the
 package returns torch tensors copied out of its storage units over ZeroMQ.
 
-Run: ``python benchmarks/transferqueue.py [--rounds 3]``. Install the baseline with
+Run: ``python benchmarks/transferqueue.py [--rounds 3] [--repeats 3 --record docs/results/data-bus/]``. Install the baseline with
 ``pip install -e .[bench]``; without it the baseline is skipped with a message.
 Ratios are against the package measured in the same run.
 """
@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from run_record import Recorder, add_record_args
 
 from relax_agent.data import DataConfig, FieldSpec, build_transfer_queue
 from relax_agent.errors import QueueTimeoutError
@@ -274,6 +275,7 @@ def main() -> None:
     parser.add_argument("--single-s", type=float, default=1.0, help="seconds of single-row puts per round")
     parser.add_argument("--latency-n", type=int, default=100, help="rows per latency round")
     parser.add_argument("--gap-ms", type=float, default=10.0, help="pause between latency puts")
+    add_record_args(parser, repeats=1)
     args = parser.parse_args()
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # the package warns on every get on a 2-core machine
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -285,10 +287,37 @@ def main() -> None:
         print(f"baseline skipped: the transferqueue package is not installed ({exc}); "
               "pip install -e .[bench] to compare")
     mb = args.rows * args.width * 8 / 1e6
-    res: dict[str, dict[str, list[float]]] = {s.name: {"put": [], "get": [], "single": [], "lat": []} for s in systems}
     for bus in systems:  # warm-up: connections, actor start, first allocation
         batch_round(bus, 16, args.width)
         single_round(bus, args.width, 0.1)
+    baseline = any(bus.name == "transferqueue" for bus in systems)
+    recorder = Recorder.start(args.record, "Data bus (local and Ray backends) against the transferqueue package",
+                              COUNTS if baseline else {}, args.repeats)
+    for _ in range(args.repeats):
+        res = measure(systems, args, mb)
+        lost = {bus.name: bus.lost_after_consumer_dies() for bus in systems}
+        recorder.add_repeat(report(res, lost, args, mb))
+    for bus in systems:
+        if hasattr(bus, "tq"):
+            bus.tq.close()
+    ray.shutdown()
+    recorder.finish()
+
+
+COUNTS = {
+    "ray_put_x": "Ray bus (shared memory) batch put MB/s / the package's",
+    "ray_get_x": "Ray bus batch get MB/s / the package's",
+    "ray_single_x": "Ray bus single-row puts/s / the package's",
+    "local_put_x": "in-process bus (returns read-only views) batch put MB/s / the package's",
+    "local_get_x": "in-process bus batch get MB/s / the package's",
+    "local_single_x": "in-process bus single-row puts/s / the package's",
+    "ray_lost": "rows lost by the Ray bus after a consumer holding 64 of 256 rows is killed",
+}
+
+
+def measure(systems: list[Any], args: argparse.Namespace, mb: float) -> dict[str, dict[str, list[float]]]:
+    """``--rounds`` rounds in which the systems take turns: per system, put/get MB/s, 1-row puts/s, latencies (s)."""
+    res: dict[str, dict[str, list[float]]] = {s.name: {"put": [], "get": [], "single": [], "lat": []} for s in systems}
     for _ in range(args.rounds):
         for bus in systems:
             put_s, get_s = batch_round(bus, args.rows, args.width)
@@ -296,23 +325,32 @@ def main() -> None:
             res[bus.name]["get"].append(mb / get_s)
             res[bus.name]["single"].append(single_round(bus, args.width, args.single_s))
             res[bus.name]["lat"].extend(latency_round(bus, args.width, args.latency_n, args.gap_ms / 1e3))
-    lost = {bus.name: bus.lost_after_consumer_dies() for bus in systems}
+    return res
+
+
+def report(res: dict[str, dict[str, list[float]]], lost: dict[str, int], args: argparse.Namespace,
+           mb: float) -> dict[str, float]:
+    """Prints the table of one repeat; returns each system's medians and, with the baseline, the ratios to it."""
     print(f"{args.rows} x {args.width} int64 = {mb:.1f} MB per batch; {args.rounds} rounds; "
           f"{os.cpu_count()} CPUs; Ray num_cpus=4; lease {LEASE_S:g} s; medians over rounds")
     print(f"{'system':<15} {'put MB/s':>9} {'get MB/s':>9} {'1-row puts/s':>13} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'lost':>5} {'x put':>6} {'x get':>7} {'x 1-row':>8} {'x p50':>6}")
     med = {name: {k: statistics.median(v) if k != "lat" else pct(v, 0.5) for k, v in r.items()} for name, r in res.items()}
     base = med.get("transferqueue")
+    figures: dict[str, float] = {}
     for name, m in med.items():
         ratios = (f"{m['put'] / base['put']:>6.1f} {m['get'] / base['get']:>7.1f} {m['single'] / base['single']:>8.1f} "
                   f"{base['lat'] / m['lat']:>6.1f}") if base else ""
         print(f"{name:<15} {m['put']:>9.0f} {m['get']:>9.0f} {m['single']:>13.0f} {m['lat'] * 1e3:>7.2f} "
               f"{pct(res[name]['lat'], 0.99) * 1e3:>7.2f} {lost[name]:>5} {ratios}")
+        key = name.removeprefix("ours-").replace("-", "_")
+        figures |= {f"{key}_put_mbps": m["put"], f"{key}_get_mbps": m["get"], f"{key}_single_per_s": m["single"],
+                    f"{key}_p50_ms": m["lat"] * 1e3, f"{key}_lost": float(lost[name])}
+        if base:
+            figures |= {f"{key}_put_x": m["put"] / base["put"], f"{key}_get_x": m["get"] / base["get"],
+                        f"{key}_single_x": m["single"] / base["single"], f"{key}_p50_x": base["lat"] / m["lat"]}
     print(f"lost: of {LOSS_ROWS} rows, {LOSS_TAKEN} taken by a consumer that died; x p50 = baseline p50 / ours")
-    for bus in systems:
-        if hasattr(bus, "tq"):
-            bus.tq.close()
-    ray.shutdown()
+    return figures
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from other processes hits them alike; the table shows medians.
 Engine pause (time the engine cannot decode while it copies the new weights in) is reported
 separately, for tcp and for the in-process transport (colocate).
 
-Run: ``python benchmarks/weight_sync.py [--rounds 3] [--bucket-mb 64] [--skip-smollm] [--synthetic-gb 1]``
+Run: ``python benchmarks/weight_sync.py [--rounds 3] [--bucket-mb 64] [--skip-smollm] [--synthetic-gb 1]
+[--repeats 3 --record docs/results/weight-sync/]``
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from run_record import Recorder, add_record_args
 
 from relax_agent.weights import TensorEngine, WeightSyncConfig, build_weight_sync
 from relax_agent.weights.meta import FlatSource, bucket_checksums, plan_layout, snapshot_into
@@ -107,7 +109,8 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def measure(label: str, state: dict[str, torch.Tensor], engine, rounds: int, bucket_mb: float) -> None:
+def measure(label: str, state: dict[str, torch.Tensor], engine, rounds: int, bucket_mb: float) -> dict[str, float]:
+    """Runs every method ``rounds`` times in turn, prints the table; returns its figures (see ``report``)."""
     tensors, total = plan_layout(state)
     flat = torch.empty(total, dtype=torch.uint8)
     snapshot_into(flat, state, tensors)
@@ -149,10 +152,13 @@ def measure(label: str, state: dict[str, torch.Tensor], engine, rounds: int, buc
     tcp.close()
     inproc.close()
     assert torch.equal(flat, dst)
-    report(label, state, total, times, rounds)
+    return report(label, state, total, times, rounds)
 
 
-def report(label: str, state: dict[str, torch.Tensor], total: int, times: dict[str, list[float]], rounds: int) -> None:
+def report(label: str, state: dict[str, torch.Tensor], total: int, times: dict[str, list[float]],
+           rounds: int) -> dict[str, float]:
+    """Prints the medians; returns GB/s per method and the tcp ratios (``publish``: end to end, ``transfer``:
+    the subscriber's receive alone)."""
     gb = total / 1e9
     raw, file_s = median(times["raw"]), median(times["file"])
     rows = [("raw loopback socket copy", raw), ("relax tcp: transfer", median(times["transfer"])),
@@ -169,6 +175,10 @@ def report(label: str, state: dict[str, torch.Tensor], total: int, times: dict[s
     print(f"targets: tcp transfer >= 0.70x raw loopback: {raw / transfer:.2f}x "
           f"{'PASS' if raw / transfer >= 0.7 else 'FAIL'}; >= 3x file: {file_s / transfer:.2f}x "
           f"{'PASS' if file_s / transfer >= 3 else 'FAIL'}")
+    publish = median(times["publish"])
+    return {"raw_gbps": gb / raw, "transfer_gbps": gb / transfer, "publish_gbps": gb / publish, "file_gbps": gb / file_s,
+            "ray_gbps": gb / median(times["ray"]), "publish_vs_raw": raw / publish, "publish_vs_file": file_s / publish,
+            "transfer_vs_raw": raw / transfer, "transfer_vs_file": file_s / transfer}
 
 
 def checksum_cost(state: dict[str, torch.Tensor]) -> None:
@@ -184,36 +194,69 @@ def checksum_cost(state: dict[str, torch.Tensor]) -> None:
     print(f"checksum cost (one core, per side): {', '.join(parts)}")
 
 
+COUNTS = {
+    "smollm_publish_gbps": "SmolLM2-135M fp32 over tcp, end to end (snapshot + checksums, transfer, engine load): GB/s",
+    "smollm_transfer_gbps": "the same, the subscriber's receive alone: GB/s",
+    "smollm_raw_gbps": "raw loopback socket copy of the same bytes: GB/s",
+    "smollm_publish_vs_raw": "tcp end to end / raw loopback copy (speed ratio)",
+    "smollm_publish_vs_file": "tcp end to end / torch.save + torch.load through a file (speed ratio)",
+    "smollm_transfer_vs_raw": "tcp receive alone / raw loopback copy (speed ratio)",
+    "smollm_transfer_vs_file": "tcp receive alone / torch.save + torch.load (speed ratio)",
+    "synthetic_publish_gbps": "synthetic 1 GiB fp32 state dict over tcp, end to end: GB/s",
+    "synthetic_publish_vs_raw": "synthetic: tcp end to end / raw loopback copy (speed ratio)",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--synthetic-gb", type=float, default=1.0)
     ap.add_argument("--skip-smollm", action="store_true", help="only the synthetic payload")
+    add_record_args(ap, repeats=1)
     args = ap.parse_args()
     import ray
 
+    counts = {k: v for k, v in COUNTS.items() if not (args.skip_smollm and k.startswith("smollm_"))}
+    if args.synthetic_gb != 1.0:
+        counts = {k: v.replace("1 GiB", f"{args.synthetic_gb:g} GiB") for k, v in counts.items()}
+    recorder = Recorder.start(args.record, "Weight sync: tcp transport vs raw loopback copy and torch.save/load", counts,
+                              args.repeats)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs (shared with other processes: numbers are noisy), "
           f"bucket {args.bucket_mb:g} MiB")
     try:
-        if not args.skip_smollm:
-            from relax_agent.config import EngineConfig, ModelConfig
-            from relax_agent.models import load_policy
-            from relax_agent.rollout.engines.hf import HFEngine
-
-            model, tok = load_policy(ModelConfig())
-            engine = HFEngine(model, tok, EngineConfig())
-            state = tied_clone(model.state_dict(), seed=1)
-            checksum_cost(state)
-            measure("SmolLM2-135M-Instruct fp32 state dict -> HFEngine", state, engine, args.rounds, args.bucket_mb)
-            engine.close()
-            del model, engine, state
-        state = synthetic_state(args.synthetic_gb)
-        measure(f"synthetic {args.synthetic_gb:g} GiB fp32 state dict -> TensorEngine", state, TensorEngine(state),
-                args.rounds, args.bucket_mb)
+        smollm = None if args.skip_smollm else load_smollm()
+        synthetic = synthetic_state(args.synthetic_gb)
+        for _ in range(args.repeats):
+            figures: dict[str, float] = {}
+            if smollm is not None:
+                engine, state = smollm
+                one = measure("SmolLM2-135M-Instruct fp32 state dict -> HFEngine", state, engine, args.rounds,
+                              args.bucket_mb)
+                figures |= {f"smollm_{k}": v for k, v in one.items()}
+            one = measure(f"synthetic {args.synthetic_gb:g} GiB fp32 state dict -> TensorEngine", synthetic,
+                          TensorEngine(synthetic), args.rounds, args.bucket_mb)
+            figures |= {f"synthetic_{k}": v for k, v in one.items()}
+            recorder.add_repeat(figures)
+        if smollm is not None:
+            smollm[0].close()
     finally:
         ray.shutdown()
+    recorder.finish()
+
+
+def load_smollm():
+    """The embedded SmolLM2-135M-Instruct in an ``HFEngine`` and a perturbed copy of its state dict to publish."""
+    from relax_agent.config import EngineConfig, ModelConfig
+    from relax_agent.models import load_policy
+    from relax_agent.rollout.engines.hf import HFEngine
+
+    model, tok = load_policy(ModelConfig())
+    engine = HFEngine(model, tok, EngineConfig())
+    state = tied_clone(model.state_dict(), seed=1)
+    checksum_cost(state)
+    return engine, state
 
 
 if __name__ == "__main__":
