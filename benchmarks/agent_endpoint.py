@@ -16,6 +16,7 @@ alternating, after one warm-up round each; the median round of each side is repo
 
     python benchmarks/agent_endpoint.py                       # tiny random llama (built in a temp dir)
     python benchmarks/agent_endpoint.py --model embedded:smollm2-135m-instruct --max-new-tokens 64
+    python benchmarks/agent_endpoint.py --rounds 3 --record docs/results/agent-endpoint/   # a round pair per repeat
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from run_record import Recorder, add_record_args
 
 from relax_agent.config import ModelConfig
 from relax_agent.models import load_policy, make_tiny_model
@@ -117,7 +119,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-batch-size", type=int, default=32)
+    add_record_args(ap, repeats=None)
     args = ap.parse_args()
+    recorder = Recorder.start(args.record, "Agent endpoint against calling the engine directly", {
+        "endpoint_vs_direct_req_per_s": "requests/s through the endpoint / direct engine calls, the same round",
+        "endpoint_vs_direct_p50": "p50 request latency through the endpoint / direct, the same round",
+    }, args.rounds)
     torch.set_num_threads(args.threads)
     path = args.model or str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-"), arch="llama", seed=0))
     model, tok = load_policy(ModelConfig(path=path))
@@ -148,6 +155,10 @@ def main() -> None:
     finally:
         server.close()
         engine.close()
+    for d_round, e_round in zip(rounds["direct"], rounds["endpoint"], strict=True):  # a round pair is a repeat
+        recorder.add_repeat({"endpoint_vs_direct_req_per_s": e_round["req_per_s"] / d_round["req_per_s"],
+                             "endpoint_vs_direct_p50": e_round["p50_s"] / d_round["p50_s"],
+                             "direct_req_per_s": d_round["req_per_s"], "endpoint_req_per_s": e_round["req_per_s"]})
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in rounds.items()}
     for side in ("direct", "endpoint"):
         m = med[side]
@@ -157,6 +168,7 @@ def main() -> None:
           f"(added p50 {100 * (e['p50_s'] / d['p50_s'] - 1):+.1f}%, bound +10%), "
           f"p90 {e['p90_s'] / d['p90_s']:.3f}x")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    recorder.finish()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ groups; and the samples/s ratio against colocate, measured in the same run.
     python benchmarks/modes.py --repeats 2            # each mode twice, order rotated
     python benchmarks/modes.py --steps 20 --staleness 2 --latency-median-s 0.5
     python benchmarks/modes.py --baseline-rev 6baa57a # + colocate of an earlier commit, same run
+    python benchmarks/modes.py --repeats 3 --record docs/results/async-colocate/   # record: ratios per repeat
 
 ``--baseline-rev REV`` also trains colocate with the code of git revision ``REV`` (extracted with
 ``git archive`` into a temporary package tree and run in a subprocess, rotated with the other
@@ -35,6 +36,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for examples/
+
+from run_record import Recorder, add_record_args  # noqa: E402
 
 from examples.custom_env import EchoEnv  # noqa: E402
 from relax_agent.envs import register  # noqa: E402
@@ -160,7 +163,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, in rotating order (means reported)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--baseline-rev", default=None, help="also run colocate with the code of this git revision")
+    add_record_args(p, repeats=None)
     args = p.parse_args()
+    recorder = Recorder.start(args.record, f"Training modes: async (max_staleness {args.staleness}) against colocate", {
+        f"async_s{args.staleness}_vs_colocate": f"samples/s of async with max_staleness {args.staleness} / colocate's, "
+                                                "the same repeat",
+        "async_s0_vs_colocate": "samples/s of async with max_staleness 0 / colocate's, the same repeat",
+        "colocate_samples_per_s": "samples consumed by the trainer / training-loop wall time, colocate",
+        f"async_s{args.staleness}_samples_per_s": f"the same, async with max_staleness {args.staleness}",
+    }, args.repeats)
 
     modes = [("colocate", 0), ("async", 0), ("async", args.staleness)]
     if args.baseline_rev:
@@ -199,6 +210,12 @@ def main() -> None:
               f"(step s {now['step_s']:.2f} vs {then['step_s']:.2f}); process CPU per step "
               f"{now['cpu_s_per_step']:.2f} s vs {then['cpu_s_per_step']:.2f} s "
               f"(then / now {then['cpu_s_per_step'] / now['cpu_s_per_step']:.2f}; above 1: the new code uses less CPU)")
+    for rep in range(args.repeats):
+        colocate, async0, async_k = (runs[i][rep]["samples_per_s"] for i in range(3))
+        recorder.add_repeat({f"async_s{args.staleness}_vs_colocate": async_k / colocate,
+                             "async_s0_vs_colocate": async0 / colocate, "colocate_samples_per_s": colocate,
+                             f"async_s{args.staleness}_samples_per_s": async_k, "async_s0_samples_per_s": async0})
+    recorder.finish()
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
                                          "results": results}, indent=2))

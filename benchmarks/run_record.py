@@ -32,12 +32,14 @@ RECORD_FILE = "record.json"
 MIN_REPEATS = 3
 
 
-def add_record_args(parser: argparse.ArgumentParser, repeats: int = MIN_REPEATS) -> None:
-    """Adds ``--record DIR`` (write the record there) and ``--repeats N`` (whole measurements, each one a repeat)."""
+def add_record_args(parser: argparse.ArgumentParser, repeats: int | None = MIN_REPEATS) -> None:
+    """Adds ``--record DIR`` (write the record there) and ``--repeats N`` (whole measurements, each one a repeat;
+    ``repeats`` None: the benchmark has its own ``--repeats``)."""
     parser.add_argument("--record", type=Path, default=None,
                         help="write record.json and README.md into this folder (e.g. docs/results/<name>/)")
-    parser.add_argument("--repeats", type=int, default=repeats,
-                        help=f"whole measurements to run; a record needs >= {MIN_REPEATS}")
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help=f"whole measurements to run; a record needs >= {MIN_REPEATS}")
 
 
 def relative(arg: str) -> str:
@@ -87,6 +89,7 @@ class Recorder:
     load_before: tuple[float, float, float]
     processes_before: list[str]
     repeats: list[dict[str, float]] = field(default_factory=list)
+    once: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def start(cls, folder: Path | None, title: str, counts: dict[str, str], repeats: int) -> Recorder:
@@ -104,6 +107,10 @@ class Recorder:
         if missing:
             raise KeyError(f"repeat {len(self.repeats) + 1} lacks the figures {missing}; expected every key of counts")
         self.repeats.append(dict(figures))
+
+    def add_once(self, figures: dict[str, float]) -> None:
+        """Figures measured once per run, not per repeat (recorded apart, with no spread)."""
+        self.once.update(figures)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per summarised figure: median, min, max, n over the repeats."""
@@ -125,7 +132,7 @@ class Recorder:
                   "machine": {"cpu_cores": os.cpu_count(), "load_before": list(self.load_before),
                               "load_after": list(os.getloadavg()), "busiest_processes_before": self.processes_before,
                               "busiest_processes_after": busiest_processes()},
-                  "counts": self.counts, "repeats": self.repeats, "summary": summary}
+                  "counts": self.counts, "repeats": self.repeats, "summary": summary, "measured_once": self.once}
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
         (self.folder / "README.md").write_text(readme(record))
@@ -145,6 +152,9 @@ def readme(record: dict) -> str:
              "| figure | what it counts | median | min | max | repeats |", "|---|---|---|---|---|---|"]
     for key, s in record["summary"].items():
         lines.append(f"| `{key}` | {record['counts'][key]} | {s['median']:.4g} | {s['min']:.4g} | {s['max']:.4g} | {s['n']} |")
+    if record["measured_once"]:
+        lines += ["", "Measured once in the run (no spread): "
+                  + ", ".join(f"`{k}` {v:.4g}" for k, v in record["measured_once"].items()) + "."]
     lines += ["", f"Every repeat's figures, the busiest processes before and after: `{RECORD_FILE}`.", ""]
     return "\n".join(lines)
 

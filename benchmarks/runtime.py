@@ -16,6 +16,7 @@ such limit (only the staleness gate). Runs, in one Ray session and one process:
 
     python benchmarks/runtime.py                     # ~6 minutes on 2 CPU cores
     python benchmarks/runtime.py --repeats 2 --json runtime.json   # each configuration twice, order rotated
+    python benchmarks/runtime.py --repeats 3 --record docs/results/ray-replicas/   # ratios per repeat, failover once
 
 Targets (issue 13): 2 replicas >= 1.6x 1 replica; failover (kill -> replacement ready) p50 <= 15 s.
 """
@@ -39,6 +40,7 @@ REPO = BENCH.parent
 sys.path[:0] = [str(REPO), str(BENCH)]  # examples/ and modes.py, here and (PYTHONPATH) in every Ray worker
 
 import modes  # noqa: E402  (registers bench/SlowToolEcho-v0)
+from run_record import Recorder, add_record_args  # noqa: E402
 
 ENV_ID = f"modes:{modes.ENV_ID}"
 """The module prefix makes every replica import (and so register) the env before looking it up."""
@@ -159,7 +161,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="policy path (default: a tiny random llama)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    add_record_args(p, repeats=None)
     args = p.parse_args()
+    recorder = Recorder.start(args.record, "Ray runtime: 2 rollout replicas against 1, and failover", {
+        "ray_2_vs_1_replicas": f"samples/s of 2 Ray replicas / 1, each capped at {args.groups_per_replica} groups at once "
+                               "(runtime.max_groups_per_replica), the same repeat",
+        "ray_uncapped_vs_local": "samples/s of 1 Ray replica without the cap / runtime: local (the runtime's own cost)",
+    }, args.repeats)
 
     import ray
 
@@ -201,6 +209,14 @@ def main() -> None:
     if fail:
         print(f"failover over {fail['kills']} kills: replacement ready p50 {fail['ready_p50_s']:.1f} s (max "
               f"{fail['ready_max_s']:.1f} s; target <= 15 s), first group done p50 {fail['serving_p50_s']:.1f} s")
+    for rep in range(args.repeats):
+        local_r, one_r, two_r, uncapped_r = (per_run[i][rep]["samples_per_s"] for i in range(4))
+        recorder.add_repeat({"ray_2_vs_1_replicas": two_r / one_r, "ray_uncapped_vs_local": uncapped_r / local_r,
+                             "local_samples_per_s": local_r, "ray_1_samples_per_s": one_r,
+                             "ray_2_samples_per_s": two_r})
+    if fail:
+        recorder.add_once({k: float(fail[k]) for k in ("kills", "ready_p50_s", "ready_max_s", "serving_p50_s")})
+    recorder.finish()
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": None}, "runs": runs, "failover": fail,
                                          "ratio_2_vs_1": two / one, "ratio_uncapped_vs_local": uncapped / local}, indent=2,

@@ -22,6 +22,7 @@ server). Needs the vLLM venv (``bash scripts/setup_vllm.sh``).
     python benchmarks/vllm_engine.py                    # embedded SmolLM2-135M-Instruct, every case
     python benchmarks/vllm_engine.py --case weights     # only the weight update
     python benchmarks/vllm_engine.py --tiny             # tiny random llama (seconds)
+    python benchmarks/vllm_engine.py --repeats 3 --record docs/results/vllm-hf/   # every case 3 times, a record
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from relax_agent.rollout.engines.hf import HFEngine
 from relax_agent.rollout.engines.vllm_engine import VLLMEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
+from run_record import Recorder, add_record_args  # noqa: E402
 from weight_sync import raw_loopback  # noqa: E402
 
 QUESTIONS = ["What is the weather in Paris in celsius?", "Find flights from Oslo to Rome on 2025-03-02.",
@@ -92,14 +94,19 @@ async def multi_turn(engine, prompts: list[list[int]], turns: int, obs_ids: list
     return time.perf_counter() - start, sum(r[0] for r in results), sum(r[1] for r in results)
 
 
-def ratio_line(name: str, vllm_value: float, hf_value: float, unit: str, target: float | None = None) -> str:
+def ratio_line(name: str, vllm_value: float, hf_value: float, unit: str, target: float | None = None,
+               figures: dict[str, float] | None = None, key: str = "") -> str:
+    """One printed comparison; with ``figures``, also stores ``<key>_vllm``, ``<key>_hf`` and ``<key>_ratio`` there."""
+    if figures is not None:
+        figures |= {f"{key}_vllm": vllm_value, f"{key}_hf": hf_value, f"{key}_ratio": vllm_value / hf_value}
     ratio = vllm_value / hf_value if hf_value else float("inf")
     goal = f"  (target >= {target:.1f}x)" if target is not None else ""
     return f"{name:<28} vLLM {vllm_value:8.1f} {unit}   HF {hf_value:8.1f} {unit}   ratio {ratio:5.2f}x{goal}"
 
 
 def run_generation(args, model, tok, vllm_engine: VLLMEngine, hf_engine: HFEngine,
-                   hf_reprefill: HFEngine | None = None) -> list[str]:
+                   hf_reprefill: HFEngine | None = None, figures: dict[str, float] | None = None) -> list[str]:
+    """The single- and multi-turn comparisons as printed lines; tokens/s and ratios also go into ``figures``."""
     lines = []
     for n in args.episodes:
         prompts = chat_prompts(tok, n, seed=n)
@@ -108,7 +115,8 @@ def run_generation(args, model, tok, vllm_engine: VLLMEngine, hf_engine: HFEngin
         v_s, v_tok = asyncio.run(single_turn(vllm_engine, prompts, args.max_new_tokens))
         h_s, h_tok = asyncio.run(single_turn(hf_engine, prompts, args.max_new_tokens))
         assert v_tok == h_tok == n * args.max_new_tokens, (v_tok, h_tok)
-        lines.append(ratio_line(f"single-turn {n} episodes", v_tok / v_s, h_tok / h_s, "tok/s", 1.5))
+        lines.append(ratio_line(f"single-turn {n} episodes", v_tok / v_s, h_tok / h_s, "tok/s", 1.5, figures,
+                                f"single_{n}_tok_s"))
     if args.case in ("all", "multi"):
         prompts = chat_prompts(tok, args.mt_episodes, seed=99)
         obs = tok("<tool_response>" + " result row: ok;" * 200, add_special_tokens=False)["input_ids"]
@@ -120,13 +128,14 @@ def run_generation(args, model, tok, vllm_engine: VLLMEngine, hf_engine: HFEngin
         h_s, h_tok, _ = asyncio.run(multi_turn(hf_engine, prompts, args.turns, obs, args.max_new_tokens))
         assert v_tok == h_tok
         lines.append(ratio_line(f"multi-turn {args.mt_episodes}x{args.turns} (~{v_len // args.mt_episodes} tok)",
-                                v_tok / v_s, h_tok / h_s, "tok/s", 2.0))
+                                v_tok / v_s, h_tok / h_s, "tok/s", 2.0, figures, "multi_tok_s"))
         lines.append(f"{'':<28} vLLM prefix cache served {cached_d}/{prompt_d} prompt tokens "
                      f"({cached_d / max(prompt_d, 1):.0%})")
         if hf_reprefill is not None:  # the engine the issue measured: every turn re-prefills the conversation
             r_s, r_tok, _ = asyncio.run(multi_turn(hf_reprefill, prompts, args.turns, obs, args.max_new_tokens))
             assert r_tok == v_tok
-            lines.append(ratio_line("  vs HF, prefix cache off", v_tok / v_s, r_tok / r_s, "tok/s", 2.0))
+            lines.append(ratio_line("  vs HF, prefix cache off", v_tok / v_s, r_tok / r_s, "tok/s", 2.0, figures,
+                                    "multi_vs_reprefill_tok_s"))
     return lines
 
 
@@ -165,7 +174,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tiny", action="store_true", help="a tiny random llama instead of SmolLM2-135M")
+    add_record_args(parser, repeats=1)
     args = parser.parse_args()
+    recorder = Recorder.start(args.record, "vLLM engine against the HF engine", {
+        "multi_tok_s_ratio": f"multi-turn ({args.mt_episodes} episodes x {args.turns} turns, {args.obs_tokens}-token "
+                             "tool outputs): sampled tokens/s of vLLM / of the HF engine (prefix cache on)",
+        **{f"single_{n}_tok_s_ratio": f"single turn, {n} episodes at once: vLLM tokens/s / HF's" for n in args.episodes},
+    } if args.case == "all" else {}, args.repeats)
     torch.set_num_threads(args.threads)
     if args.tiny:
         path = make_tiny_model(tempfile.mkdtemp(prefix="bench-tiny-"), arch="llama", seed=0, head_dim=32)
@@ -184,18 +199,22 @@ def main() -> None:
     hf_reprefill = HFEngine(model, tok, EngineConfig(max_batch_size=64, prefix_cache=False), stop_token_ids=())
     lines = []
     try:
-        if args.case in ("all", "single", "multi"):
-            if args.case == "multi":
-                args.episodes = []
-            lines += run_generation(args, model, tok, vllm_engine, hf_engine, hf_reprefill)
-        if args.case in ("all", "weights"):
-            lines += run_weights(args, model, vllm_engine, hf_engine)
+        for _ in range(args.repeats):
+            figures: dict[str, float] = {}
+            if args.case in ("all", "single", "multi"):
+                if args.case == "multi":
+                    args.episodes = []
+                lines += run_generation(args, model, tok, vllm_engine, hf_engine, hf_reprefill, figures)
+            if args.case in ("all", "weights"):
+                lines += run_weights(args, model, vllm_engine, hf_engine)
+            recorder.add_repeat(figures)
     finally:
         vllm_engine.close()
         hf_engine.close()
         hf_reprefill.close()
     print("\n".join(lines))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    recorder.finish()
 
 
 if __name__ == "__main__":
