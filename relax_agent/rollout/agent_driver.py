@@ -20,9 +20,12 @@ and of relax-agent's own environment only ``rollout.agent.inherit_env`` (plus ``
 Every request of the agent is answered by the policy and recorded token-in/token-out by the
 episode's :class:`~relax_agent.rollout.proxy.session.AgentSession`. When the agent exits, the
 episode's trajectory is the *trained chain*: the replies the agent kept (sent back in a later
-request), linked by prefix, ending at its final answer (see the session's module doc); replies
+request, verbatim or re-templated), ending at the last reply it was delivered, its final answer
+(see the session's module doc). The chain's context holding that answer is the trajectory; the
+earlier contexts it went through (before a request that re-templated its history or changed
+``tools``) are its ``context_segments``, each trained once with the episode's advantage. Replies
 off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls after the answer,
-rewritten histories) are counted in the ``agent/*`` metrics (``agent/dropped_replies``), returned
+histories rewritten past recognition) are counted in the ``agent/*`` metrics (``agent/dropped_replies``), returned
 after it by :meth:`AgentDriver.play_segments` (and as the trajectory's ``side_segments`` by
 :meth:`AgentDriver.play`), written to the rollout dump after the episode, never trained or scored.
 
@@ -110,14 +113,16 @@ class AgentDriver:
         self.server.close()
 
     async def play(self, spec: EpisodeSpec, params: SamplingParams) -> Trajectory:
-        """Play ``spec`` with the agent; its trained chain's trajectory, carrying the episode's other
-        segments as ``side_segments`` (see the module doc)."""
+        """Play ``spec`` with the agent; its trained chain's trajectory (its earlier contexts as
+        ``context_segments``), carrying the episode's other segments as ``side_segments`` (see the
+        module doc)."""
         primary, *side = await self.play_segments(spec, params)
         return dataclasses.replace(primary, side_segments=tuple(side)) if side else primary
 
     async def play_segments(self, spec: EpisodeSpec, params: SamplingParams) -> list[Trajectory]:
-        """Play ``spec`` with the agent; the trained chain's trajectory first, then every other
-        segment of the episode (side branches, same reward; a failed episode: one failed record)."""
+        """Play ``spec`` with the agent; the trained chain's trajectory first (its earlier contexts as
+        ``context_segments``), then every other segment of the episode (side branches, same reward; a
+        failed episode: one failed record)."""
         deadline = Deadline(min(spec.episode_timeout_s, self.cfg.timeout_s))
         try:
             env = await deadline.call(call_in_thread(self.make_env), "make_env", spec.step_timeout_s, step_timeout_cause(spec))
@@ -225,10 +230,10 @@ class AgentDriver:
         recs = session.recorders(answer)
         if not recs:
             return [TrajectoryRecorder(spec).fail_with(EnvError("the agent made no chat completion requests"))]
-        primary = recs[0]
+        primary, contexts = recs[0], session.contexts(answer)
         try:
             metrics = {**session.metrics(answer), **_output_metrics(output),
-                       "agent/group_duplicates": self._group_duplicate(spec, primary)}
+                       "agent/group_duplicates": self._group_duplicate(spec, [*contexts, primary])}
             reward, env_metrics = await self._reward(calls, primary, output)
         except Exception as exc:
             return [primary.fail_with(exc)]
@@ -238,13 +243,15 @@ class AgentDriver:
             last = rec.turns[-1]
             stop = StopReason.LENGTH if last.finish_reason == "length" else StopReason.TERMINATED
             out.append(rec.finish(reward, dict(metrics), stop))
+        earlier = tuple(rec.finish(reward, dict(metrics), StopReason.CONTEXT) for rec in contexts)
+        out[0] = dataclasses.replace(out[0], context_segments=earlier)
         return out
 
-    def _group_duplicate(self, spec: EpisodeSpec, rec: TrajectoryRecorder) -> float:
-        """1.0 when an earlier episode of ``spec``'s group trained exactly these sampled tokens (the
-        group's samples collapsed, e.g. on a seed the agent fixed), else 0.0. Remembers the last
-        :data:`_GROUPS_KEPT` groups."""
-        key = hashlib.sha256(json.dumps([list(t.token_ids) for t in rec.turns]).encode()).hexdigest()
+    def _group_duplicate(self, spec: EpisodeSpec, recs: list[TrajectoryRecorder]) -> float:
+        """1.0 when an earlier episode of ``spec``'s group trained exactly the sampled tokens of ``recs``
+        (its trained records: the group's samples collapsed, e.g. on a seed the agent fixed), else 0.0.
+        Remembers the last :data:`_GROUPS_KEPT` groups."""
+        key = hashlib.sha256(json.dumps([list(t.token_ids) for rec in recs for t in rec.turns]).encode()).hexdigest()
         seen = self._group_chains.pop(spec.group_id, set())
         self._group_chains[spec.group_id] = seen  # most recent last
         while len(self._group_chains) > _GROUPS_KEPT:

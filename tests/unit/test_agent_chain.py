@@ -243,3 +243,111 @@ def test_with_train_branches_a_side_segment_trains_with_its_episodes_advantage(t
     write_rollout_dump(path, [(slim, 0)], 1, {traj.sample_id}, set(), tok.decode, train_branches=True)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["trained"], r.get("side_branch_of")) for r in rows] == [(True, None), (True, traj.sample_id)]
+
+
+def _call_ids(tok):
+    a, op, b = TASK["expression"].split()
+    name = {"+": "add", "-": "subtract"}[op]
+    return _ids(tok, f'<tool_call>\n{{"name": "{name}", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>')
+
+
+def _trained_replies(traj):
+    """[k] the sampled replies every trained record holds, context by context, and the loss-masked
+    tokens over all of them."""
+    replies = [[list(t.token_ids) for t in seg.turns] for seg in traj.segments]
+    return replies, sum(sum(seg.loss_mask) for seg in traj.segments)
+
+
+ANNOTATED = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+client = OpenAI(max_retries=0)
+messages = list(task["messages"])
+reply = client.chat.completions.create(model="policy", messages=messages, tools=task["tools"]).choices[0].message
+call = reply.tool_calls[0]
+messages += [{"role": "assistant", "content": "[step 1] I call a tool.",  # the framework annotates its history
+              "tool_calls": [{"id": "tc-1", "type": "function",
+                              "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+             {"role": "tool", "tool_call_id": "tc-1", "content": str(task["metadata"]["answer"])}]
+client.chat.completions.create(model="policy", messages=messages, tools=task["tools"])
+"""
+
+
+def test_an_agent_that_annotates_its_history_is_scored_on_its_last_reply_and_trains_both(tok, tmp_path):
+    import numpy as np
+
+    from relax_agent import records as R
+    from relax_agent.train.collate import with_segments
+
+    call, final = _call_ids(tok), _ids(tok, ANSWER)
+    traj = _play(_driver(tok, CallEngine([(call, 0.0), (final, 0.0)]), tmp_path, ANNOTATED, task_keys=["answer"]))
+    assert traj.error is None, traj.error
+    assert traj.reward == 1.0  # the delivered answer, not the tool call of the first request
+    assert _trained_replies(traj) == ([[call], [final]], len(call) + len(final))  # each reply trained once
+    (ctx,) = traj.context_segments
+    assert ctx.sample_id == f"{traj.sample_id}/ctx0" and ctx.stop_reason == "context" and ctx.reward == 1.0
+    assert traj.side_segments == ()
+    assert traj.metrics["agent/chain_replies"] == 2.0 and traj.metrics["agent/dropped_replies"] == 0.0
+    assert traj.metrics["agent/continuations"] == 1.0 and traj.metrics["agent/branches"] == 0.0
+    assert traj.metrics["agent/contexts"] == 2.0
+    fields = R.trajectory_fields([traj])
+    fields[R.ADVANTAGE] = [np.float32(0.5)]
+    out, contexts, side = with_segments(fields, side_branches=False)
+    assert (contexts, side) == (1, 0) and list(out[R.TOKEN_IDS][1]) == list(ctx.token_ids)
+    assert [float(a) for a in out[R.ADVANTAGE]] == [0.5, 0.5]
+
+
+TOOLLESS_FINAL = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+client = OpenAI(max_retries=0)
+messages = list(task["messages"])
+reply = client.chat.completions.create(model="policy", messages=messages, tools=task["tools"]).choices[0].message
+messages += [reply.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": str(task["metadata"]["answer"])},
+             {"role": "user", "content": "Now give the final answer."}]
+client.chat.completions.create(model="policy", messages=messages)  # the fallback: no tools this time
+"""
+
+
+def test_a_final_request_without_tools_is_what_the_env_scores(tok, tmp_path):
+    call, final = _call_ids(tok), _ids(tok, ANSWER)
+    traj = _play(_driver(tok, CallEngine([(call, 0.0), (final, 0.0)]), tmp_path, TOOLLESS_FINAL, task_keys=["answer"]))
+    assert traj.error is None, traj.error
+    assert traj.reward == 1.0 and [list(t.token_ids) for t in traj.turns] == [final]
+    assert _trained_replies(traj) == ([[call], [final]], len(call) + len(final))
+    assert traj.messages[-1]["content"] == ANSWER and traj.side_segments == ()
+    assert traj.metrics["agent/dropped_replies"] == 0.0
+
+
+RETEMPLATED = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+client = OpenAI(max_retries=0)
+history = []  # (role, text) as the framework keeps it: whitespace collapsed, its own prefix on replies
+
+def ask():
+    messages = list(task["messages"])
+    for role, text in history:
+        messages.append({"role": role, "content": ("Assistant said: " + text) if role == "assistant" else text})
+    text = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+    history.append(("assistant", " ".join(text.split())))
+
+for follow_up in ("Go on.", "And the result?", None):
+    ask()
+    if follow_up:
+        history.append(("user", follow_up))
+"""
+
+
+def test_a_re_templating_framework_trains_every_reply_once_and_is_scored_on_its_last(tok, tmp_path):
+    replies = [_ids(tok, "Let me  think\n\nstep by step."), _ids(tok, "First   the operands."), _ids(tok, ANSWER)]
+    traj = _play(_driver(tok, CallEngine([(r, 0.0) for r in replies]), tmp_path, RETEMPLATED))
+    assert traj.error is None, traj.error
+    assert traj.reward == 1.0
+    assert _trained_replies(traj) == ([[r] for r in replies], sum(map(len, replies)))
+    assert [s.sample_id for s in traj.context_segments] == [f"{traj.sample_id}/ctx0", f"{traj.sample_id}/ctx1"]
+    assert traj.metrics["agent/continuations"] == 2.0 and traj.metrics["agent/dropped_replies"] == 0.0

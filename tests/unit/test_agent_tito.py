@@ -65,7 +65,7 @@ def test_rewritten_history_starts_a_branch_and_keeps_both_segments_intact(server
     engine = ScriptedEngine(lambda prompt: replies[len(engine.prompts) - 1])
     session, client = open_session(server, engine, tok)
     first = client.chat.completions.create(model="m", messages=USER).choices[0].message
-    edited = USER + [{"role": "assistant", "content": "a summary of the first reply"},
+    edited = USER + [{"role": "assistant", "content": "a summary of what was said"},  # holds no reply: a branch
                      {"role": "user", "content": "go on"}]
     client.chat.completions.create(model="m", messages=edited)
     verbatim = USER + [first.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
@@ -108,7 +108,8 @@ def test_tools_changed_mid_episode_render_afresh(server, tok):
     first = client.chat.completions.create(model="m", messages=USER, tools=TOOLS).choices[0].message
     more = USER + [first.model_dump(exclude_none=True), {"role": "user", "content": "and now?"}]
     client.chat.completions.create(model="m", messages=more)  # no tools: not the rendering of segment one
-    assert session.stats.branches == 1
+    assert session.stats.branches == 0 and session.stats.continuations == 1  # a new context of the same chain
     assert json.loads(session.segments[1].tools_key) == []
+    assert session.segments[1].replies[0].parent is session.segments[0].replies[0]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])

@@ -6,23 +6,33 @@ messages the agent added) and, beside them, the messages those tokens stand for 
 role, text, tool-call names and arguments). A request whose messages extend a segment's
 messages (the agent sent the history back, plus new tool results or user turns) reuses that
 segment's ids and tokenizes only the new messages, as the chat template's delta after the last
-assistant turn. A request that extends no segment (the agent edited or summarised history, or
-started a sub-conversation) is rendered afresh and starts a new segment, a *branch*; choices
+assistant turn. A request that extends no segment is rendered afresh and starts a new segment: a
+*continuation* when an assistant message of it still holds an earlier reply (a framework
+re-templated or annotated its history, or sent other ``tools`` or none), else a *branch* (a
+history rewritten past recognition, a sub-conversation); choices
 ``1..n-1`` of an ``n > 1`` request are *siblings* of the segment choice 0 went to (same prefix,
 one turn each). Nothing of a past assistant turn is ever re-tokenized.
 
-What trains: every sampled reply is a node of the episode's *reply tree* (:class:`Reply`), whose
-parent is the earlier reply the request's messages contain (matched by prefix, as above; a
-fresh render has none). A reply the agent sent back has children: it was *kept*. The trained
+What is scored is what the agent delivered last; what trains is every reply it built on. Every
+sampled reply is a node of the episode's *reply tree* (:class:`Reply`), whose parent is the
+earlier reply the request continues: the one whose messages it extends (by prefix, as above) or,
+for a fresh render, the reply whose content its last assistant message holding one holds (text
+with whitespace normalised, tool calls as parsed; the same content before the reply's text inside
+a longer one, then a delivered reply, then the latest: :func:`.calls.continues`); none for a
+branch. A reply the agent sent back has children: it was *kept*. The trained
 chain (:meth:`AgentSession.final_reply`) is the path that the agent built on: from the root
 conversation holding the task's messages (of those, the one the agent continued furthest, then
 a delivered one, then the first), down through the child the agent continued furthest, to a
-reply it never sent back: the episode's final answer. Among children continued equally far, a reply whose HTTP
+reply it never sent back: the episode's final answer, which the env scores. The chain trains
+whole, every reply once (:meth:`AgentSession.trained`, :meth:`AgentSession.contexts`): the segment
+holding the final answer, cut back to right after it, is the trajectory; each earlier segment the
+chain passes through (the contexts before a continuation), cut back to right after its last reply
+of the chain, is one of its ``context_segments``. Among children continued equally far, a reply whose HTTP
 response the agent had already hung up on (an abandoned request) loses, then the later
 request wins (a retry supersedes), then the lower choice index. When the agent names its
 ``answer`` (output file), the chain ends at the latest delivered reply whose content is that
 answer. Replies off the chain (abandoned requests, unchosen ``n > 1`` siblings, side calls such
-as a title after the answer, rewritten histories) are recorded side branches: not trained, not
+as a title after the answer, branches it did not continue) are recorded side branches: not trained, not
 scored, counted in ``agent/dropped_replies`` and ``agent/dropped_tokens``.
 
 Seeds: a request without ``seed`` samples with ``spec.seed * 1009 + k`` (``k``: the request's

@@ -17,7 +17,7 @@ from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, now_s
-from relax_agent.rollout.proxy.session.calls import normalise
+from relax_agent.rollout.proxy.session.calls import content_key, normalise
 from relax_agent.rollout.proxy.session.planning import Plan, Planning
 from relax_agent.rollout.proxy.session.records import Records, SessionStats
 from relax_agent.rollout.proxy.session.sampling import OnText, Sampled, Sampling, streams_tokens
@@ -200,10 +200,10 @@ class AgentSession(Planning, Sampling, Records):
                         token_bytes(tok, s.gen.token_ids) if req.logprobs else (), s.stop_string)
         seg.convo = list(plan.convo) + [normalise(choice.message())]
         seg.version += 1
-        parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else None
+        parent = plan.base.replies[plan.base.marks.index(plan.base_state)] if plan.base is not None else plan.linked
         on_task = parent.on_task if parent is not None else self._holds_task(plan.convo)
         reply = Reply(len(self.replies), request, index, seg, seg.state(), parent, choice.content or "",
-                      len(s.gen.token_ids), on_task)
+                      len(s.gen.token_ids), content_key(choice.message()), on_task)
         if parent is not None:
             parent.children.append(reply)
         self.replies.append(reply)
@@ -255,9 +255,11 @@ class AgentSession(Planning, Sampling, Records):
 
     def _segment_for(self, plan: Plan, index: int) -> Segment:
         """Choice 0 extends the planned segment in place when nobody extended it meanwhile; otherwise
-        (and for siblings) a copy of the planned prefix becomes a new segment."""
+        (and for siblings) a copy of the planned prefix becomes a new segment. A fresh render is a new
+        segment: a "continuation" when its history holds an earlier reply, else a "branch"."""
         if plan.base is None:
-            kind = "first" if not self.segments else ("sibling" if index else "branch")
+            fresh = "continuation" if plan.linked is not None else "branch"
+            kind = "first" if not self.segments else ("sibling" if index else fresh)
             seg = Segment(TrajectoryRecorder(self.spec), [], plan.tools_key, kind=kind)
         elif index == 0 and plan.base.version == plan.base_version and plan.base.state() == plan.base_state:
             return plan.base
@@ -265,6 +267,8 @@ class AgentSession(Planning, Sampling, Records):
             seg = plan.base.fork(plan.base_state, "sibling" if index else "branch")
         if seg.kind == "branch":
             self.stats.branches += 1
+        elif seg.kind == "continuation":
+            self.stats.continuations += 1
         elif seg.kind == "sibling":
             self.stats.siblings += 1
         self.segments.append(seg)

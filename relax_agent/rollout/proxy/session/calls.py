@@ -52,3 +52,23 @@ def call_text(parser: ToolCallParser, call: dict[str, Any]) -> str:
     if not isinstance(parser, HermesParser) and isinstance(parser, WritesCalls):
         return parser.format([{"name": call["function"]["name"], "arguments": _decoded(call["function"].get("arguments"))}])
     return f"{HermesParser.OPEN}\n{body}\n{HermesParser.CLOSE}"
+
+
+def content_key(message: dict[str, Any]) -> tuple[str, str]:
+    """What an assistant message must still hold to count as a sampled reply sent back, however a
+    framework re-templated it: its text with every run of whitespace made one space (stripped), and
+    its tool calls as parsed (name and decoded arguments, canonical JSON; call ids ignored)."""
+    text = " ".join(text_of(message.get("content")).split())
+    calls = [[c["function"]["name"], _decoded(c["function"].get("arguments"))] for c in message.get("tool_calls") or ()]
+    return text, json.dumps(calls, sort_keys=True, ensure_ascii=False)
+
+
+def continues(sent: tuple[str, str], reply: tuple[str, str]) -> int:
+    """How a sent assistant message (:func:`content_key`) holds a reply's: 2 the same, 1 the same tool
+    calls with the reply's text inside a longer (annotated, prefixed) text, 0 not at all (nor ever a
+    reply with neither text nor tool calls)."""
+    if sent[1] != reply[1] or not (reply[0] or reply[1] != "[]"):
+        return 0
+    if sent[0] == reply[0]:
+        return 2
+    return 1 if reply[0] in sent[0] else 0

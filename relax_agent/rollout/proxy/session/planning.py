@@ -15,9 +15,9 @@ from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import SamplingParams
 from relax_agent.rollout.parsers import HermesParser, ToolCallParser
 from relax_agent.rollout.proxy.openai_api import ChatRequest, RequestError
-from relax_agent.rollout.proxy.session.calls import call_opening, call_text, normalise
+from relax_agent.rollout.proxy.session.calls import call_opening, call_text, content_key, continues, normalise
 from relax_agent.rollout.proxy.session.records import SessionStats
-from relax_agent.rollout.proxy.session.tree import Segment
+from relax_agent.rollout.proxy.session.tree import Reply, Segment
 
 
 def _tools_key(tools: Sequence[dict[str, Any]]) -> str:
@@ -26,7 +26,8 @@ def _tools_key(tools: Sequence[dict[str, Any]]) -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    """Where a request's reply goes: the segment it extends (None: a fresh render) and the tokens."""
+    """Where a request's reply goes: the segment it extends (None: a fresh render) and the tokens; for
+    a fresh render, the earlier reply its history holds re-templated (``linked``, None: none)."""
 
     base: Segment | None
     base_version: int
@@ -38,7 +39,7 @@ class Plan:
     rendered: tuple[dict[str, Any], ...]
     convo: tuple[str, ...]
     tools_key: str
-
+    linked: Reply | None = None
 
 
 class Planning:
@@ -53,6 +54,7 @@ class Planning:
     max_sampled_tokens: int | None
     stats: SessionStats
     segments: list[Segment]
+    replies: list[Reply]
     _reserved: int
 
     def _plan(self, req: ChatRequest) -> Plan:
@@ -78,7 +80,22 @@ class Planning:
             raise RequestError(f"messages cannot be rendered by the policy's chat template: "
                                f"{type(exc).__name__}: {exc}", "messages") from exc
         return Plan(None, 0, (0, 0, 0, True), rendered.token_ids, rendered.token_ids, (), rendered.messages, convo,
-                    tools_key)
+                    tools_key, self._continued(req.messages))
+
+    def _continued(self, messages: Sequence[dict[str, Any]]) -> Reply | None:
+        """The earlier reply a request that extends no segment builds on: the one its last assistant
+        message holding any reply holds (:func:`~.calls.continues`; the same content before content
+        inside a longer text, then a delivered reply, then the latest); None: no assistant message
+        holds one (a new conversation, or a history rewritten past recognition)."""
+        replies = list(self.replies)  # planned in a worker thread while replies are recorded
+        for message in reversed(messages):
+            if message.get("role") != "assistant":
+                continue
+            sent = content_key(message)
+            ranked = [(how, r.delivered is not False, r.order, r) for r in replies if (how := continues(sent, r.key))]
+            if ranked:
+                return max(ranked, key=lambda x: x[:3])[3]
+        return None
 
     def _extends(self, convo: tuple[str, ...], tools_key: str) -> tuple[Segment, tuple[int, int, int, bool]] | None:
         """(segment, state after one of its turns) whose conversation ``convo`` extends by
@@ -110,6 +127,15 @@ class Planning:
             else:
                 out.append({k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "tool_call_id", "name")})
         return out
+
+    def prompt_tokens(self, req: ChatRequest) -> int:
+        """The length of the prompt ``req`` would be sampled from now (as its answer's usage reports
+        it), planned as :meth:`AgentSession.submit` plans it; nothing is sampled or recorded.
+
+        Raises:
+            RequestError: the messages cannot be rendered by the chat template.
+        """
+        return len(self._plan(req).prompt_ids)
 
     def _sampling(self, req: ChatRequest, plan: Plan, notes: dict[str, str] | None = None) -> SamplingParams:
         base = self.params
@@ -150,6 +176,10 @@ class Planning:
             max_new_tokens=min(wanted, limit), seed=None)
 
     def _forced_text(self, req: ChatRequest) -> str:
+        """Text the reply is forced to start with (context tokens after the generation prompt): the
+        request's prefill, or the opening of a call ``tool_choice`` requires."""
+        if req.prefill:
+            return req.prefill
         mode = req.tool_choice.mode
         if mode not in ("required", "function"):
             return ""

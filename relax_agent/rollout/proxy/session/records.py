@@ -18,7 +18,10 @@ class SessionStats:
     Attributes:
         requests: chat completions answered (replays included).
         replayed: retried requests answered from the record.
-        branches: segments started by a request that extended no earlier segment (the first excluded).
+        branches: segments started by a request that extended no earlier segment and continued no
+            earlier reply (the first excluded).
+        continuations: segments started by a request whose history differs from every recorded one
+            (re-templated, annotated, other ``tools``) but holds an earlier reply: new contexts of its chain.
         siblings: segments made by choices ``1..n-1`` of ``n > 1`` requests.
         tool_parse_failures: replies whose tool-call text did not parse (returned as plain content).
         aborted: generations cancelled when the session closed or their stream was closed.
@@ -29,6 +32,7 @@ class SessionStats:
     requests: int = 0
     replayed: int = 0
     branches: int = 0
+    continuations: int = 0
     siblings: int = 0
     tool_parse_failures: int = 0
     aborted: int = 0
@@ -76,26 +80,58 @@ class Records:
         final = self.final_reply()
         return final.segment if final is not None else None
 
-    def trained(self, answer: str | None = None) -> TrajectoryRecorder | None:
-        """The trained chain's record: its segment cut back to right after :meth:`final_reply`
-        (prompt, the kept replies with their log-probs, the deltas between them); None before any reply."""
+    def _chain_cuts(self, answer: str | None) -> list[Reply]:
+        """[k] the replies the trained chain's records end at, in order (see :meth:`_chain_records`)."""
         final = self.final_reply(answer)
-        if final is None:
-            return None
-        seg = final.segment
-        rec = seg.rec if final.state == seg.state() else seg.fork(final.state, seg.kind).rec
-        rec.spec = self.spec
-        return rec
+        cuts: list[Reply] = []
+        held: set[int] = set()
+        for reply in reversed(final.chain() if final is not None else []):
+            if id(reply) in held:
+                continue
+            cuts.append(reply)
+            seg = reply.segment
+            held |= {id(r) for r, mark in zip(seg.replies, seg.marks, strict=True) if mark[0] <= reply.state[0]}
+        return cuts[::-1]
+
+    def _chain_records(self, answer: str | None) -> list[TrajectoryRecorder]:
+        """[k] the trained chain's records in order: the earlier contexts it spans, then the one ending
+        at :meth:`final_reply` (empty before any reply). Walking the chain back from its last reply,
+        each reply no later record holds gives its segment cut back to right after it, which holds
+        that reply and the earlier replies of its segment (within a segment each reply continues the
+        one before it): every reply of the chain is in exactly one record, and no record holds a
+        reply off the chain."""
+        out = []
+        for reply in self._chain_cuts(answer):
+            seg = reply.segment
+            out.append(seg.rec if reply.state == seg.state() else seg.fork(reply.state, seg.kind).rec)
+        for k, rec in enumerate(out[:-1]):
+            rec.spec = dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/ctx{k}")
+        if out:
+            out[-1].spec = self.spec
+        return out
+
+    def trained(self, answer: str | None = None) -> TrajectoryRecorder | None:
+        """The trained chain's last record: the segment holding :meth:`final_reply`, cut back to right
+        after it (its prompt, the kept replies of the segment with their log-probs, the deltas between
+        them); None before any reply."""
+        chain = self._chain_records(answer)
+        return chain[-1] if chain else None
+
+    def contexts(self, answer: str | None = None) -> list[TrajectoryRecorder]:
+        """The trained chain's earlier contexts, in order, as ``{sample_id}/ctx{k}``: the segments of the
+        replies it built on before the request that re-templated their history (see :meth:`trained`).
+        Each trains with the episode's advantage; none holds a reply another trained record holds."""
+        return self._chain_records(answer)[:-1]
 
     def recorders(self, answer: str | None = None) -> list[TrajectoryRecorder]:
-        """The trained chain's record first (the episode's sample id), then every other segment with
-        a turn (side branches, not trained), as ``{sample_id}/seg{k}``."""
-        first = self.trained(answer)
-        if first is None:
+        """:meth:`trained` first (the episode's sample id), then every segment with a turn that is not
+        part of the trained chain (side branches, not trained), as ``{sample_id}/seg{k}``."""
+        chain = self._chain_records(answer)
+        if not chain:
             return []
-        out = [first]
+        out = [chain[-1]]
         for seg in self.segments:
-            if seg.rec is first or not seg.rec.turns:
+            if any(seg.rec is rec for rec in chain) or not seg.rec.turns:
                 continue
             seg.rec.spec = dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{len(out)}")
             out.append(seg.rec)
@@ -105,6 +141,8 @@ class Records:
         """The ``agent/*`` metrics of the episode (``answer``: as for :meth:`final_reply`).
 
         ``agent/replies``: replies sampled; ``agent/chain_replies``: those in the trained chain;
+        ``agent/contexts``: the segments they lie in (contexts trained; 1 for an agent that sends its
+        history back verbatim); ``agent/continuations``: segments started by a re-templated history;
         ``agent/dropped_replies`` / ``agent/dropped_tokens``: replies (sampled tokens) off the chain,
         not trained; ``agent/undelivered``: replies whose response the agent had hung up on.
         """
@@ -113,7 +151,8 @@ class Records:
         chain = final.chain() if final is not None else []
         dropped = [r for r in self.replies if all(r is not c for c in chain)]
         return {"agent/requests": float(s.requests), "agent/replayed": float(s.replayed),
-                "agent/branches": float(s.branches), "agent/siblings": float(s.siblings),
+                "agent/branches": float(s.branches), "agent/continuations": float(s.continuations),
+                "agent/contexts": float(len(self._chain_cuts(answer))), "agent/siblings": float(s.siblings),
                 "agent/tool_parse_failures": float(s.tool_parse_failures), "agent/aborted": float(s.aborted),
                 "agent/segments": float(sum(1 for seg in self.segments if seg.rec.turns)),
                 "agent/replies": float(len(self.replies)), "agent/chain_replies": float(len(chain)),

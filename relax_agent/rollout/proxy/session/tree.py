@@ -18,8 +18,11 @@ class Reply:
         choice: its choice index in that request.
         segment / state: the segment holding it and :meth:`Segment.state` right after it (the
             chain ending at this reply is that segment cut back to ``state``).
-        parent: the reply the request's messages contained last (None: a fresh render).
+        parent: the reply the request continued: the one its messages extended (by exact prefix) or,
+            for a fresh render, the reply whose content its last such assistant message holds (see
+            :func:`~relax_agent.rollout.proxy.session.calls.continues`); None: it continued none.
         content: the text the agent got as ``content`` ("" for a reply of only tool calls).
+        key: :func:`~relax_agent.rollout.proxy.session.calls.content_key` of the message the agent got.
         num_tokens: its sampled tokens.
         on_task: its conversation holds the task's opening messages.
         delivered: False when the agent had hung up before the response was sent (abandoned);
@@ -35,6 +38,7 @@ class Reply:
     parent: Reply | None
     content: str
     num_tokens: int
+    key: tuple[str, str] = ("", "[]")
     on_task: bool = True
     delivered: bool | None = None
     children: list[Reply] = field(default_factory=list)
@@ -58,7 +62,8 @@ class Segment:
         convo: [m] normalised messages the tokens stand for (requests' messages and replies).
         tools_key: the tools it was rendered with (canonical JSON).
         closed: its last turn ends with the template's closing token (else a delta starts with it).
-        kind: "first", "branch" or "sibling".
+        kind: "first", "branch" (a fresh render continuing no reply), "continuation" (a fresh render
+            whose history holds an earlier reply re-templated: a new context of the same chain) or "sibling".
         version: bumped on every extension (concurrent requests that extended an older state fork).
         marks: :meth:`state` after each of its turns (a request may continue from any of them).
         replies: the :class:`Reply` of each mark.
