@@ -241,7 +241,7 @@ def test_messages_refusals_have_anthropic_error_bodies(server, tok):
     big = httpx.post(f"{server.root_url}/v1/messages", content=b"x" * (server.max_request_bytes + 1), headers=headers)
     assert big.status_code == 413 and big.json() == {"type": "error", "error": {
         "type": "request_too_large", "message": big.json()["error"]["message"]}}
-    unknown = httpx.post(f"{server.root_url}/v1/messages/count_tokens", json={}, headers=headers)
+    unknown = httpx.post(f"{server.root_url}/v1/messages/batches", json={}, headers=headers)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     assert [m.id for m in client.models.list().data] == ["policy"]  # x-api-key works on /v1/models too
     assert engine.prompts == []

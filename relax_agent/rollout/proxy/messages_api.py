@@ -12,11 +12,22 @@ Request (https://docs.anthropic.com/en/api/messages):
 - ``system`` (a string or text blocks), ``tools`` (``name``, ``description``, ``input_schema``),
   ``tool_choice`` (``auto``, ``any`` = required, ``tool`` = a named one, ``none``;
   ``disable_parallel_tool_use``), ``max_tokens`` (required), ``stop_sequences`` (at most 4, as the
-  chat path's ``stop``), ``temperature``, ``top_p``, ``stream``, ``model``; ``metadata`` and
-  ``service_tier`` are accepted and change nothing.
+  chat path's ``stop``), ``temperature``, ``top_p``, ``stream``, ``model``; the hints of
+  :data:`HINTS` (``metadata``, ``service_tier``, ``cache_control``, ``inference_geo``, ``speed``,
+  ``user_profile_id``, ``workspace_id``) are accepted and change nothing.
+- Prefill: a final ``assistant`` turn (text, no trailing whitespace) is the start of the reply:
+  its tokens follow the generation prompt as context (loss mask 0), the policy continues it, and
+  the returned content is only the new text (as the Messages API returns it).
 - Refused with 400 naming the field: ``top_k``, ``thinking`` (but ``{"type": "disabled"}``),
   server tools (web search, bash...), image / document / thinking blocks, a missing
-  ``max_tokens``, any unknown field.
+  ``max_tokens``, any unknown field; an assistant turn whose ``tool_use`` ids the next user turn
+  does not all answer with ``tool_result`` blocks (the Messages API's message, naming the ids);
+  ``thread`` (the endpoint stores no conversation), with ``error.details.error_code``
+  ``thread_unsupported_request``, on which the SDK's tool runner re-sends the whole history.
+
+``POST /v1/messages/count_tokens`` (``model``, ``messages``, ``system``, ``tools``,
+``tool_choice``) answers ``{"input_tokens": N}``: the length of the prompt ``/v1/messages`` would
+sample from for the same body (the episode's recorded tokens where the messages extend them).
 
 Response: ``type: "message"`` with content blocks ``text`` (when the reply has text) and
 ``tool_use`` (``input`` the decoded arguments), ``stop_reason`` ``end_turn``, ``tool_use``,
@@ -31,6 +42,7 @@ from ``x-api-key`` or ``Authorization: Bearer``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -38,13 +50,22 @@ from typing import Any
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, parse_chat_request
 from relax_agent.rollout.proxy.wire import bearer, check_fields, sse_event
 
+HINTS = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
+                   "workspace_id"})
+"""Documented fields that change neither the sampling nor the response (attribution, caching, where and how fast
+the request is served), accepted at any value and ignored."""
 ACCEPTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "max_tokens", "stop_sequences",
-                      "temperature", "top_p", "stream", "metadata", "service_tier"})
+                      "temperature", "top_p", "stream", *HINTS})
+COUNTED = frozenset({"model", "messages", "system", "tools", "tool_choice", "cache_control", "speed"})
+"""Fields of ``POST /v1/messages/count_tokens``."""
 NOOP: dict[str, tuple[Any, ...]] = {"top_k": (None,), "thinking": (None, {"type": "disabled"})}
 """Fields accepted only at these values (they change nothing)."""
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+"""The error code (in ``error.details.error_code``) with which the Messages API refuses a ``thread`` it cannot hold;
+the ``anthropic`` SDK's tool runner then sends the whole history without one."""
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 529: "overloaded_error"}
+               422: "invalid_request_error", 429: "rate_limit_error", 529: "overloaded_error"}
 """Anthropic's error type of each HTTP status (others: ``api_error``)."""
 
 
@@ -58,14 +79,23 @@ class MessagesApi:
         return (headers.get("x-api-key") or "").strip() or bearer(headers)
 
     def parse(self, body: Any) -> ChatRequest:
-        """The internal chat request of a Messages API body (:func:`chat_body` converts it)."""
-        return parse_chat_request(chat_body(body))
+        """The internal chat request of a Messages API body (:func:`chat_body` converts it; a final
+        assistant turn is the reply's ``prefill``)."""
+        chat, prefill = chat_body(body)
+        return dataclasses.replace(parse_chat_request(chat), prefill=prefill)
+
+    def parse_count(self, body: Any) -> ChatRequest:
+        """The internal chat request whose prompt a ``count_tokens`` body asks the length of."""
+        if isinstance(body, dict):
+            check_fields(body, "/v1/messages/count_tokens", COUNTED, NOOP)
+        return self.parse({**body, "max_tokens": 1} if isinstance(body, dict) else body)
 
     def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
-        """An Anthropic ``message`` object of the first choice: content blocks, stop reason, usage."""
+        """An Anthropic ``message`` object of the first choice: content blocks (after the prefill, which
+        is not repeated), stop reason, usage."""
         c = answer.choices[0]
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                "model": req.model or answer.model, "content": content_blocks(c),
+                "model": req.model or answer.model, "content": content_blocks(c, req.prefill),
                 "stop_reason": stop_reason(c), "stop_sequence": c.stop_string,
                 "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens}}
 
@@ -81,15 +111,23 @@ class MessagesApi:
 def error_body(exc: RequestError) -> dict[str, Any]:
     """Anthropic's error body of ``exc`` (the field, when known, is named in the message)."""
     message = str(exc) if exc.param is None or exc.param in str(exc) else f"{exc.param}: {exc}"
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": message}}
+    error: dict[str, Any] = {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": message}
+    if exc.code == THREAD_UNSUPPORTED:
+        error["details"] = {"error_code": THREAD_UNSUPPORTED, "unsupported": ["thread"]}
+    return {"type": "error", "error": error}
 
 
-def chat_body(body: Any) -> dict[str, Any]:
-    """The chat-completions body of a Messages request body.
+def chat_body(body: Any) -> tuple[dict[str, Any], str]:
+    """The chat-completions body of a Messages request body, and the text of its final assistant
+    turn when it has one (a prefill the reply continues; "" otherwise).
 
     Raises:
-        RequestError: an unknown, refused or malformed field (named as the Messages API names it).
+        RequestError: an unknown, refused or malformed field (named as the Messages API names it);
+            a ``thread`` (400 with ``error.details.error_code`` :data:`THREAD_UNSUPPORTED`).
     """
+    if isinstance(body, dict) and body.get("thread") is not None:
+        raise RequestError("thread is not supported: this endpoint stores no conversations; send the whole history "
+                           "without thread", "thread", code=THREAD_UNSUPPORTED)
     check_fields(body, "/v1/messages", ACCEPTED, NOOP)
     if body.get("max_tokens") is None:
         raise RequestError("max_tokens is required (the most tokens to sample)", "max_tokens")
@@ -101,7 +139,11 @@ def chat_body(body: Any) -> dict[str, Any]:
     messages = []
     if body.get("system") is not None:
         messages.append({"role": "system", "content": _text(body["system"], "system")})
-    messages.extend(turn_messages(body.get("messages")))
+    turns = turn_messages(body.get("messages"))
+    prefill = _prefill(turns, body)
+    if prefill:
+        turns = turns[:-1]
+    messages.extend(turns)
     out["messages"] = messages
     tools = body.get("tools")
     if tools is not None:
@@ -117,7 +159,27 @@ def chat_body(body: Any) -> dict[str, Any]:
                                "stop_sequences")
         if stops:
             out["stop"] = stops
-    return out
+    return out, prefill
+
+
+def _prefill(turns: list[dict[str, Any]], body: dict[str, Any]) -> str:
+    """The text of a final assistant turn ("" when the last turn is the user's or empty).
+
+    Raises:
+        RequestError: it ends with whitespace, or comes with a forced tool choice (as the Messages API refuses them).
+    """
+    last = turns[-1]
+    if last["role"] != "assistant" or not last.get("content"):
+        return ""
+    text = last["content"]
+    if text != text.rstrip():
+        raise RequestError("messages: final assistant content cannot end with trailing whitespace", "messages")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        raise RequestError(f"a final assistant turn (prefill) cannot be continued with tool_choice "
+                           f"{choice.get('type')!r}, which forces the reply to open with a tool call; use 'auto'",
+                           "tool_choice")
+    return text
 
 
 def turn_messages(raw: Any) -> list[dict[str, Any]]:
@@ -126,12 +188,15 @@ def turn_messages(raw: Any) -> list[dict[str, Any]]:
         raise RequestError("messages must be a non-empty list of user / assistant turns", "messages")
     out: list[dict[str, Any]] = []
     used: set[str] = set()
+    asked: list[str] = []  # tool_use ids of the previous assistant turn
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("user", "assistant"):
             raise RequestError(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
         content = m.get("content")
+        _check_answered(asked, content if role == "user" else None, i - 1)
+        asked = []
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -149,6 +214,7 @@ def turn_messages(raw: Any) -> list[dict[str, Any]]:
                     raise RequestError(f"{at} must be {{'type': 'tool_use', 'id': ..., 'name': ..., 'input': {{...}}}}",
                                        at)
                 used.add(block["id"])
+                asked.append(block["id"])
                 calls.append({"id": block["id"], "type": "function",
                               "function": {"name": block["name"],
                                            "arguments": json.dumps(block["input"], ensure_ascii=False)}})
@@ -173,7 +239,24 @@ def turn_messages(raw: Any) -> list[dict[str, Any]]:
             out.extend(results)
             if texts or not results:
                 out.append({"role": "user", "content": "".join(texts)})
+    _check_answered(asked, None, len(raw) - 1)
     return out
+
+
+def _check_answered(asked: list[str], content: Any, index: int) -> None:
+    """Refuse, as the Messages API does, ``tool_use`` ids of turn ``index`` (``asked``) that the next
+    turn's ``content`` (None: no user turn follows) does not answer with ``tool_result`` blocks.
+
+    Raises:
+        RequestError: 400 naming the turn and the unanswered ids.
+    """
+    answered = {b.get("tool_use_id") for b in content if isinstance(b, dict) and b.get("type") == "tool_result"} \
+        if isinstance(content, list) else set()
+    missing = [a for a in asked if a not in answered]
+    if missing:
+        raise RequestError(f"messages.{index}: `tool_use` ids were found without `tool_result` blocks immediately "
+                           f"after: {', '.join(missing)}. Each `tool_use` block must have a corresponding "
+                           "`tool_result` block in the next message.")
 
 
 def _text(content: Any, where: str) -> str:
@@ -228,9 +311,20 @@ def stop_reason(c: Choice) -> str:
     return "stop_sequence" if c.stop_string is not None else "end_turn"
 
 
-def content_blocks(c: Choice) -> list[dict[str, Any]]:
-    """The content blocks of a choice: its text (when any), then a ``tool_use`` per call."""
-    out: list[dict[str, Any]] = [{"type": "text", "text": c.content}] if c.content else []
+def continuation(content: str | None, prefill: str) -> str:
+    """The part of a reply's ``content`` after the ``prefill`` it continues (the content whole when it
+    does not start with it: the parser trimmed or moved it)."""
+    content = content or ""
+    for head in (prefill, prefill.lstrip()):
+        if head and content.startswith(head):
+            return content[len(head):]
+    return content
+
+
+def content_blocks(c: Choice, prefill: str = "") -> list[dict[str, Any]]:
+    """The content blocks of a choice: its text after ``prefill`` (when any), then a ``tool_use`` per call."""
+    text = continuation(c.content, prefill)
+    out: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
     for call in c.tool_calls:
         out.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                     "input": json.loads(call["function"]["arguments"])})

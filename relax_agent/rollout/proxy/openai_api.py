@@ -4,7 +4,8 @@
 :class:`RequestError` (HTTP 400, OpenAI error body, ``param`` naming the field). Every field of
 the body is either used or refused: a field the endpoint cannot honour is never dropped
 silently. A ``tool`` message must answer a tool call of an earlier assistant message by its id. Fields accepted only at their no-op value (``presence_penalty: 0``...) are listed in
-:data:`NOOP_FIELDS`.
+:data:`NOOP_FIELDS`; documented hints that change neither what is sampled nor what is returned
+(``prompt_cache_key``...) in :data:`HINT_FIELDS`, accepted at any value and ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ NOOP_FIELDS: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"}, None),
 }
 """Fields accepted only at these values (they change nothing); any other value is refused."""
+HINT_FIELDS = frozenset({"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                         "service_tier"})
+"""OpenAI's documented hints (prompt caching, abuse detection, the processing tier), accepted at any value and
+ignored: they change neither the sampling nor the response."""
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -87,6 +92,8 @@ class ChatRequest:
         stream: answer with server-sent events as tokens are sampled.
         include_usage: streaming: send a last chunk with token usage.
         model: the model the request named.
+        prefill: text the reply starts with (an Anthropic final assistant turn): sent to the policy
+            after the generation prompt as context, continued by it; "" for none.
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -103,6 +110,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    prefill: str = ""
 
 
 def _is_int(v: Any) -> bool:
@@ -149,7 +157,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     for key in body:
-        if key in SUPPORTED_FIELDS:
+        if key in SUPPORTED_FIELDS or key in HINT_FIELDS:
             continue
         if key in NOOP_FIELDS:
             if body[key] not in NOOP_FIELDS[key]:

@@ -12,8 +12,10 @@ Request (https://platform.openai.com/docs/api-reference/responses/create):
 - ``instructions`` (a system message first), ``tools`` (``{"type": "function", "name",
   "description", "parameters", "strict"}``), ``tool_choice`` (``auto``, ``none``, ``required``,
   ``{"type": "function", "name"}``), ``parallel_tool_calls``, ``max_output_tokens``,
-  ``temperature``, ``top_p``, ``stream``, ``model``; ``store``, ``metadata``, ``user`` are accepted
-  and change nothing (nothing is stored).
+  ``temperature``, ``top_p``, ``stream``, ``model``; ``store``, ``metadata``, ``user`` and the hints
+  ``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``, ``safety_identifier``,
+  ``service_tier`` are accepted and change nothing (nothing is stored); so is
+  ``stream_options.include_obfuscation`` (no obfuscation padding is sent).
 - Refused with 400 naming the field: ``previous_response_id`` and ``item_reference`` items (the
   endpoint stores no responses: send the whole input), ``conversation``, non-function tools,
   ``reasoning`` items, non-text content (images, files), ``reasoning`` / ``text`` / ``truncation``
@@ -35,12 +37,21 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, RequestError, now_s, parse_chat_request
+from relax_agent.rollout.proxy.openai_api import (
+    HINT_FIELDS,
+    Answer,
+    ChatRequest,
+    RequestError,
+    now_s,
+    parse_chat_request,
+)
 from relax_agent.rollout.proxy.wire import bearer, check_fields, sse_event
 
 PASSED = ("model", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "stream")
 """Fields whose meaning is the chat request's (``tools`` and ``tool_choice`` translated)."""
-ACCEPTED = frozenset({"input", "instructions", "max_output_tokens", "store", "metadata", "user"})
+ACCEPTED = frozenset({"input", "instructions", "max_output_tokens", "store", "metadata", "user", *HINT_FIELDS})
+"""Fields read (``input``...) or accepted and ignored (``store``, ``metadata``, ``user`` and the hints of
+:data:`~relax_agent.rollout.proxy.openai_api.HINT_FIELDS`)."""
 NOOP: dict[str, tuple[Any, ...]] = {
     "reasoning": (None, {}),
     "text": (None, {}, {"format": {"type": "text"}}),
@@ -48,7 +59,7 @@ NOOP: dict[str, tuple[Any, ...]] = {
     "include": (None, []),
     "background": (None, False),
     "top_logprobs": (None, 0),
-    "service_tier": (None, "auto", "default"),
+    "stream_options": (None, {}, {"include_obfuscation": False}, {"include_obfuscation": True}),
 }
 """Fields accepted only at these values (they change nothing)."""
 REFUSED = {

@@ -46,7 +46,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relax_agent.errors import EngineError
@@ -57,9 +57,13 @@ from relax_agent.rollout.parsers import (
     ToolCallParser,
     reasoning_markers,
 )
+from relax_agent.rollout.proxy.admission import check_fits
+from relax_agent.rollout.proxy.inflight import HangUps, IdempotencyKeys
+from relax_agent.rollout.proxy.messages_api import THREAD_UNSUPPORTED, MessagesApi
 from relax_agent.rollout.proxy.openai_api import Answer, ChatCompletionsApi, ChatRequest, RequestError
 from relax_agent.rollout.proxy.session import AgentSession
 from relax_agent.rollout.proxy.wire import StreamWriter, WireApi, bearer
+from relax_agent.rollout.proxy.workers import RequestWorkers, sized
 from relax_agent.rollout.tool_parsers._common import split_reasoning
 
 T = TypeVar("T")
@@ -74,6 +78,11 @@ class EndpointServer:
         port: TCP port on 127.0.0.1; 0 picks a free one.
         model_name: the model id ``/v1/models`` lists.
         max_request_bytes: largest request body read; larger ones get 413.
+        large_request_bytes: bodies over this size are parsed, rendered and tokenized on a pool of
+            ``large_workers`` threads of their own (see :mod:`~relax_agent.rollout.proxy.workers`).
+        large_workers: threads for large requests.
+        hangup_grace_s: seconds a non-streamed request whose client hung up keeps sampling for the
+            SDK's retry to come back before it is aborted (see :class:`~relax_agent.rollout.proxy.inflight.HangUps`).
 
     Attributes:
         base_url: ``http://127.0.0.1:{port}/v1`` (what agents get as ``OPENAI_BASE_URL``).
@@ -81,9 +90,13 @@ class EndpointServer:
             ``anthropic`` SDK adds ``/v1/messages`` itself).
     """
 
-    def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024,
+                 large_request_bytes: int = 256 * 1024, large_workers: int = 2, hangup_grace_s: float = 10.0) -> None:
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
+        self.workers = RequestWorkers(large_request_bytes, large_workers)
+        self.idempotency = IdempotencyKeys()
+        self.hang_ups = HangUps(hangup_grace_s)
         self.refused: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
         """(API key as sent, message) of the latest refused requests (4xx), for ``relax-agent agent check``."""
         self.sessions: dict[str, AgentSession] = {}
@@ -116,6 +129,7 @@ class EndpointServer:
         self._server = uvicorn.Server(config)
         ready = threading.Event()
         self.loop = loop = asyncio.new_event_loop()
+        loop.set_default_executor(self.workers)
 
         def serve() -> None:
             asyncio.set_event_loop(loop)
@@ -141,6 +155,7 @@ class EndpointServer:
         self._thread.join(30.0)
         self._thread = None
         self._sock.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     async def _close_sessions(self) -> None:
         sessions, self.sessions = list(self.sessions.values()), {}
@@ -170,6 +185,7 @@ class EndpointServer:
         """Revoke the session's key and abort its running generations (on the server's loop)."""
         async def end_here() -> None:
             self.sessions.pop(session.key, None)
+            self.idempotency.forget(session.key)
             await session.aclose()
 
         await self.call(end_here())
@@ -248,6 +264,7 @@ def build_app(endpoint: EndpointServer) -> Any:
             return _error(exc)
         return model_card(model)
 
+    app.post("/v1/messages/count_tokens")(_count_route(endpoint, MessagesApi()))
     for api in apis():
         app.post(api.path)(_route(endpoint, api))
     return app
@@ -255,7 +272,6 @@ def build_app(endpoint: EndpointServer) -> Any:
 
 def apis() -> list[WireApi]:
     """The wire APIs served: chat completions, Responses, Anthropic Messages."""
-    from relax_agent.rollout.proxy.messages_api import MessagesApi
     from relax_agent.rollout.proxy.responses_api import ResponsesApi
 
     return [ChatCompletionsApi(), ResponsesApi(), MessagesApi()]
@@ -268,19 +284,25 @@ def _route(endpoint: EndpointServer, api: WireApi) -> Any:
     async def handle(request: Request) -> Any:
         notes: dict[str, str] = {}
         key = api.api_key(request.headers)
+        idem = request.headers.get("idempotency-key") or None
+        claimed = accepted = False
         try:
             session = endpoint.session_of(key)
-            raw = await _read_body(request, endpoint.max_request_bytes)
-            idem = request.headers.get("idempotency-key")
-            req, body, body_key = await asyncio.to_thread(_parse_body, api, raw, idem)  # off the shared loop
+            req, body, body_hash = await _read_request(endpoint, api, request, session)
+            body_key = f"idem:{idem}" if idem else body_hash
+            claimed = idem is not None and endpoint.idempotency.claim(key, idem, body_hash)
             replay = idem is not None or _retry_count(request.headers.get("x-stainless-retry-count")) > 0
             if req.stream:
                 writer = api.writer(req, body, req.model or session.model_name)
                 events = await _start_stream(session, req, writer, body_key, replay, notes)
                 return StreamingResponse(events, media_type="text/event-stream", headers=notes)
-            answer = await (await session.submit(req, body_key, replay, notes=notes))
+            fut = await session.submit(req, body_key, replay, notes=notes)
+            accepted = True
+            answer = await endpoint.hang_ups.wait(request.receive, session, body_key, fut)
         except RequestError as exc:
-            if exc.status < 500:
+            if claimed and not accepted:
+                endpoint.idempotency.release(key, idem or "")
+            if exc.status < 500 and exc.code != THREAD_UNSUPPORTED:  # the SDK's fallback is no refusal
                 endpoint.refused.append((key, f"{exc.status}: {exc}"))
             return JSONResponse(api.error(exc), exc.status)
         except EngineError as exc:
@@ -290,6 +312,8 @@ def _route(endpoint: EndpointServer, api: WireApi) -> Any:
                 return JSONResponse(api.error(RequestError("the episode ended while this request was answered",
                                                            status=503)), 503)
             raise
+        if answer is None:  # the client hung up: nobody reads this
+            return Response(status_code=499)
         session.delivered(answer.id, not await request.is_disconnected())
         return JSONResponse(api.response(answer, req, body), headers=notes)
 
@@ -297,16 +321,50 @@ def _route(endpoint: EndpointServer, api: WireApi) -> Any:
     return handle
 
 
-def _parse_body(api: WireApi, raw: bytes, idempotency_key: str | None) -> tuple[ChatRequest, dict[str, Any], str]:
-    """The translated request, the body as sent and its replay key (the idempotency key, else a hash of
-    the API's path and body)."""
+def _count_route(endpoint: EndpointServer, api: MessagesApi) -> Any:
+    """The handler of ``POST /v1/messages/count_tokens``: ``{"input_tokens": N}``, the length of the
+    prompt ``/v1/messages`` would sample from for the same body (nothing is sampled or recorded)."""
+
+    async def count_tokens(request: Request) -> Any:
+        try:
+            session = endpoint.session_of(api.api_key(request.headers))
+            raw = await _read_body(request, endpoint.max_request_bytes)
+            sized(len(raw))
+            req = await asyncio.to_thread(lambda: api.parse_count(_json(raw)))
+            return {"input_tokens": await asyncio.to_thread(session.prompt_tokens, req)}
+        except RequestError as exc:
+            return JSONResponse(api.error(exc), exc.status)
+
+    return count_tokens
+
+
+async def _read_request(endpoint: EndpointServer, api: WireApi, request: Request,
+                        session: AgentSession) -> tuple[ChatRequest, dict[str, Any], str]:
+    """Read, parse and translate a request body (on the worker pool its size calls for); refuse one
+    whose text cannot fit the episode's token budget before anything is tokenized.
+
+    Raises:
+        RequestError: 413 past ``max_request_bytes``; 400 a body that is not a valid request or
+            cannot fit the budget.
+    """
+    raw = await _read_body(request, endpoint.max_request_bytes)
+    sized(len(raw))
+    req, body, body_hash = await asyncio.to_thread(_parse_body, api, raw)
+    check_fits(req, session.renderer.tokenizer, session.spec.max_total_tokens)
+    return req, body, body_hash
+
+
+def _json(raw: bytes) -> Any:
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _parse_body(api: WireApi, raw: bytes) -> tuple[ChatRequest, dict[str, Any], str]:
+    """The translated request, the body as sent and its hash (with the API's path)."""
+    body = _json(raw)
     req = api.parse(body)
-    if idempotency_key:
-        return req, body, f"idem:{idempotency_key}"
     return req, body, hashlib.sha256(json.dumps([api.path, body], sort_keys=True).encode()).hexdigest()
 
 
@@ -323,7 +381,7 @@ async def _start_stream(session: AgentSession, req: ChatRequest, writer: StreamW
     the response starts, so a refused one still gets a plain 400."""
     queue: asyncio.Queue = asyncio.Queue()
     streamers = [ContentStreamer(session.parser, parse=bool(req.tools) and req.tool_choice.mode != "none",
-                                 stops=req.stop) for _ in range(req.n)]
+                                 stops=req.stop, prefix=req.prefill) for _ in range(req.n)]
 
     def on_text(index: int, text: str) -> None:
         delta = streamers[index].update(text)
@@ -374,15 +432,16 @@ class ContentStreamer:
         parser: the tool-call parser (decides which text may open a call).
         parse: the reply is parsed for tool calls (tools given, ``tool_choice`` not "none").
         stops: stop strings (content ends before the first).
+        prefix: the prefill the reply continues: never sent (the deltas are the text after it).
     """
 
-    def __init__(self, parser: ToolCallParser, parse: bool, stops: tuple[str, ...] = ()) -> None:
+    def __init__(self, parser: ToolCallParser, parse: bool, stops: tuple[str, ...] = (), prefix: str = "") -> None:
         self.parse = parse
         self.stops = tuple(stops)
         self.openers = _openers(parser) if parse else ()
         self.strict_json = parse and isinstance(parser, JsonParser) and parser.strict
         self.think = reasoning_markers(parser) if parse else None
-        self.sent = ""
+        self.sent = prefix.lstrip() if parse else prefix
 
     def safe(self, text: str) -> str:
         """The part of ``text`` that will start the final content whatever is sampled next."""
