@@ -139,6 +139,7 @@ def register_envs() -> None:
         calculator,
         data_file,
         dataset_tools,
+        long_recall,
         python_exec,
         reasoning_gym,
         video,
@@ -150,6 +151,7 @@ def register_envs() -> None:
     python_exec.register()
     data_file.register()
     calculator.register()
+    long_recall.register()
     reasoning_gym.register()
     visual.register()
     audio.register()

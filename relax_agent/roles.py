@@ -326,6 +326,10 @@ def _media_policy(cfg: RelaxConfig, model_cfg: Any) -> bool:
     if cfg.rollout.driver != "env":
         raise ConfigError(f"rollout.driver={cfg.rollout.driver!r}: a multimodal policy plays env-driven episodes; "
                           "set rollout.driver: env")
+    if cfg.rollout.context.policy != "truncate":
+        raise ConfigError(f"rollout.context.policy={cfg.rollout.context.policy!r}: a multimodal policy's episodes end at a "
+                          "full context (a new context would have to carry the media again); set rollout.context.policy: "
+                          "truncate")
     if cfg.trainer.backend != "torch":
         raise ConfigError(f"trainer.backend={cfg.trainer.backend!r}: only the torch backend feeds media to the policy's "
                           "forward (another would train a blind model); set trainer.backend: torch")
@@ -376,5 +380,6 @@ def rollout_limits(cfg: RelaxConfig) -> Any:
     """The per-episode :class:`~relax_agent.rollout.runner.RolloutLimits` of ``cfg`` (env and rollout keys)."""
     from relax_agent.rollout.runner import RolloutLimits
 
+    context = cfg.rollout.context if cfg.rollout.context.policy != "truncate" else None
     return RolloutLimits(cfg.env.max_turns, cfg.rollout.max_total_tokens, cfg.env.step_timeout_s,
-                         cfg.rollout.episode_timeout_s)
+                         cfg.rollout.episode_timeout_s, context)

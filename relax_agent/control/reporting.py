@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,9 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
     advantage), ``dropped_stale`` (its group finished too late for ``max_staleness`` and was
     not trained), ``filtered`` (dynamic sampling retired its group untrained: its rewards did not
     vary) and, per turn, ``token_versions`` (each token's policy version where a weight
-    update landed inside the turn, else empty). An agent-driven episode's side segments follow it,
+    update landed inside the turn, else empty). A multi-segment episode's earlier contexts precede it,
+    each with ``context_of`` (the episode's sample id), ``segment`` (0-based) and the episode's
+    ``trained``. An agent-driven episode's side segments follow it,
     each with ``side_branch_of`` (the episode's sample id) and ``trained``: false, or with
     ``train_branches`` (``rollout.agent.train_branches``) its episode's, when the segment has a
     sampled token and a real reward.
@@ -68,6 +71,8 @@ def write_rollout_dump(path: Path, rows: Iterable[tuple[Trajectory, int]], train
         for t, version in rows:
             row = {"sample_version": version, "trained_at_version": trained_at, "trained": t.sample_id in kept,
                    "dropped_stale": t.sample_id in dropped, "filtered": t.sample_id in filtered}
+            for k, seg in enumerate(t.context_segments):  # earlier contexts train with their episode
+                f.write(json.dumps({**_dump_row(seg, decode), **row, "context_of": t.sample_id, "segment": k}) + "\n")
             f.write(json.dumps({**_dump_row(t, decode), **row}) + "\n")
             for seg in t.side_segments:
                 trained = train_branches and row["trained"] and seg.trainable and any(seg.loss_mask)
@@ -94,27 +99,35 @@ def write_token_record(path: Path, rows: Iterable[tuple[Trajectory, int]],
     gets ``media`` (:func:`~relax_agent.multimodal.record.media_record`: per item kind, placeholder
     tokens, first placeholder position with ``kind_of_token`` (placeholder id -> kind), digest of
     its processor outputs); the arrays are not copied, replay processes the messages' parts again.
+    A multi-segment episode writes one line per context, in order (the earlier ones with sample ids
+    ``{sample_id}/ctx{k}`` and ``stop_reason`` "context"), each replayed on its own.
     Written to a temporary name and renamed: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with gzip.open(tmp, "wt") as f:
-        for t, version in rows:
-            messages = list(t.messages)
-            media = None
-            if t.media is not None:
-                from relax_agent.multimodal.record import json_safe_messages, media_record
-
-                messages = json_safe_messages(messages)
-                media = media_record(t.media, t.token_ids, kind_of_token)
-            f.write(json.dumps({
-                "sample_id": t.sample_id, "task_id": t.task_id, "sample_version": version,
-                "token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
-                "rollout_logprobs": list(t.rollout_logprobs), "prompt_len": t.prompt_len,
-                "turns": [{"start": turn.start, "token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
-                           "policy_version": turn.policy_version, "finish_reason": turn.finish_reason,
-                           "message": turn.message_index, "opening": turn.opening, "closed": turn.closed}
-                          for turn in t.turns],
-                "messages": messages, "trainable": t.trainable,
-                "media_kinds": list(t.media.kinds) if t.media is not None else [], "media": media,
-            }, default=str) + "\n")
+        for seg, version in ((s, v) for t, v in rows for s in t.segments):
+            _write_token_line(f, seg, version, kind_of_token)
     tmp.replace(path)
+
+
+def _write_token_line(f: Any, t: Trajectory, version: int, kind_of_token: Mapping[int, str] | None) -> None:
+    """One context's line of the token record (see :func:`write_token_record`)."""
+    messages = list(t.messages)
+    media = None
+    if t.media is not None:
+        from relax_agent.multimodal.record import json_safe_messages, media_record
+
+        messages = json_safe_messages(messages)
+        media = media_record(t.media, t.token_ids, kind_of_token)
+    f.write(json.dumps({
+        "sample_id": t.sample_id, "task_id": t.task_id, "sample_version": version,
+        "token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
+        "rollout_logprobs": list(t.rollout_logprobs), "prompt_len": t.prompt_len,
+        "turns": [{"start": turn.start, "token_ids": list(turn.token_ids), "logprobs": list(turn.logprobs),
+                   "policy_version": turn.policy_version, "finish_reason": turn.finish_reason,
+                   "message": turn.message_index, "opening": turn.opening, "closed": turn.closed}
+                  for turn in t.turns],
+        "messages": messages, "trainable": t.trainable,
+        "media_kinds": list(t.media.kinds) if t.media is not None else [], "media": media,
+        "stop_reason": str(t.stop_reason),
+    }, default=str) + "\n")

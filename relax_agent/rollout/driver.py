@@ -38,6 +38,9 @@ class EpisodeSpec:
         episode_timeout_s: most seconds the whole episode may take (env calls and engine calls
             together, ``close`` excepted); past it the episode is a failed record with reward
             status "timeout".
+        context: what a full context does (:class:`~relax_agent.rollout.config.ContextConfig`,
+            ``rollout.context``); None: the episode ends (``truncate``). ``max_total_tokens`` then bounds
+            each context.
     """
 
     sample_id: str
@@ -49,6 +52,7 @@ class EpisodeSpec:
     max_total_tokens: int = 2048
     step_timeout_s: float = 60.0
     episode_timeout_s: float = 1800.0
+    context: Any = None
 
 
 @runtime_checkable

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.records import StopReason, Trajectory
 from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.context import Episode, needs_new_context, open_context, summarise, turn_spans
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
@@ -131,26 +132,27 @@ async def run_episode(env: Any, spec: EpisodeSpec, engine: InferenceEngine, rend
         (:data:`AUDIO_CLIPS_CUT`).
     """
     deadline = deadline or Deadline(spec.episode_timeout_s)
-    rec = TrajectoryRecorder(spec)
+    ep = Episode(spec)
     calls = EnvCalls(env, spec, deadline)
     try:
         obs, info = check_reset(await calls.reset(seed=spec.seed, options={"task": spec.task}))
+        ep.opening, ep.tools = list(obs), list(info.get("tools", ()))
         if isinstance(renderer, MediaRendering):  # media processed in a worker thread
             seg = await renderer.render_prompt_async(obs, info.get("tools", ()))
-            rec.add_prompt(seg.token_ids, seg.messages, seg.media, seg.notes)
+            ep.rec.add_prompt(seg.token_ids, seg.messages, seg.media, seg.notes)
         else:
             prompt = renderer.render_prompt(obs, info.get("tools", ()))
-            rec.add_prompt(prompt.token_ids, prompt.messages)
-        reward, metrics, stop = await _play_turns(rec, calls, spec, engine, renderer, parser, params, deadline)
+            ep.rec.add_prompt(prompt.token_ids, prompt.messages)
+        reward, metrics, stop = await _play_turns(ep, calls, spec, engine, renderer, parser, params, deadline)
     except _PolicyError as exc:  # the policy's fault, not the env's: masked all the same
-        return rec.fail(str(exc), stop=StopReason.POLICY_ERROR)
+        return ep.finish(ep.rec.fail(str(exc), stop=StopReason.POLICY_ERROR))
     except Exception as exc:  # env bugs, timeouts, template and media refusals become data, not crashes
-        return rec.fail_with(exc)
+        return ep.finish(ep.rec.fail_with(exc))
     finally:
         await close_env(env, spec.step_timeout_s)
-    if rec.notes:
-        metrics = {**metrics, AUDIO_CLIPS_CUT: float(len(rec.notes))}
-    return rec.finish(reward, metrics, stop)
+    if ep.rec.notes:
+        metrics = {**metrics, AUDIO_CLIPS_CUT: float(len(ep.rec.notes))}
+    return ep.finish(ep.rec.finish(reward, metrics, stop))
 
 
 def _generate(engine: Any, token_ids: list[int], request: SamplingParams, rec: TrajectoryRecorder) -> Any:
@@ -177,10 +179,11 @@ async def _observation(renderer: ChatRenderer | MediaRendering, new_obs: Any, cl
     return renderer.observation_delta(new_obs, closed=closed, calls=calls), None, ()
 
 
-async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpec, engine: InferenceEngine,
+async def _play_turns(ep: Episode, calls: EnvCalls, spec: EpisodeSpec, engine: InferenceEngine,
                       renderer: ChatRenderer | MediaRendering, parser: ToolCallParser, params: SamplingParams,
                       deadline: Deadline) -> tuple[float, dict[str, float], StopReason]:
-    """The turn loop after the prompt: (summed env reward, last numeric info, stop reason).
+    """The turn loop after the prompt: (summed env reward, last numeric info, stop reason). With
+    ``spec.context`` (``rollout.context``) a full context is followed by a new one (:mod:`relax_agent.rollout.context`).
 
     Raises:
         _PolicyError: a media policy's reply holds a media placeholder token.
@@ -189,9 +192,15 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
     reward = 0.0
     metrics: dict[str, float] = {}
     for turn in range(spec.max_turns):
+        rec = ep.rec
         budget = spec.max_total_tokens - rec.num_tokens
         if budget <= 0:
             return reward, metrics, StopReason.MAX_TOTAL_TOKENS
+        cap = spec.context.max_sampled_tokens if spec.context is not None else None
+        if cap is not None:
+            if ep.sampled_tokens >= cap:
+                return reward, metrics, StopReason.MAX_SAMPLED_TOKENS
+            budget = min(budget, cap - ep.sampled_tokens)
         seed = params.seed if params.seed is not None else spec.seed * 1009 + turn
         request = replace(params, max_new_tokens=min(params.max_new_tokens, budget), seed=seed)
         gen = await deadline.call(_generate(engine, list(rec.token_ids), request, rec),
@@ -204,6 +213,8 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
                                "this one did not)")
         if gen.finish_reason == "length" and rec.num_tokens >= spec.max_total_tokens:
             return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # cut by the budget: not an action for the env
+        if gen.finish_reason == "length" and cap is not None and ep.sampled_tokens >= cap:
+            return reward, metrics, StopReason.MAX_SAMPLED_TOKENS  # cut by the episode's budget
         text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=not decodes_special_tokens(parser))
         action = parser.parse(text).message()
         rec.add_messages([{**action, "content": text}])
@@ -215,9 +226,45 @@ async def _play_turns(rec: TrajectoryRecorder, calls: EnvCalls, spec: EpisodeSpe
         rec.add_messages(new_obs)
         if terminated or truncated:
             return reward, metrics, rec.ended(StopReason.TERMINATED if terminated else StopReason.TRUNCATED)
-        delta, media, notes = await _observation(renderer, new_obs, gen.finish_reason != "length",
-                                                 action["tool_calls"])
+        closed = gen.finish_reason != "length"
+        delta, media, notes = await _observation(renderer, new_obs, closed, action["tool_calls"])
+        if await _context_full(ep, spec, renderer, parser, engine, params, deadline, new_obs, delta, closed,
+                               action["tool_calls"]):
+            if ep.rec is rec:  # no new context: the episode ends here
+                return reward, metrics, ep.stop or StopReason.MAX_TOTAL_TOKENS
+            continue
         if rec.num_tokens + len(delta) >= spec.max_total_tokens:
             return reward, metrics, StopReason.MAX_TOTAL_TOKENS  # no room for a reply (media are never cut)
         rec.add_context(delta, media, notes)
-    return reward, metrics, rec.ended(StopReason.MAX_TURNS)
+    return reward, metrics, ep.rec.ended(StopReason.MAX_TURNS)
+
+
+async def _context_full(ep: Episode, spec: EpisodeSpec, renderer: Any, parser: ToolCallParser, engine: InferenceEngine,
+                        params: SamplingParams, deadline: Deadline, pending: Any, delta: Sequence[int], closed: bool,
+                        calls: Any) -> bool:
+    """False while the pending observation and a reply fit the context (or ``rollout.context`` is
+    ``truncate``); else True, with the next context started (``ep.rec`` is a new recorder) or, when none can
+    be, ``ep.stop`` set and the context left as it is."""
+    cfg = spec.context
+    rec = ep.rec
+    reserve = cfg.summary_max_tokens + ep.instruction_tokens(renderer) if cfg is not None and cfg.policy == "compact" else 0
+    if not needs_new_context(cfg, rec, len(delta), spec.max_total_tokens, params.max_new_tokens, reserve):
+        return False
+    if ep.num_segments >= cfg.max_segments:
+        ep.stop = StopReason.MAX_SEGMENTS
+        return True
+    spans, old_messages = turn_spans(rec), list(rec.messages)
+    summary, shown = None, True
+    if cfg.policy == "compact":
+        summary, shown, why = await summarise(ep, cfg, engine, renderer, parser, params, pending, closed, calls,
+                                              spec.max_total_tokens, deadline.call)
+        if summary is None:
+            rec.env_reason = f"rollout.context: {why}"
+            return True
+    why = open_context(ep, cfg, renderer, spans, old_messages, delta, summary, shown, spec.max_total_tokens,
+                       params.max_new_tokens)
+    if why:
+        ep.stop, rec.env_reason = StopReason.MAX_TOTAL_TOKENS, f"rollout.context: {why}"
+    else:
+        ep.rec.env_reason = rec.env_reason
+    return True

@@ -115,13 +115,13 @@ class TrajectoryRecorder:
 
     def finish(self, reward: float, metrics: dict[str, float], stop: StopReason) -> Trajectory:
         """The record of a played episode."""
-        return self._record(reward=reward, metrics=metrics, stop_reason=stop, env_reason=self.env_reason)
+        return self.record(reward=reward, metrics=metrics, stop_reason=stop, env_reason=self.env_reason)
 
     def fail(self, cause: str, status: RewardStatus = RewardStatus.ERROR,
              stop: StopReason = StopReason.ENV_ERROR) -> Trajectory:
         """The failed record: reward 0 with ``status`` (masked out of training), ``error=cause``;
         ``stop`` says who failed ("env_error", or "policy_error" for what the policy sampled)."""
-        return self._record(reward=0.0, reward_status=status, stop_reason=stop, error=cause)
+        return self.record(reward=0.0, reward_status=status, stop_reason=stop, error=cause)
 
     def fail_with(self, exc: BaseException, during: str = "") -> Trajectory:
         """:meth:`fail` for an exception: timeouts get status "timeout", the rest "error";
@@ -130,7 +130,8 @@ class TrajectoryRecorder:
         status = RewardStatus.TIMEOUT if isinstance(exc, EpisodeTimeout) else RewardStatus.ERROR
         return self.fail(f"{during}: {cause}" if during else cause, status)
 
-    def _record(self, **fields: Any) -> Trajectory:
+    def record(self, **fields: Any) -> Trajectory:
+        """The record of the tokens, turns and messages so far with ``fields`` (reward, status, stop reason...)."""
         return Trajectory(
             sample_id=self.spec.sample_id, group_id=self.spec.group_id, task_id=self.spec.task_id,
             token_ids=tuple(self.token_ids), loss_mask=tuple(self.loss_mask), rollout_logprobs=tuple(self.logprobs),

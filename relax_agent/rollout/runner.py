@@ -24,6 +24,8 @@ class RolloutLimits:
     max_total_tokens: int = 2048
     step_timeout_s: float = 60.0
     episode_timeout_s: float = 1800.0
+    context: Any = None
+    """``rollout.context`` (:class:`~relax_agent.rollout.config.ContextConfig`); None: ``truncate``."""
 
 
 def episode_specs(tasks: Sequence[dict[str, Any]], group_size: int, prefix: str, seed: int,
@@ -39,6 +41,7 @@ def episode_specs(tasks: Sequence[dict[str, Any]], group_size: int, prefix: str,
                 sample_id=f"{group_id}/{i}", group_id=group_id, task_id=str(task["id"]), task=task,
                 seed=seed + g * group_size + i, max_turns=limits.max_turns, max_total_tokens=limits.max_total_tokens,
                 step_timeout_s=limits.step_timeout_s, episode_timeout_s=limits.episode_timeout_s,
+                context=limits.context,
             ))
     return out
 

@@ -10,12 +10,13 @@ from typing import Any
 
 from relax_agent.errors import ConfigError
 
-_SAMPLE_ID = re.compile(r"^(?P<group>.+)/(?P<index>\d+)(?P<seg>/seg\d+)?$")
+_SAMPLE_ID = re.compile(r"^(?P<group>.+)/(?P<index>\d+)(?P<seg>/(?:seg|ctx)\d+)?$")
 
 
 def group_of(sample_id: str) -> tuple[str, int]:
     """``(group id, index in the group)`` of a sample id ``"{group_id}/{index}"`` (an agent's later
-    segment ``".../{index}/segK"`` belongs to the same group and index). Ids of another shape are
+    segment ``".../{index}/segK"`` and an earlier context ``".../{index}/ctxK"`` belong to the same group
+    and index). Ids of another shape are
     their own group, index 0."""
     m = _SAMPLE_ID.match(sample_id)
     if not m:

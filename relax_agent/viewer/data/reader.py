@@ -224,10 +224,11 @@ class RunReader:
             groups.setdefault(group_of(str(row.get("sample_id", "")))[0], []).append(row)
         out_groups, shown = [], 0
         for gid, rows in groups.items():
-            rewards = [float(r["reward"]) for r in rows if not is_failed(r) and not r.get("side_branch_of")]
+            rewards = [float(r["reward"]) for r in rows if not is_failed(r) and not r.get("side_branch_of")
+                       and not r.get("context_of")]
             mean = sum(rewards) / len(rewards) if rewards else None
-            kept = [self.episode_brief(r, mean) for r in rows
-                    if flt.keep(r, is_failed(r), str(r.get("stop_reason")))]
+            kept = [self.episode_brief(r, mean) for r in rows if not r.get("context_of")  # shown with their episode
+                    and flt.keep(r, is_failed(r), str(r.get("stop_reason")))]
             kept.sort(key=lambda e: e["index"])
             shown += len(kept)
             if kept:
@@ -277,8 +278,8 @@ class RunReader:
         if row is None:
             raise DataError(f"step {step}: no sample {sample_id!r} in rollouts/step_{step:06d}.jsonl")
         gid = group_of(sample_id)[0]
-        group = [r for sid, r in rows.items() if group_of(sid)[0] == gid]
-        rewards = [float(r["reward"]) for r in group if not is_failed(r)]
+        group = [r for sid, r in rows.items() if group_of(sid)[0] == gid and not r.get("context_of")]
+        rewards = [float(r["reward"]) for r in group if not is_failed(r) and not r.get("side_branch_of")]
         mean = sum(rewards) / len(rewards) if rewards else None
         brief = self.episode_brief(row, mean)
         responses = row.get("response") or []
@@ -302,8 +303,24 @@ class RunReader:
         return {**brief, "step": step, "group_id": gid, "metrics": row.get("metrics") or {}, "turn_list": turns,
                 "messages": messages, "tokens": tokens, "tokens_missing": missing,
                 "media_kinds": (record or {}).get("media_kinds") or [],
-                "group_reward_mean": mean,
+                "group_reward_mean": mean, "context_of": row.get("context_of"),
+                "contexts": self._contexts(rows, str(row.get("context_of") or sample_id)),
                 "siblings": sorted((self.episode_brief(r, mean) for r in group), key=lambda e: e["index"])}
+
+    @staticmethod
+    def _contexts(rows: dict[str, dict[str, Any]], episode: str) -> list[dict[str, Any]]:
+        """Every context of a multi-segment episode in order (``rollout.context``): ``sample_id``, ``segment``,
+        ``turns``, ``stop_reason`` and ``last_response`` (a ``compact`` context's summary); [] for an
+        episode of one context."""
+        earlier = sorted((r for r in rows.values() if r.get("context_of") == episode), key=lambda r: int(r.get("segment", 0)))
+        if not earlier:
+            return []
+        out = []
+        for k, r in enumerate([*earlier, rows[episode]] if episode in rows else earlier):
+            responses = r.get("response") or []
+            out.append({"sample_id": str(r.get("sample_id")), "segment": k, "turns": len(responses),
+                        "stop_reason": r.get("stop_reason"), "last_response": str(responses[-1]) if responses else ""})
+        return out
 
     def _tokens(self, src: dict[str, Any], source: str) -> dict[str, Any]:
         """The token view of one trajectory row: ids, mask, log-probs, the turn and policy version of

@@ -260,6 +260,13 @@ function episodePanel(ep) {
       ep.error ? [h("dt", {}, "error"), h("dd", { class: "error" }, ep.error)] : null,
       h("dt", {}, "policy versions"), h("dd", {}, `sampled at ${fmt(ep.sample_version)}, trained at ${fmt(ep.trained_at_version)}; per turn [${ep.policy_versions.join(", ")}]`),
       h("dt", {}, "metrics"), h("dd", {}, Object.entries(ep.metrics).map(([k, v]) => `${k} ${fmt(v)}`).join(" · ") || "–")));
+  if (ep.contexts && ep.contexts.length) {
+    out.append(h("h3", {}, `Contexts (${ep.contexts.length}; each trained once with the episode's advantage)`),
+      h("ol", { id: "contexts" }, ep.contexts.map(c => h("li", { class: "context", "data-sample": c.sample_id },
+        c.sample_id === ep.sample_id ? h("b", {}, c.sample_id) : h("a", { href: episodeHref(ep.step, c.sample_id) }, c.sample_id),
+        ` · ${c.turns} turn(s) · ${c.stop_reason === "context" ? "full: the episode went on in a new context" : `ended: ${c.stop_reason}`}`,
+        c.stop_reason === "context" && ep.metrics["context/summaries"] ? h("div", { class: "text response summary" }, `summary: ${c.last_response}`) : null))));
+  }
   if (ep.tokens) out.append(h("h3", {}, "Tokens"), tokenView(ep.tokens));
   else out.append(h("p", { class: "muted", id: "no-tokens" },
     `Token view unavailable: neither the rollout dump nor a token record (logging.token_record) has ${ep.tokens_missing.join(", ")} for this step.`));
