@@ -206,3 +206,30 @@ def test_a_non_streamed_request_whose_client_hung_up_stops_sampling(server, tok)
     stopped_at = engine.sampled
     time.sleep(0.5)
     assert at_hang_up <= stopped_at == engine.sampled < 200  # it stopped, well before the reply's end
+
+
+# -- length-cut replies through the SDKs' stream helpers (what the agents guide documents) -----------------
+
+
+def test_each_sdks_stream_helper_on_a_length_cut_reply(server, tok):
+    engine = ScriptedEngine(_ids(tok, "word " * 30))
+    session, client = open_session(server, engine, tok)
+    with client.chat.completions.stream(model="m", messages=USER, max_tokens=3) as stream:
+        chunks = [e.chunk for e in stream if e.type == "chunk"]
+        with pytest.raises(openai.LengthFinishReasonError) as err:  # as against OpenAI: the final parse raises
+            stream.get_final_completion()
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert err.value.completion.choices[0].message.content == "word word word"
+    with client.responses.stream(model="m", input=USER, max_output_tokens=3) as stream:
+        events = list(stream)
+        with pytest.raises(RuntimeError, match="response.completed"):  # the helper waits for a completed response
+            stream.get_final_response()
+    cut = events[-1]
+    assert cut.type == "response.incomplete" and cut.response.incomplete_details.reason == "max_output_tokens"
+    assert cut.response.output_text == "word word word" and cut.response.output[0].status == "incomplete"
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
+    plain = client.responses.create(model="m", input=USER, max_output_tokens=3)
+    assert plain.status == "incomplete" and plain.output[0].status == "incomplete"
+    with _anthropic(server, session).messages.stream(model="m", max_tokens=3, messages=USER) as stream:
+        final = stream.get_final_message()  # the anthropic helper does not raise
+    assert final.stop_reason == "max_tokens" and final.content[0].text == "word word word"

@@ -22,7 +22,8 @@ Request (https://platform.openai.com/docs/api-reference/responses/create):
   / ``include`` / ``background`` at any value but their no-op one, and any unknown field.
 
 Response: ``object: "response"`` with ``output`` items ``message`` (one ``output_text`` part;
-present when the reply has text or no tool call) and ``function_call`` (``call_id``, ``name``,
+present when the reply has text or no tool call; its ``status`` ``incomplete`` when the reply was
+cut by its token limit) and ``function_call`` (``call_id``, ``name``,
 ``arguments`` as a JSON string), ``status`` ``completed`` (or ``incomplete`` with reason
 ``max_output_tokens`` when the reply was cut by its token limit) and ``usage``. Streamed: the
 event sequence the ``openai`` SDK parses (``response.created``, ``response.in_progress``,
@@ -224,14 +225,19 @@ def output_items(answer: Answer, ids: list[str] | None = None) -> list[dict[str,
     fresh = iter(ids or ())
     out = []
     if c.content or not c.tool_calls:
-        out.append(_message_item(next(fresh, None) or f"msg_{uuid.uuid4().hex}", c.content or ""))
+        out.append(_message_item(next(fresh, None) or f"msg_{uuid.uuid4().hex}", c.content or "", _status(answer)))
     for call in c.tool_calls:
         out.append(_call_item(next(fresh, None) or f"fc_{uuid.uuid4().hex}", call, call["function"]["arguments"]))
     return out
 
 
+def _status(answer: Answer) -> str:
+    """The status of the answer's message item: "incomplete" when its token limit cut it."""
+    return "incomplete" if answer.choices[0].finish_reason == "length" else "completed"
+
+
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -320,7 +326,7 @@ class ResponsesStreamWriter:
             out.append(self._event("response.content_part.done", item_id=self.message_id, output_index=0,
                                    content_index=0, part=part))
             out.append(self._event("response.output_item.done", output_index=0,
-                                   item=_message_item(self.message_id, self.sent)))
+                                   item=_message_item(self.message_id, self.sent, _status(answer))))
         for call in c.tool_calls:
             index, item_id, args = len(ids), f"fc_{uuid.uuid4().hex}", call["function"]["arguments"]
             ids.append(item_id)
