@@ -39,9 +39,9 @@ def test_the_example_agent_passes_every_check(tiny_model_dir, agent):
                                    "--model", str(tiny_model_dir), "--tasks", "2"])
     assert res.exit_code == 0, res.output
     rows = _rows(res.output)
-    assert len(rows) == 9 and set(rows.values()) == {"PASS"}, res.output
+    assert len(rows) == 11 and set(rows.values()) == {"PASS"}, res.output
     assert "4 requests over 2 tasks" in res.output  # a tool call, then the answer, per task
-    assert "9/9 checks passed" in res.output
+    assert "11/11 checks passed" in res.output
 
 
 def test_a_broken_agent_fails_the_rows_it_breaks(tiny_model_dir, tmp_path):
@@ -72,3 +72,95 @@ def test_the_example_config_passes_and_its_env_scores_the_answer(tiny_model_dir)
     assert res.exit_code == 0, res.output
     assert set(_rows(res.output).values()) == {"PASS"}, res.output
     assert re.search(r"rewards \[-?\d\.\d+, -?\d\.\d+\]", res.output), res.output  # the env scored "Answer: 42"
+
+
+AGENT = """
+import json, os, sys, time
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+client = OpenAI(max_retries=0)
+messages = list(task["messages"])
+
+def resend(reply):  # how this agent keeps a reply in its history (verbatim here)
+    return reply.model_dump(exclude_none=True)
+
+def title():  # a side call after the answer (none here)
+    pass
+
+def hang():  # whether this episode hangs (never here)
+    return False
+
+for _ in range(3):
+    reply = client.chat.completions.create(model="policy", messages=messages, tools=task["tools"]).choices[0].message
+    messages.append(resend(reply))
+    if not reply.tool_calls:
+        break
+    for call in reply.tool_calls:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+title()
+if hang():  # after its work: it never exits
+    time.sleep(600)
+"""
+
+
+def _check(tmp_path, tiny_model_dir, agent, *args):
+    program = tmp_path / "agent.py"
+    program.write_text(textwrap.dedent(agent))
+    res = CliRunner().invoke(app, ["agent", "check", str(program), "--model", str(tiny_model_dir), *args])
+    return res, _rows(res.output)
+
+
+def test_a_hanging_agent_is_a_timeout_row_and_the_other_tasks_still_run(tiny_model_dir, tmp_path):
+    hangs_once = AGENT.replace("    return False", '    return task["sample_id"].endswith("/0")')
+    res, rows = _check(tmp_path, tiny_model_dir, hangs_once, "--tasks", "2", "--timeout-s", "8")
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    assert res.exit_code == 1 and len(rows) == 11, res.output  # the whole table
+    assert rows["timeout"] == "FAIL" and rows["runs"] == rows["output file"] == "PASS", res.output
+    assert "agent exceeded rollout.agent.timeout_s=8.0" in res.output
+    assert "4 requests over 2 tasks" in res.output  # the second task ran too: a call, then the answer
+    assert res.output.strip().endswith("10/11 checks passed; failed: timeout")
+
+
+def test_a_bad_output_file_has_its_own_row(tiny_model_dir, tmp_path):
+    bad_output = AGENT + 'open(os.environ["RELAX_OUTPUT_FILE"], "w").write("[1, 2")\n'
+    res, rows = _check(tmp_path, tiny_model_dir, bad_output, "--tasks", "1")
+    assert res.exit_code == 1 and rows["output file"] == "FAIL", res.output
+    assert rows["runs"] == rows["timeout"] == "PASS" and "RELAX_OUTPUT_FILE is not valid JSON" in res.output
+
+
+TITLE = """
+    client.chat.completions.create(model="policy", messages=[
+        {"role": "user", "content": "Give this conversation a short title: " + (messages[-1]["content"] or "")}])
+"""
+
+
+def test_a_title_side_call_is_diagnosed_as_a_side_call_only(tiny_model_dir, tmp_path):
+    with_title = AGENT.replace("def title():  # a side call after the answer (none here)\n    pass\n",
+                               "def title():" + TITLE)
+    res, rows = _check(tmp_path, tiny_model_dir, with_title, "--tasks", "1")
+    assert res.exit_code == 0, res.output
+    assert {k for k, v in rows.items() if v != "PASS"} == {"nothing dropped"} and rows["nothing dropped"] == "WARN"
+    assert "request 2: its messages do not hold the task's (a side call, e.g. a title)" in res.output
+
+
+def test_a_re_templated_history_is_a_warning_that_names_the_change(tiny_model_dir, tmp_path):
+    retemplated = AGENT.replace("    return reply.model_dump(exclude_none=True)",
+                                '    out = reply.model_dump(exclude_none=True)\n'
+                                '    out["content"] = "Thought: " + " ".join((reply.content or "").split())\n'
+                                '    return out')
+    res, rows = _check(tmp_path, tiny_model_dir, retemplated, "--tasks", "1")
+    assert res.exit_code == 0, res.output  # it trains: every reply once, scored on its final answer
+    assert rows["history verbatim"] == "WARN" and rows["final answer"] == "PASS", res.output
+    assert "request 1 assistant message 0 holds reply 0 inside a longer text (annotated or prefixed): " \
+           "a new context, re-rendered" in res.output
+    assert rows["nothing dropped"] == "PASS" and rows["tools sent"] == "PASS", res.output
+
+
+def test_an_agent_that_drops_the_text_beside_its_tool_calls_fails_history_verbatim(tiny_model_dir, tmp_path):
+    drops_text = AGENT.replace("    return reply.model_dump(exclude_none=True)",
+                               '    return {"role": "assistant", "tool_calls": [c.model_dump() for c in reply.tool_calls]} '
+                               'if reply.tool_calls else reply.model_dump(exclude_none=True)')
+    res, rows = _check(tmp_path, tiny_model_dir, drops_text, "--tasks", "1")
+    assert res.exit_code == 1 and rows["history verbatim"] == "FAIL", res.output
+    assert "request 1 assistant message 0 is reply 0's tool calls without the text beside them " \
+           "('I will use a tool.')" in res.output
