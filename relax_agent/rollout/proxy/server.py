@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/responses`` (OpenAI Responses,
 :mod:`~relax_agent.rollout.proxy.responses_api`) and ``POST /v1/messages`` (Anthropic Messages,
 :mod:`~relax_agent.rollout.proxy.messages_api`), each JSON or, with ``stream: true``, server-sent
-events as tokens are sampled; ``GET /v1/models``, ``GET /v1/models/{model}``. Every POST route is
+events as tokens are sampled; ``POST /v1/messages/count_tokens`` (the prompt's length, nothing
+sampled); ``GET /v1/models``, ``GET /v1/models/{model}``. Every POST route is
 one :class:`~relax_agent.rollout.proxy.wire.WireApi` translating to the same internal chat request,
 so recording, chains, budgets and seeds are the same whichever API an agent speaks. Each
 episode's agent authenticates with its own key (``Authorization: Bearer <key>``; on
@@ -17,20 +18,24 @@ anything is parsed), unknown paths (404) and methods (405).
 Delivery: when the agent has hung up before its (non-streamed) answer is ready, or a stream is
 closed before its end, the session is told the reply was not delivered (an abandoned request is
 never the trained chain, see :meth:`AgentSession.final_reply`); a stream closed while its reply
-is still sampled aborts that generation (nothing of it is recorded). A ``max_tokens`` lowered to the
+is still sampled aborts that generation (nothing of it is recorded), and so does a non-streamed
+request whose client hung up, ``hangup_grace_s`` later, unless an SDK retry of it waits for the
+same answer by then (:class:`~relax_agent.rollout.proxy.inflight.HangUps`). An
+``Idempotency-Key`` replays its answer to the same body and gets 422 with another
+(:class:`~relax_agent.rollout.proxy.inflight.IdempotencyKeys`).
+
+Isolation: a body whose text cannot fit the episode's token budget is refused before it is
+tokenized (:func:`~relax_agent.rollout.proxy.admission.check_fits`); parsing, rendering and
+tokenizing run on worker threads, large bodies on a bounded pool of their own
+(:mod:`~relax_agent.rollout.proxy.workers`). A ``max_tokens`` lowered to the
 episode's budget is announced in the ``x-relax-max-tokens`` header.
 
 The server runs uvicorn on its own event loop in a daemon thread, so it outlives any one
 ``asyncio.run`` of the control loop; the engine's calls are made from that loop (the HF engine
 delivers to whichever loop awaits it). :meth:`EndpointServer.call` runs a coroutine there.
 
-Streaming: content deltas are sent as the reply's text grows, held back only where the text
-could still turn out to be part of a tool call or a stop string (so the deltas joined equal the
-non-streamed ``content``); tool calls are sent as deltas (id and name, then the arguments) once
-the reply is parsed, then the finish reason, with all log-probs in the choice's last chunk. With a
-family parser whose call markers are special tokens (every family but Hermes/Qwen), content is sent
-once the reply is parsed; with one that splits reasoning off (Qwen3), content streams only after
-the reasoning block has closed.
+Streaming: content deltas are sent as the reply's text grows, held back where it could still be
+part of a tool call or a stop string (:class:`~relax_agent.rollout.proxy.streaming.ContentStreamer`).
 """
 
 from __future__ import annotations
@@ -50,21 +55,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from relax_agent.errors import EngineError
-from relax_agent.rollout.parsers import (
-    FencedJsonParser,
-    HermesParser,
-    JsonParser,
-    ToolCallParser,
-    reasoning_markers,
-)
 from relax_agent.rollout.proxy.admission import check_fits
 from relax_agent.rollout.proxy.inflight import HangUps, IdempotencyKeys
 from relax_agent.rollout.proxy.messages_api import THREAD_UNSUPPORTED, MessagesApi
 from relax_agent.rollout.proxy.openai_api import Answer, ChatCompletionsApi, ChatRequest, RequestError
 from relax_agent.rollout.proxy.session import AgentSession
+from relax_agent.rollout.proxy.streaming import ContentStreamer
 from relax_agent.rollout.proxy.wire import StreamWriter, WireApi, bearer
 from relax_agent.rollout.proxy.workers import RequestWorkers, sized
-from relax_agent.rollout.tool_parsers._common import split_reasoning
 
 T = TypeVar("T")
 
@@ -422,79 +420,3 @@ async def _events(session: AgentSession, writer: StreamWriter, fut: asyncio.Futu
             session.delivered(answer_id, finished)
         elif not fut.done():  # still sampling: abort the generation, the agent will never read it
             session.abandon(body_key)
-
-
-class ContentStreamer:
-    """Turns a reply's growing text into content deltas whose concatenation is a prefix of the final
-    ``content`` (see the module doc).
-
-    Args:
-        parser: the tool-call parser (decides which text may open a call).
-        parse: the reply is parsed for tool calls (tools given, ``tool_choice`` not "none").
-        stops: stop strings (content ends before the first).
-        prefix: the prefill the reply continues: never sent (the deltas are the text after it).
-    """
-
-    def __init__(self, parser: ToolCallParser, parse: bool, stops: tuple[str, ...] = (), prefix: str = "") -> None:
-        self.parse = parse
-        self.stops = tuple(stops)
-        self.openers = _openers(parser) if parse else ()
-        self.strict_json = parse and isinstance(parser, JsonParser) and parser.strict
-        self.think = reasoning_markers(parser) if parse else None
-        self.sent = prefix.lstrip() if parse else prefix
-
-    def safe(self, text: str) -> str:
-        """The part of ``text`` that will start the final content whatever is sampled next."""
-        for s in self.stops:
-            i = text.find(s)
-            if i >= 0:
-                text = text[:i]
-        text = text[:len(text) - _partial_suffix(text, self.stops + self.openers)]
-        if self.think:  # a family parser that splits reasoning off: content starts after the reasoning block
-            if self.think[1] not in text:
-                return ""
-            text = split_reasoning(text, *self.think)[1]
-        if self.parse:
-            if self.strict_json and (not text.strip() or text.lstrip()[0] in "{["):
-                return ""
-            found = [text.find(o) for o in self.openers if o in text]
-            if found:
-                text = text[:min(found)]
-            text = text.strip()
-        return text.rstrip("\ufffd")
-
-    def update(self, text: str) -> str:
-        """The new delta for the reply's text so far ("" when nothing new is safe to send)."""
-        safe = self.safe(text)
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
-            return ""
-        delta, self.sent = safe[len(self.sent):], safe
-        return delta
-
-    def finish(self, content: str | None) -> str:
-        """The rest of the final ``content`` after what was sent."""
-        content = content or ""
-        assert content.startswith(self.sent), "streamed content is not a prefix of the final content"
-        rest, self.sent = content[len(self.sent):], content
-        return rest
-
-
-def _openers(parser: ToolCallParser) -> tuple[str, ...]:
-    if isinstance(parser, HermesParser):
-        return (HermesParser.OPEN,)
-    if isinstance(parser, FencedJsonParser):
-        return ("```",)
-    if isinstance(parser, JsonParser):
-        return ("{", "[")
-    return ("",)  # unknown format: any text may be a call, so content is sent once parsed
-
-
-def _partial_suffix(text: str, guards: tuple[str, ...]) -> int:
-    """Length of the longest end of ``text`` that is a proper prefix of one of ``guards``."""
-    best = 0
-    for g in guards:
-        for k in range(min(len(g) - 1, len(text)), best, -1):
-            if text.endswith(g[:k]):
-                best = k
-                break
-    return best
