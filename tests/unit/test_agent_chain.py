@@ -351,3 +351,33 @@ def test_a_re_templating_framework_trains_every_reply_once_and_is_scored_on_its_
     assert _trained_replies(traj) == ([[r] for r in replies], sum(map(len, replies)))
     assert [s.sample_id for s in traj.context_segments] == [f"{traj.sample_id}/ctx0", f"{traj.sample_id}/ctx1"]
     assert traj.metrics["agent/continuations"] == 2.0 and traj.metrics["agent/dropped_replies"] == 0.0
+
+
+ABANDONED_FOLLOW_UP = """
+import json, os, time
+import openai
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+messages = list(task["messages"])
+reply = openai.OpenAI(max_retries=0).chat.completions.create(model="policy", messages=messages).choices[0].message
+messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "Are you sure?"}]
+try:  # a self-check the agent gives up on: it keeps its first answer
+    openai.OpenAI(max_retries=0, timeout=0.5).chat.completions.create(model="policy", messages=messages)
+    raise SystemExit("the slow request was expected to time out")
+except openai.APITimeoutError:
+    pass
+time.sleep(2.5)  # the abandoned request finishes before the agent exits
+"""
+
+
+def test_a_follow_up_the_agent_hung_up_on_does_not_end_the_chain(tok, tmp_path):
+    answer, slow = _ids(tok, ANSWER), _ids(tok, WRONG)
+    engine = CallEngine([(answer, 0.0), (slow, 1.5 / len(slow))])
+    traj = _play(_driver(tok, engine, tmp_path, ABANDONED_FOLLOW_UP))
+    assert len(engine.prompts) == 2, "the agent did not make both requests"
+    assert traj.error is None, traj.error
+    assert [list(t.token_ids) for t in traj.turns] == [answer] and traj.reward == 1.0  # the answer it got
+    assert traj.metrics["agent/dropped_replies"] == 1.0 and traj.metrics["agent/undelivered"] == 1.0
+    (side,) = traj.side_segments  # the whole conversation, the abandoned reply included, untrained
+    assert [list(t.token_ids) for t in side.turns] == [answer, slow]
+    start = side.turns[1].start  # the answer it holds is masked (trained once, in the trajectory), the rest not
+    assert sum(side.loss_mask) == len(slow) and list(side.loss_mask[start:]) == [1] * len(slow)

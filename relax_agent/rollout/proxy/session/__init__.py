@@ -23,11 +23,14 @@ branch. A reply the agent sent back has children: it was *kept*. The trained
 chain (:meth:`AgentSession.final_reply`) is the path that the agent built on: from the root
 conversation holding the task's messages (of those, the one the agent continued furthest, then
 a delivered one, then the first), down through the child the agent continued furthest, to a
-reply it never sent back: the episode's final answer, which the env scores. The chain trains
+reply it never sent back but was delivered (one it hung up on and never sent back ends no chain):
+the episode's final answer, which the env scores. The chain trains
 whole, every reply once (:meth:`AgentSession.trained`, :meth:`AgentSession.contexts`): the segment
 holding the final answer, cut back to right after it, is the trajectory; each earlier segment the
 chain passes through (the contexts before a continuation), cut back to right after its last reply
-of the chain, is one of its ``context_segments``. Among children continued equally far, a reply whose HTTP
+of the chain, is one of its ``context_segments``; a side segment holding a reply a trained
+record (or an earlier side segment) holds has it loss-masked, so with ``train_branches`` too no
+reply trains twice. Among children continued equally far, a reply whose HTTP
 response the agent had already hung up on (an abandoned request) loses, then the later
 request wins (a retry supersedes), then the lower choice index. When the agent names its
 ``answer`` (output file), the chain ends at the latest delivered reply whose content is that

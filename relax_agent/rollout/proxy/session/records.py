@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from relax_agent.records import Turn
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.proxy.session.tree import Reply, Segment
 from relax_agent.rollout.recorder import TrajectoryRecorder
@@ -49,7 +50,8 @@ class Records:
     replies: list[Reply]
 
     def final_reply(self, answer: str | None = None) -> Reply | None:
-        """The last reply of the trained chain (see the package doc); None before any reply.
+        """The last reply of the trained chain (see the package doc): the last one the agent was
+        delivered on it (a reply it hung up on and never sent back ends no chain); None before any reply.
 
         Args:
             answer: the agent's own final answer (output file): the chain ends at the latest
@@ -63,15 +65,18 @@ class Records:
                 return named[-1]
         heights: dict[int, int] = {}
 
+        def kept(r: Reply) -> list[Reply]:  # a child the agent hung up on and never sent back ends no chain
+            return [c for c in r.children if c.delivered is not False or c.children]
+
         def height(r: Reply) -> int:
             if id(r) not in heights:
-                heights[id(r)] = 1 + max((height(c) for c in r.children), default=0)
+                heights[id(r)] = 1 + max((height(c) for c in kept(r)), default=0)
             return heights[id(r)]
 
         roots = [r for r in self.replies if r.parent is None]
         node = max(roots, key=lambda r: (r.on_task, height(r), r.delivered is not False, -r.order))
-        while node.children:
-            node = max(node.children, key=lambda c: (height(c), c.delivered is not False, c.request, -c.choice))
+        while kept(node):
+            node = max(kept(node), key=lambda c: (height(c), c.delivered is not False, c.request, -c.choice))
         return node
 
     @property
@@ -125,16 +130,24 @@ class Records:
 
     def recorders(self, answer: str | None = None) -> list[TrajectoryRecorder]:
         """:meth:`trained` first (the episode's sample id), then every segment with a turn that is not
-        part of the trained chain (side branches, not trained), as ``{sample_id}/seg{k}``."""
+        part of the trained chain (side branches, not trained unless ``rollout.agent.train_branches``),
+        as ``{sample_id}/seg{k}``. A side segment's turn holding a reply that a trained record or an
+        earlier side segment already holds (a fork's copied prefix) is loss-masked in it (a copy), so
+        no reply trains twice."""
         chain = self._chain_records(answer)
         if not chain:
             return []
+        final = self.final_reply(answer)
+        held = {id(r) for r in final.chain()} if final is not None else set()
         out = [chain[-1]]
         for seg in self.segments:
             if any(seg.rec is rec for rec in chain) or not seg.rec.turns:
                 continue
-            seg.rec.spec = dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{len(out)}")
-            out.append(seg.rec)
+            again = [turn for turn, r in zip(seg.rec.turns, seg.replies, strict=True) if id(r) in held]
+            held |= {id(r) for r in seg.replies}
+            rec = _masked(seg, again) if again else seg.rec
+            rec.spec = dataclasses.replace(self.spec, sample_id=f"{self.spec.sample_id}/seg{len(out)}")
+            out.append(rec)
         return out
 
     def metrics(self, answer: str | None = None) -> dict[str, float]:
@@ -161,3 +174,11 @@ class Records:
                 "agent/undelivered": float(sum(r.delivered is False for r in self.replies)),
                 "agent/duplicate_replies": float(s.duplicate_replies),
                 "agent/capped_max_tokens": float(s.capped_max_tokens)}
+
+
+def _masked(seg: Segment, turns: list[Turn]) -> TrajectoryRecorder:
+    """A copy of ``seg``'s record with the sampled tokens of ``turns`` loss-masked (log-prob kept)."""
+    rec = seg.fork(seg.state(), seg.kind).rec
+    for turn in turns:
+        rec.loss_mask[turn.start:turn.start + len(turn.token_ids)] = [0] * len(turn.token_ids)
+    return rec
