@@ -48,6 +48,7 @@ import uuid
 from typing import Any
 
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, parse_chat_request
+from relax_agent.rollout.proxy.streaming import continuation
 from relax_agent.rollout.proxy.wire import bearer, check_fields, sse_event
 
 HINTS = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "user_profile_id",
@@ -309,16 +310,6 @@ def stop_reason(c: Choice) -> str:
     if c.finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if c.stop_string is not None else "end_turn"
-
-
-def continuation(content: str | None, prefill: str) -> str:
-    """The part of a reply's ``content`` after the ``prefill`` it continues (the content whole when it
-    does not start with it: the parser trimmed or moved it)."""
-    content = content or ""
-    for head in (prefill, prefill.lstrip()):
-        if head and content.startswith(head):
-            return content[len(head):]
-    return content
 
 
 def content_blocks(c: Choice, prefill: str = "") -> list[dict[str, Any]]:

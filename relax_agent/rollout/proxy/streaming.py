@@ -38,6 +38,7 @@ class ContentStreamer:
         self.openers = _openers(parser) if parse else ()
         self.strict_json = parse and isinstance(parser, JsonParser) and parser.strict
         self.think = reasoning_markers(parser) if parse else None
+        self.prefix = prefix
         self.sent = prefix.lstrip() if parse else prefix
 
     def safe(self, text: str) -> str:
@@ -69,11 +70,25 @@ class ContentStreamer:
         return delta
 
     def finish(self, content: str | None) -> str:
-        """The rest of the final ``content`` after what was sent."""
+        """The rest of the final ``content`` after what was sent (after the prefix when nothing else
+        was sent: the parser may have trimmed the prefix)."""
         content = content or ""
+        if self.sent in (self.prefix, self.prefix.lstrip()) and not content.startswith(self.sent):
+            self.sent = content
+            return continuation(content, self.prefix)
         assert content.startswith(self.sent), "streamed content is not a prefix of the final content"
         rest, self.sent = content[len(self.sent):], content
         return rest
+
+
+def continuation(content: str | None, prefix: str) -> str:
+    """The part of a reply's ``content`` after the ``prefix`` (a prefill) it continues; the content
+    whole when it does not start with it (the parser trimmed or moved it)."""
+    content = content or ""
+    for head in (prefix, prefix.lstrip()):
+        if head and content.startswith(head):
+            return content[len(head):]
+    return content
 
 
 def _openers(parser: ToolCallParser) -> tuple[str, ...]:
