@@ -86,10 +86,13 @@ class MessagesApi:
         return dataclasses.replace(parse_chat_request(chat), prefill=prefill)
 
     def parse_count(self, body: Any) -> ChatRequest:
-        """The internal chat request whose prompt a ``count_tokens`` body asks the length of."""
-        if isinstance(body, dict):
-            check_fields(body, "/v1/messages/count_tokens", COUNTED, NOOP)
-        return self.parse({**body, "max_tokens": 1} if isinstance(body, dict) else body)
+        """The internal chat request whose prompt a ``count_tokens`` body asks the length of.
+
+        Raises:
+            RequestError: a field ``count_tokens`` does not take, or a body ``/v1/messages`` would refuse.
+        """
+        body = check_fields(body, "/v1/messages/count_tokens", COUNTED, NOOP)
+        return self.parse({**body, "max_tokens": 1})
 
     def response(self, answer: Answer, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
         """An Anthropic ``message`` object of the first choice: content blocks (after the prefill, which
