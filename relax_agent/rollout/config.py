@@ -151,8 +151,8 @@ class ContextConfig(Section):
     """What an episode does when its context is full (``rollout.max_total_tokens``): end, or go on in a
     new context (a multi-segment episode, :mod:`relax_agent.rollout.context`).
 
-    A new context starts when the next observation and a whole reply (``rollout.max_new_tokens``;
-    ``compact`` also the summary request) would not fit. It holds the task's opening messages (system
+    A new context starts when the next observation and a whole reply (``rollout.max_new_tokens``; for
+    ``compact`` and after it the summary request: ``instruction`` and ``summary_max_tokens``) would not fit. It holds the task's opening messages (system
     prompt, task, tools), for ``compact`` the policy's summary, and the latest whole turns that fit
     (an assistant reply with the tool results after it: a call and its result are never split). Every
     sampled token of every context (the summaries included) trains once, with the episode's advantage.

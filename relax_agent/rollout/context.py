@@ -7,7 +7,7 @@ contexts: :class:`Episode` keeps them, and the finished :class:`~relax_agent.rec
 with the earlier ones as its ``context_segments``.
 
 A new context starts when the next observation and a whole reply (``rollout.max_new_tokens``; for
-``compact`` also the summary request) would not fit in ``rollout.max_total_tokens``. It is rendered as:
+``compact`` and room after it for the summary request) would not fit in ``rollout.max_total_tokens``. It is rendered as:
 
 - the task's opening messages (the env's reset observation, with the system prompt and tools), rendered
   again with the generation prompt; for ``compact`` followed by a user message holding the summary;
@@ -133,11 +133,12 @@ def kept_turns(spans: Sequence[tuple[int, int, int]], room: int, most: int | Non
 
 def needs_new_context(cfg: Any, rec: TrajectoryRecorder, delta_len: int, max_total_tokens: int, max_new_tokens: int,
                       reserve: int = 0) -> bool:
-    """Whether the pending observation (``delta_len`` tokens) and a whole reply (or, ``compact``, the summary
-    request: ``reserve`` tokens) no longer fit in the current context. Always False for ``truncate``."""
+    """Whether the pending observation (``delta_len`` tokens) and a whole reply, and for ``compact`` after it
+    the summary request (``reserve`` tokens), no longer fit in the current context. Always False for
+    ``truncate``."""
     if cfg is None or cfg.policy == "truncate":
         return False
-    return rec.num_tokens + delta_len + max(max_new_tokens, reserve) > max_total_tokens
+    return rec.num_tokens + delta_len + max_new_tokens + reserve > max_total_tokens
 
 
 async def summarise(ep: Episode, cfg: Any, engine: Any, renderer: Any, parser: Any, params: Any,
@@ -147,18 +148,18 @@ async def summarise(ep: Episode, cfg: Any, engine: Any, renderer: Any, parser: A
     the pending observation was shown before the request, why it failed: "" on success).
 
     The observation ``pending`` and the instruction are appended to the context (the instruction alone when
-    both do not fit: the observation then opens the new context after its turn) and the summary is sampled as
+    both leave less than ``summary_max_tokens``: the observation then opens the new context after its turn) and the summary is sampled as
     a turn of it (``call(awaitable, what)`` runs the engine call under the episode's deadline). On failure
     ``ep.stop`` says how the episode ends: "max_total_tokens" when not even the request fits, else
     "summary_failed"."""
     rec = ep.rec
     instruction = {"role": "user", "content": cfg.instruction}
+    options = []  # (request, its delta, tokens left for the summary): with the observation first
     for ask in ([*pending, instruction], [instruction]):
         delta = renderer.observation_delta(ask, closed=closed, calls=calls)
-        left = max_total_tokens - rec.num_tokens - len(delta)
-        if left >= 1:
-            break
-    else:
+        options.append((ask, delta, max_total_tokens - rec.num_tokens - len(delta)))
+    ask, delta, left = next((o for o in options if o[2] >= cfg.summary_max_tokens), max(options, key=lambda o: o[2]))
+    if left < 1:
         ep.stop = StopReason.MAX_TOTAL_TOKENS
         return None, False, (f"the summary request ({len(delta)} tokens) does not fit in the "
                              f"{max_total_tokens - rec.num_tokens} tokens left of the context")
@@ -199,6 +200,8 @@ def open_context(ep: Episode, cfg: Any, renderer: Any, spans: Sequence[tuple[int
         summary: ``compact``'s summary (None: ``drop_oldest``).
         summarised_pending: the summary was written after the pending observation (else the last turn
             and its observation must be kept).
+        max_new_tokens: room the new context must leave after the pending observation (a reply; for
+            ``compact`` at least the next summary request).
     """
     old = ep.rec
     opening = list(ep.opening)

@@ -262,7 +262,7 @@ async def _context_full(ep: Episode, spec: EpisodeSpec, renderer: Any, parser: T
             rec.env_reason = f"rollout.context: {why}"
             return True
     why = open_context(ep, cfg, renderer, spans, old_messages, delta, summary, shown, spec.max_total_tokens,
-                       params.max_new_tokens)
+                       params.max_new_tokens + reserve)  # compact: room for the next summary request too
     if why:
         ep.stop, rec.env_reason = StopReason.MAX_TOTAL_TOKENS, f"rollout.context: {why}"
     else:

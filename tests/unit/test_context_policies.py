@@ -58,11 +58,12 @@ class ScriptedEngine:
 
     def __init__(self, tok, summary="I read pages so far; keep reading.", summary_finish="stop"):
         self.tok, self.summary, self.summary_finish = tok, summary, summary_finish
-        self.calls, self.replies = 0, []
+        self.calls, self.replies, self.summary_caps = 0, [], []
 
     async def generate(self, prompt_ids, params):
         tail = self.tok.decode(prompt_ids[-80:])
         if "Summarise" in tail:
+            self.summary_caps.append(params.max_new_tokens)
             ids = self.tok(self.summary, add_special_tokens=False)["input_ids"][:params.max_new_tokens]
             finish = self.summary_finish
         else:
@@ -132,9 +133,10 @@ def test_drop_oldest_plays_to_the_end_in_windows_of_whole_turns(tok):
 
 
 def test_compact_asks_the_policy_for_a_summary_and_trains_it(tok):
-    traj, engine = _play(tok, ContextConfig(policy="compact", keep_last_turns=1))
+    traj, engine = _play(tok, ContextConfig(policy="compact", keep_last_turns=1), max_total_tokens=900)
     assert traj.stop_reason == StopReason.TERMINATED and traj.reward == 1.0
     assert traj.metrics["context/summaries"] == len(traj.context_segments) >= 1
+    assert engine.summary_caps == [128] * len(traj.context_segments)  # every summary may use its whole cap
     _sampled_once(traj, engine)
     for seg in traj.context_segments:
         last = seg.messages[-2:]
@@ -151,7 +153,7 @@ def test_compact_asks_the_policy_for_a_summary_and_trains_it(tok):
     ("a long summary", "length", "the summary was cut at"),
 ])
 def test_a_failed_summary_ends_the_episode_with_its_reason(tok, summary, finish, why):
-    traj, _ = _play(tok, ContextConfig(policy="compact"), engine=ScriptedEngine(tok, summary, finish))
+    traj, _ = _play(tok, ContextConfig(policy="compact"), engine=ScriptedEngine(tok, summary, finish), max_total_tokens=900)
     assert traj.stop_reason == StopReason.SUMMARY_FAILED and traj.trainable and traj.error is None
     assert traj.env_reason.startswith(f"rollout.context: {why}")
     assert traj.context_segments == () and traj.turns[-1].token_ids == tuple(
@@ -189,7 +191,7 @@ def test_every_context_trains_once_with_the_episodes_advantage(tok):
 
 def test_each_context_is_a_token_record_line_that_replays(tok, tmp_path):
     for policy in ("drop_oldest", "compact"):
-        traj, _ = _play(tok, ContextConfig(policy=policy))
+        traj, _ = _play(tok, ContextConfig(policy=policy), max_total_tokens=900 if policy == "compact" else 600)
         out = tmp_path / policy
         write_token_record(out / "rollouts" / "tokens" / "step_000001.jsonl.gz", [(traj, 3)])
         records = load_token_record(out, 1)
