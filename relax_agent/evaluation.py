@@ -158,7 +158,10 @@ def sample_record(traj: Trajectory, task: dict[str, Any], seed: int, reason: str
     prompt, worked example, task), ``response`` (each sampled assistant message's raw text), ``parsed_calls`` (per assistant
     message: ``[{"name", "arguments"}]``, plus ``parse_errors`` when a block did not parse),
     ``conversation`` (the messages after the prompt: tool results, later user turns), and
-    ``verdict``: ``{"correct", "reward", "reason", "metrics", "stop_reason", "error"}``.
+    ``verdict``: ``{"correct", "reward", "reason", "metrics", "stop_reason", "error"}``. A multi-context
+    episode (``rollout.context``) also has ``contexts`` (per context: ``sample_id``, ``stop_reason``,
+    ``response``: its sampled replies, summaries included), and ``response`` holds every context's replies
+    in order; ``prompt``, ``parsed_calls`` and ``conversation`` are the last context's.
     """
     messages = list(traj.messages)
     first = next((i for i, m in enumerate(messages) if _sampled(m)), len(messages))
@@ -172,13 +175,20 @@ def sample_record(traj: Trajectory, task: dict[str, Any], seed: int, reason: str
     if reason is None:
         reason = "ok" if correct else (f"episode failed: {traj.error}" if traj.error else
                                         f"not correct (reward {traj.reward:.3g}, stopped: {traj.stop_reason.value})")
-    return {
+    out = {
         "task_id": traj.task_id, "sample_id": traj.sample_id, "seed": seed,
         "prompt": messages[:first], "response": [m.get("content", "") for m in assistant], "parsed_calls": parsed,
         "conversation": [m for m in messages[first:] if not _sampled(m)],
         "verdict": {"correct": correct, "reward": traj.reward, "reason": reason, "metrics": dict(traj.metrics),
                     "stop_reason": traj.stop_reason.value, "error": traj.error},
     }
+    if traj.context_segments:  # a multi-context episode: every sampled reply, context by context
+        out["contexts"] = [{"sample_id": seg.sample_id, "stop_reason": seg.stop_reason.value,
+                            "response": [seg.messages[t.message_index].get("content", "") for t in seg.turns
+                                         if t.message_index is not None and t.message_index < len(seg.messages)]}
+                           for seg in traj.segments]
+        out["response"] = [text for ctx in out["contexts"] for text in ctx["response"]]
+    return out
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")

@@ -216,3 +216,13 @@ def test_a_diverging_context_names_itself(tok, tmp_path):
     reports = replay_records(records, ChatRenderer(tok, tool_example=False), None, 1.0, 2e-3)
     bad = [(r.sample_id, r.divergence.check, r.divergence.turn) for r in reports if r.divergence is not None]
     assert bad == [("g/0/ctx0", "observation delta", 1)]
+
+
+def test_an_evaluation_sample_holds_every_contexts_replies(tok):
+    from relax_agent.evaluation import sample_record
+
+    traj, engine = _play(tok, ContextConfig(policy="compact"), max_total_tokens=900)
+    row = sample_record(traj, {"id": "t0"}, 0, None)
+    assert [c["sample_id"] for c in row["contexts"]] == [s.sample_id for s in traj.segments]
+    assert row["response"] == [tok.decode(r, skip_special_tokens=True) for r in engine.replies]
+    assert sum(text == engine.summary for text in row["response"]) == len(traj.context_segments)
