@@ -1,9 +1,10 @@
 """``relax/LongRecall-v0``: a multi-turn task longer than a small context, where memory decides the reward.
 
-The policy is shown a document one page per turn; the first page states a code word, the others are filler.
-Whatever the policy replies, the next page follows; after the last page it is asked for the code word, and
+The policy is shown a document one page per turn (the opening message is the instruction alone); the first
+page states a code word, the others are filler. Whatever the policy replies, the next page follows; after the last page it is asked for the code word, and
 its answer is scored: 1.0 when the reply holds it (case-insensitive, as a whole word), else 0.0. A scripted
-policy (reply ``next`` to each page, then the word it read on page 1) scores 1.0.
+policy (reply ``next`` to the instruction and each page, then the word it read on page 1) scores 1.0; an
+episode takes ``pages + 2`` steps.
 
 Episodes grow by about ``words_per_page`` x 1.3 tokens per page, so with a context smaller than the
 document (``rollout.max_total_tokens``) the episode either ends before the question (``rollout.context:
@@ -77,13 +78,14 @@ class LongRecallEnv(TextEnv):
         return f"Page {k} of {self.pages}. {filler}."
 
     def _reset_task(self, task: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The instruction and page 1. Raises DataError for a task without ``code_word`` and ``seed``."""
+        """The instruction alone (page 1 comes with the first step, so a context that keeps only the opening
+        messages does not keep the word). Raises DataError for a task without ``code_word`` and ``seed``."""
         if "code_word" not in task or "seed" not in task:
             raise DataError(f"{ENV_ID} task needs 'code_word' and 'seed', got keys {sorted(task)}")
-        self.page = 1
-        intro = (f"You will read a document of {self.pages} pages, one page per turn. Reply 'next' after each "
+        self.page = 0
+        intro = (f"You will read a document of {self.pages} pages, one page per turn. Reply 'next' to get each "
                  "page. At the end you will be asked for the code word on page 1.")
-        return [{"role": "user", "content": f"{intro}\n\n{self._page(1)}"}], {"tools": []}
+        return [{"role": "user", "content": intro}], {"tools": []}
 
     def step(self, action: dict[str, Any]):
         """The next page, the question after the last, or the score of the answer to it."""
