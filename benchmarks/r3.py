@@ -142,7 +142,6 @@ def main() -> None:
     ap.add_argument("--repeats-steps", type=int, default=10, help="timed trainer steps per side")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch default)")
-    args = ap.parse_args()
     add_record_args(ap, repeats=1)
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -113,8 +113,8 @@ class Recorder:
         self.once.update(figures)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per summarised figure: median, min, max, n over the repeats."""
-        return {key: spread([r[key] for r in self.repeats]) for key in self.counts}
+        """Per summarised figure: median, min, max, n over the repeats (empty before the first repeat)."""
+        return {key: spread([r[key] for r in self.repeats]) for key in self.counts} if self.repeats else {}
 
     def finish(self) -> dict[str, object] | None:
         """Prints the summary; with a folder, writes ``record.json`` and ``README.md`` there and returns the record.
