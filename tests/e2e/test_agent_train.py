@@ -127,3 +127,11 @@ def test_a_tool_less_final_request_trains_the_reply_it_built_on_as_a_context(tin
         contexts = sum(r["metrics"]["agent/contexts"] - 1 for r in episodes)
         assert contexts >= 1 and (metrics["train/samples"], metrics["train/context_segments"]) == (4.0, contexts)
         assert metrics["train/side_branches"] == 0.0
+    # every context of every episode replays on its own (log-probs of version 0 included)
+    done = subprocess.run([sys.executable, "-m", "relax_agent.cli", "replay", "examples/agents/openai_sdk_agent.yaml",
+                           *cmd[6:], "--step", "1"], cwd=REPO, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    n = int(last.split(" of ")[1].split()[0])
+    assert last == f"step 1: {n} of {n} episodes replay without divergence" and n >= 5, done.stdout
