@@ -1,6 +1,6 @@
 """`relax-agent train` on relax/LongRecall-v0 with contexts far smaller than its episodes (tiny random policy,
 2 steps): with ``rollout.context.policy`` ``drop_oldest`` and ``compact`` episodes go on past a full context,
-every context is trained and recorded, `relax-agent replay` finds no divergence (log-probs included, each
+every context is trained and recorded (with the shared-prefix forward for drop_oldest), `relax-agent replay` finds no divergence (log-probs included, each
 context against a fresh forward of the weights that sampled it), and the viewer lists an episode's contexts."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def overrides(tiny_model_dir: Path, out: Path, policy: str) -> list[str]:
             "env.kwargs.words_per_page=40", "rollout.tasks_per_step=1", "rollout.group_size=2",
             "rollout.max_new_tokens=8", f"rollout.max_total_tokens={MAX_TOTAL}", f"rollout.context.policy={policy}",
             "rollout.context.summary_max_tokens=8", "rollout.context.max_segments=8", "engine.max_batch_size=1",
-            "run.num_threads=1", "trainer.steps=2", "trainer.micro_batch_size=1", "trainer.lr=1e-2",
+            "run.num_threads=1", "trainer.steps=2", "trainer.micro_batch_size=4", "trainer.lr=1e-2",
+            f"trainer.shared_prefix={str(policy == 'drop_oldest').lower()}",  # contexts share the opening
             "eval.at_start=false", "eval.at_end=false", "eval.after_warmup=false", "checkpoint.every_steps=1",
             "logging.tensorboard=false", "logging.plot=false", "logging.progress=false"]
 
