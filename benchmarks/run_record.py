@@ -151,7 +151,8 @@ def readme(record: dict) -> str:
              "why every figure is the median of the repeats with its min and max.", "",
              "| figure | what it counts | median | min | max | repeats |", "|---|---|---|---|---|---|"]
     for key, s in record["summary"].items():
-        lines.append(f"| `{key}` | {record['counts'][key]} | {s['median']:.4g} | {s['min']:.4g} | {s['max']:.4g} | {s['n']} |")
+        what = record["counts"][key].replace("|", "\\|")  # a | inside a cell would end it
+        lines.append(f"| `{key}` | {what} | {s['median']:.4g} | {s['min']:.4g} | {s['max']:.4g} | {s['n']} |")
     if record["measured_once"]:
         lines += ["", "Measured once in the run (no spread): "
                   + ", ".join(f"`{k}` {v:.4g}" for k, v in record["measured_once"].items()) + "."]
