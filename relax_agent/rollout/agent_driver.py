@@ -13,7 +13,8 @@ with, in its environment:
   stays with the env);
 - ``RELAX_OUTPUT_FILE``: where the agent may write JSON ``{"reward": float, "answer": str,
   "metrics": {name: number}}`` (all optional, unless ``rollout.agent.reward: agent`` needs ``reward``);
-- ``TMPDIR``: the episode's private directory (mode 0700, removed after the episode);
+- ``TMPDIR``: the episode's private directory (mode 0700, removed after the episode; owned by
+  the agent's own uid in a jail, see :mod:`relax_agent.rollout.agent_jail`);
 
 and of relax-agent's own environment only ``rollout.agent.inherit_env`` (plus ``rollout.agent.env``).
 
@@ -65,7 +66,7 @@ from typing import Any
 from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.errors import EnvError
 from relax_agent.records import StopReason, Trajectory
-from relax_agent.rollout.agent_jail import JAIL_ARGV, episode_base, resolve_isolation
+from relax_agent.rollout.agent_jail import UidPool, episode_base, jail_argv, resolve_isolation, unreadable_part
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
@@ -100,11 +101,14 @@ class AgentDriver:
         self.renderer = renderer
         self.parser = parser
         self.cfg = cfg
-        self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes)
         self._group_chains: dict[str, set[str]] = {}
         self.isolation = resolve_isolation(cfg.isolation)
         """"namespace" or "none" (see :mod:`relax_agent.rollout.agent_jail`)."""
         self._base = episode_base(self.isolation)
+        self._socket = self._base / "endpoint.sock" if self.isolation == "namespace" else None
+        self._uids = UidPool()
+        self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes,
+                                     unix_path=None if self._socket is None else str(self._socket))
         weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
         weakref.finalize(self, shutil.rmtree, self._base, True)
 
@@ -147,7 +151,7 @@ class AgentDriver:
         self.server.open(session)
         try:
             with tempfile.TemporaryDirectory(prefix="ep-", dir=self._base) as tmp:
-                output = await self._run_agent(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
+                output = await self._run_jailed(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
         except Exception as exc:  # a crashed, failed or timed-out agent is a failed record
             await self.server.end(session)
             rec = session.trained() or TrajectoryRecorder(spec)
@@ -158,9 +162,22 @@ class AgentDriver:
         await self.server.end(session)
         return await self._finish(session, calls, spec, output)
 
+    async def _run_jailed(self, tmp: Path, spec: EpisodeSpec, messages: list[dict[str, Any]], tools: list[Any],
+                          session: AgentSession, deadline: Deadline) -> dict[str, Any]:
+        """:meth:`_run_agent` as a uid of its own that owns ``tmp`` under ``namespace`` isolation."""
+        if self.isolation != "namespace":
+            return await self._run_agent(tmp, spec, messages, tools, session, deadline, None)
+        uid = self._uids.acquire()
+        try:
+            os.chown(tmp, uid, uid)
+            return await self._run_agent(tmp, spec, messages, tools, session, deadline, uid)
+        finally:
+            self._uids.release(uid)
+
     async def _run_agent(self, tmp: Path, spec: EpisodeSpec, messages: list[dict[str, Any]], tools: list[Any],
-                         session: AgentSession, deadline: Deadline) -> dict[str, Any]:
-        """Run the agent to its exit; its output file's JSON ({} when it wrote none).
+                         session: AgentSession, deadline: Deadline, uid: int | None) -> dict[str, Any]:
+        """Run the agent (jailed as ``uid`` unless None) to its exit; its output file's JSON ({} when it
+        wrote none).
 
         Raises:
             EpisodeTimeout: past the deadline (its process group killed first).
@@ -174,13 +191,9 @@ class AgentDriver:
                "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": session.key, "TMPDIR": str(tmp),
                "ANTHROPIC_BASE_URL": self.server.root_url, "ANTHROPIC_API_KEY": session.key,
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
-        argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
-        program = argv[0] if os.sep in argv[0] or self.cfg.cwd is None else os.path.join(self.cfg.cwd, argv[0])
-        if shutil.which(program) is None and shutil.which(argv[0]) is None:  # a jail would only say "exit 127"
-            raise EnvError(f"rollout.agent.command {self.cfg.command!r} could not start: {argv[0]!r} is not an "
-                           "executable file or a command on PATH")
-        if self.isolation == "namespace":
-            argv = [*JAIL_ARGV, *argv]
+        argv = self._argv()
+        if uid is not None:
+            argv = jail_argv(uid, self._socket, self.server.port, argv)
         with log.open("wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(*argv, cwd=self.cfg.cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -213,6 +226,29 @@ class AgentDriver:
         if not isinstance(output, dict):
             raise EnvError(f"the agent's RELAX_OUTPUT_FILE must hold a JSON object, got {type(output).__name__}")
         return output
+
+    def _argv(self) -> list[str]:
+        """``rollout.agent.command`` with ``{python}`` filled in.
+
+        Raises:
+            EnvError: its program is not an executable file or a command on PATH, or (jailed) a file it
+                names cannot be read by an unprivileged uid (a jail would only say "exit 127").
+        """
+        argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
+        program = argv[0] if os.sep in argv[0] or self.cfg.cwd is None else os.path.join(self.cfg.cwd, argv[0])
+        if shutil.which(program) is None and shutil.which(argv[0]) is None:
+            raise EnvError(f"rollout.agent.command {self.cfg.command!r} could not start: {argv[0]!r} is not an "
+                           "executable file or a command on PATH")
+        if self.isolation != "namespace":
+            return argv
+        for part in argv:
+            path = os.path.join(self.cfg.cwd or "", part)
+            blocked = unreadable_part(path) if os.path.isfile(path) else None
+            if blocked is not None:
+                raise EnvError(f"rollout.agent.command {self.cfg.command!r}: jailed agents run as an unprivileged "
+                               f"uid, which cannot read {path} ({blocked} is not open to others); make it "
+                               "readable by all or set rollout.agent.isolation=none")
+        return argv
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM the agent's process group, SIGKILL it after ``kill_grace_s``, reap the agent."""

@@ -1,18 +1,30 @@
-"""Each agent process in a jail of its own, so that agents cannot reach each other.
+"""Each agent process in a jail of its own, so that agents cannot reach each other or the run.
 
 With ``rollout.agent.isolation: namespace`` (``auto`` picks it where it works: as root, with
-``unshare`` and ``setpriv`` and a kernel that allows the namespaces) the agent command runs as
+util-linux ``unshare``, ``setpriv`` and ``mount``, and a kernel that allows the namespaces) the agent
+command runs as
 
-    unshare --pid --fork --kill-child --mount-proc -- setpriv --bounding-set=-all --inh-caps=-all --no-new-privs -- COMMAND
+    unshare --pid --fork --kill-child --mount-proc --net -- PYTHON -I jail_init.py ... -- COMMAND
 
-- its own **pid namespace** with its own ``/proc``: it sees only its own processes, so it cannot read
-  another agent's environment (its per-episode key) or command line, signal it or trace it; when the
-  agent exits (or is killed) the kernel kills every process left in the namespace, including children
-  that left the process group with ``setsid``;
-- **no capabilities** (bounding set emptied, no new privileges): though it may run as root, file
-  permissions bind it; the episodes' private directories sit in a base directory it may traverse but
-  not list (owned by ``nobody``, mode 0711), each directory mode 0700 with a random name, so an
-  agent reaches its own ``TMPDIR`` and no other.
+(:mod:`relax_agent.rollout.jail_init` is the jail's first process) and holds:
+
+- **an unprivileged uid of its own** (one per running episode, from :data:`UID_BASE`; its group the
+  same number, no supplementary groups, no capabilities, no new privileges): it cannot write the
+  repository, the venv or the run directory (root-owned), nor read another episode's directory;
+- **a private work directory**: its ``TMPDIR`` (mode 0700, owned by its uid, in a base directory
+  others may traverse but not list) holds its task and output files and is removed at the episode's
+  end; it runs with umask 077 and an empty ``/dev/shm`` of its own;
+- **a pid namespace** with its own ``/proc``: it sees only its own processes (no other agent's key in
+  an environment or command line); when the agent exits the kernel kills every process it left;
+- **a network namespace** holding only a loopback on which ``127.0.0.1:<endpoint port>`` forwards to
+  the endpoint's Unix socket: the run's other services (the trainer's ports, Ray, the control
+  endpoint) and the outside network are unreachable.
+
+What it does not hold: the agent can read whatever is world-readable on the host's filesystem
+(the code, the venv, world-readable data) and write where the world may (``/tmp`` is shared, sticky:
+its files there are its own, mode 0600 by its umask, unless it chmods them); it can use unlimited
+memory and processes (no cgroup limits); the agent's program and every file it reads must be
+readable by others (``/root`` and pytest's ``tmp_path`` are not).
 
 ``none`` runs the command as it is (its own process group; children that leave it are found by the
 episode key in their environment and killed).
@@ -24,30 +36,45 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from relax_agent.errors import ConfigError
+from relax_agent.errors import ConfigError, EnvError
+from relax_agent.rollout import jail_init
 
 log = logging.getLogger("relax_agent.rollout")
 
-JAIL_ARGV = ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-             "setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--")
-"""What the agent command is prefixed with under ``namespace`` isolation."""
+UNSHARE_ARGV = ("unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--")
+"""The namespaces of a jail (``--mount-proc`` implies a private mount namespace)."""
+UID_BASE = 1_500_000
+"""First uid given to jailed agents (far above distribution ranges; no files on the host own them)."""
+UID_COUNT = 65536
+"""Jailed agents that may run at once."""
 _NOBODY = 65534
+_TOOLS = ("unshare", "setpriv", "mount")
+
+
+def jail_argv(uid: int, socket_path: Path | None, port: int, command: list[str]) -> list[str]:
+    """The argv that runs ``command`` jailed as ``uid`` with, when ``socket_path`` is given,
+    ``127.0.0.1:port`` forwarded to that Unix socket (else no network at all)."""
+    net = ["--socket", str(socket_path), "--port", str(port)] if socket_path is not None else []
+    return [*UNSHARE_ARGV, sys.executable, "-I", jail_init.__file__, "--uid", str(uid), *net, "--", *command]
 
 
 @functools.lru_cache(maxsize=1)
 def namespace_refusal() -> str | None:
-    """Why ``namespace`` isolation cannot run here (None: it can). Probed once per process."""
+    """Why ``namespace`` isolation cannot run here (None: it can). Probed once per process by
+    jailing ``true`` as ``nobody``."""
     if os.geteuid() != 0:
-        return "it needs root (a pid namespace and a private /proc)"
-    missing = [tool for tool in ("unshare", "setpriv") if shutil.which(tool) is None]
+        return "it needs root (namespaces, mounts and a uid per agent)"
+    missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
     if missing:
         return f"{' and '.join(missing)} not found (util-linux)"
     try:
-        done = subprocess.run([*JAIL_ARGV, "true"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(jail_argv(_NOBODY, None, 0, ["true"]), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"the probe failed: {exc}"
     if done.returncode != 0:
@@ -68,16 +95,49 @@ def resolve_isolation(mode: str) -> str:
         return "namespace"
     if mode == "namespace":
         raise ConfigError(f"rollout.agent.isolation='namespace' cannot run here: {refusal}; use 'auto' or 'none'")
-    log.warning("rollout.agent.isolation=auto: agents run without a namespace of their own (%s); they can "
-                "see each other's processes", refusal)
+    log.warning("rollout.agent.isolation=auto: agents run without a jail (%s): as this process's user, with "
+                "its network, able to see each other's processes", refusal)
     return "none"
 
 
 def episode_base(isolation: str) -> Path:
     """A new directory for the episodes' private directories: under ``namespace`` isolation owned by
-    ``nobody`` with mode 0711 (jailed agents may enter their own directory, not list the others)."""
+    ``nobody`` with mode 0711 (the jail's first process reaches the endpoint socket in it)."""
     base = Path(tempfile.mkdtemp(prefix="relax-agents-"))
     if isolation == "namespace":
         os.chown(base, _NOBODY, _NOBODY)
         base.chmod(0o711)
     return base
+
+
+class UidPool:
+    """Hands each running jailed episode a uid of its own from ``[UID_BASE, UID_BASE + UID_COUNT)``."""
+
+    def __init__(self, base: int = UID_BASE, count: int = UID_COUNT) -> None:
+        self._count = count
+        self._free = list(range(base + count - 1, base - 1, -1))
+
+    def acquire(self) -> int:
+        """A uid no running episode holds.
+
+        Raises:
+            EnvError: every uid is held (more than ``count`` agents at once).
+        """
+        if not self._free:
+            raise EnvError(f"more than {self._count} jailed agents at once: no free uid")
+        return self._free.pop()
+
+    def release(self, uid: int) -> None:
+        """Give ``uid`` back once its episode's processes are gone."""
+        self._free.append(uid)
+
+
+def unreadable_part(path: str) -> str | None:
+    """The first part of the existing file ``path`` that an unprivileged uid cannot reach: a
+    directory on the way without the others' execute bit, or the file without the others' read bit
+    (None: it can read it)."""
+    parts = Path(os.path.abspath(path))
+    for directory in reversed(parts.parents):
+        if not os.stat(directory).st_mode & stat.S_IXOTH:
+            return str(directory)
+    return None if os.stat(parts).st_mode & stat.S_IROTH else str(parts)

@@ -52,11 +52,12 @@ class AgentConfig(Section):
     kill_grace_s: float = Field(default=2.0, ge=0.0)
     """Seconds between SIGTERM and SIGKILL when the agent's process group is stopped."""
     isolation: Literal["auto", "namespace", "none"] = "auto"
-    """How agents are kept apart (:mod:`relax_agent.rollout.agent_jail`). "namespace": each agent in
-    its own pid namespace with its own /proc and no capabilities (it cannot see another agent's
-    processes, key or private directory; everything it spawned dies with it); needs root and
-    util-linux. "auto": "namespace" where it runs, else "none" with a warning. "none": its own
-    process group only."""
+    """How agents are kept apart (:mod:`relax_agent.rollout.agent_jail`). "namespace": each agent as
+    an unprivileged uid of its own (it cannot write the code, the venv or the run directory, nor read
+    another episode's private directory), in its own pid namespace (everything it spawned dies with
+    it) and network namespace (only its endpoint reachable on 127.0.0.1), with no capabilities;
+    needs root and util-linux, and an agent program readable by all. "auto": "namespace" where it
+    runs, else "none" with a warning naming what is missing. "none": its own process group only."""
     reward: Literal["env", "agent"] = "env"
     """"env": the env scores the agent's final answer (``env.step`` on the last assistant message, or
     on ``answer`` from the output file), then ``reward`` (a reward service) may re-score as for

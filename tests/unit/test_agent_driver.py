@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -37,6 +38,16 @@ from openai import OpenAI
 task = json.load(open(os.environ["RELAX_TASK_FILE"]))
 reply = OpenAI().chat.completions.create(model="policy", messages=task["messages"], tools=task["tools"])
 """
+
+
+@pytest.fixture
+def tmp_path():
+    """A directory a jailed agent (an unprivileged uid) can read its script from and report into
+    (pytest's own is reachable by root only)."""
+    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +280,7 @@ def test_an_agent_cannot_read_another_agents_key_or_find_its_private_directory(t
         pytest.skip(f"namespace isolation cannot run here: {namespace_refusal()}")
     shared = tmp_path / "shared"
     shared.mkdir()
+    shared.chmod(0o777)
     driver = _driver(tok, ScriptedEngine(_ids(tok, "hi")), tmp_path, STEAL.format(shared=str(shared)),
                      isolation=isolation)
     specs = [EpisodeSpec(f"s/{i}", "s", TASK["id"], TASK, seed=i) for i in range(2)]

@@ -45,6 +45,7 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import os
 import socket
 import threading
 from collections.abc import AsyncIterator, Coroutine
@@ -81,6 +82,8 @@ class EndpointServer:
         large_workers: threads for large requests.
         hangup_grace_s: seconds a non-streamed request whose client hung up keeps sampling for the
             SDK's retry to come back before it is aborted (see :class:`~relax_agent.rollout.proxy.inflight.HangUps`).
+        unix_path: also serve on a Unix socket at this path (mode 0666; jailed agents reach the
+            endpoint through it, see :mod:`~relax_agent.rollout.agent_jail`); None: TCP only.
 
     Attributes:
         base_url: ``http://127.0.0.1:{port}/v1`` (what agents get as ``OPENAI_BASE_URL``).
@@ -89,7 +92,8 @@ class EndpointServer:
     """
 
     def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024,
-                 large_request_bytes: int = 256 * 1024, large_workers: int = 2, hangup_grace_s: float = 10.0) -> None:
+                 large_request_bytes: int = 256 * 1024, large_workers: int = 2, hangup_grace_s: float = 10.0,
+                 unix_path: str | None = None) -> None:
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
         self.workers = RequestWorkers(large_request_bytes, large_workers)
@@ -109,6 +113,9 @@ class EndpointServer:
             raise ConfigError(f"rollout.agent.port={port}: cannot listen on 127.0.0.1:{port} ({exc}); "
                               "choose a free port or 0") from exc
         self.port = self._sock.getsockname()[1]
+        self._sockets = [self._sock]
+        if unix_path is not None:
+            self._sockets.append(_unix_listener(unix_path))
         self.root_url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.root_url}/v1"
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -132,7 +139,7 @@ class EndpointServer:
         def serve() -> None:
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
-            loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+            loop.run_until_complete(self._server.serve(sockets=self._sockets))
 
         self._thread = threading.Thread(target=serve, name="agent-endpoint", daemon=True)
         self._thread.start()
@@ -143,7 +150,8 @@ class EndpointServer:
     def close(self) -> None:
         """End every session (aborting their generations) and stop the server. Idempotent."""
         if self._thread is None:
-            self._sock.close()
+            for sock in self._sockets:
+                sock.close()
             return
         try:
             self.call_sync(self._close_sessions(), 30.0)
@@ -152,7 +160,8 @@ class EndpointServer:
         self._server.should_exit = True
         self._thread.join(30.0)
         self._thread = None
-        self._sock.close()
+        for sock in self._sockets:
+            sock.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
 
     async def _close_sessions(self) -> None:
@@ -199,6 +208,14 @@ class EndpointServer:
             raise RequestError("unknown API key: each episode's agent must use the OPENAI_API_KEY it was started "
                                "with, while its episode runs", status=401, code="invalid_api_key")
         return session
+
+
+def _unix_listener(path: str) -> socket.socket:
+    """A stream socket bound at ``path`` that any user may connect to."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, 0o666)
+    return sock
 
 
 async def _until_started(server: Any) -> None:

@@ -1,0 +1,236 @@
+"""The agent jail (``rollout.agent.isolation: namespace``), escape by escape, with real agent
+processes: each agent tries the escape and reports through its output file's ``metrics`` (1: it got
+through); the same agent without a jail (``none``) gets through, so each test can fail."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import gymnasium
+import pytest
+
+import relax_agent.envs  # noqa: F401
+from relax_agent.config import AgentConfig, ModelConfig
+from relax_agent.errors import ConfigError
+from relax_agent.models import load_tokenizer
+from relax_agent.rollout import agent_jail
+from relax_agent.rollout.agent_driver import AgentDriver
+from relax_agent.rollout.agent_jail import UID_BASE, UidPool, namespace_refusal, resolve_isolation
+from relax_agent.rollout.chat import ChatRenderer
+from relax_agent.rollout.driver import EpisodeSpec
+from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.parsers import build_parser
+from tests.unit.test_endpoint_openai import ScriptedEngine
+
+REPO = Path(__file__).resolve().parents[2]
+make_env = functools.partial(gymnasium.make, "relax/Calculator-v0", difficulty=1, num_tasks=20)
+TASK = make_env().unwrapped.tasks("train")[0]  # type: ignore[attr-defined]
+
+jailed = pytest.mark.skipif(namespace_refusal() is not None, reason=f"no jail here: {namespace_refusal()}")
+
+REPORT = """
+import json, os
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+OpenAI().chat.completions.create(model="policy", messages=task["messages"], tools=task["tools"])
+json.dump({"reward": 0.0, "metrics": got}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
+"""
+"""Appended to each escape: one request through the endpoint (the episode's own service stays
+reachable), then the report."""
+
+
+@pytest.fixture
+def open_dir():
+    """A directory a jailed agent can read its script from and report into."""
+    path = Path(tempfile.mkdtemp(prefix="relax-jail-test-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(ModelConfig(path=str(tiny_model_dir)))
+
+
+def _driver(tok, folder: Path, escape: str, isolation: Literal["namespace", "none"],
+            env: dict[str, str]) -> AgentDriver:
+    (folder / "agent.py").write_text(textwrap.dedent(escape) + REPORT)
+    ids = tok("hi", add_special_tokens=False)["input_ids"] + [2]
+    return AgentDriver(make_env, ScriptedEngine(ids), ChatRenderer(tok), build_parser("hermes"),
+                       AgentConfig(command=["{python}", str(folder / "agent.py")], timeout_s=120.0,
+                                   isolation=isolation, reward="agent", env=env))
+
+
+def _play_all(driver: AgentDriver, n: int = 1):
+    specs = [EpisodeSpec(f"s/{i}", "s", TASK["id"], TASK, seed=i) for i in range(n)]
+
+    async def run():
+        return await asyncio.gather(*(driver.play(s, SamplingParams(max_new_tokens=8)) for s in specs))
+
+    try:
+        trajs = asyncio.run(run())
+    finally:
+        driver.close()
+    assert [t.error for t in trajs] == [None] * n
+    return [{k.removeprefix("agent/"): v for k, v in t.metrics.items() if k.removeprefix("agent/") in GOT} for t in trajs]
+
+
+GOT = ("repo", "venv", "run", "other_key", "other_dir", "service", "shm_other")
+
+WRITES = """
+import os
+got = {}
+for name, path in [("repo", os.environ["REPO_FILE"]), ("venv", os.environ["VENV_FILE"]), ("run", os.environ["RUN_FILE"])]:
+    try:
+        open(path, "a").close()  # opened for writing, nothing written
+        got[name] = 1.0
+    except PermissionError:
+        got[name] = 0.0
+"""
+
+
+@jailed
+@pytest.mark.parametrize("isolation", ["namespace", "none"])
+def test_a_jailed_agent_cannot_write_the_code_the_venv_or_the_run_directory(tok, open_dir, isolation):
+    run_dir = open_dir / "run"  # root-owned, mode 0755, as a run's output directory
+    run_dir.mkdir(mode=0o755)
+    (run_dir / "metrics.jsonl").write_text("")
+    venv_file = Path(sys.executable).resolve().parents[1] / "pyvenv.cfg"
+    if not venv_file.exists():
+        venv_file = Path(os.__file__)
+    env = {"REPO_FILE": str(REPO / "pyproject.toml"), "VENV_FILE": str(venv_file),
+           "RUN_FILE": str(run_dir / "metrics.jsonl")}
+    [got] = _play_all(_driver(tok, open_dir, WRITES, isolation, env))
+    expected = 0.0 if isolation == "namespace" else 1.0
+    assert got == {"repo": expected, "venv": expected, "run": expected}
+
+
+STEAL = """
+import json, os, time
+me, shared = os.environ["OPENAI_API_KEY"], os.environ["SHARED"]
+open(os.path.join(os.environ["TMPDIR"], "key"), "w").write(me)
+mine = os.path.join(shared, "dir-" + me[-8:])
+open(mine, "w").write(os.environ["TMPDIR"])
+os.chmod(mine, 0o644)  # the path is shared on purpose: the directory must hold by itself
+deadline = time.time() + 60
+while len(os.listdir(shared)) < 2 and time.time() < deadline:
+    time.sleep(0.1)
+[other] = [open(os.path.join(shared, f)).read() for f in os.listdir(shared) if f != os.path.basename(mine)]
+got = {}
+try:
+    got["other_key"] = float(open(os.path.join(other, "key")).read().startswith("relax-"))
+except PermissionError:
+    got["other_key"] = 0.0
+try:
+    got["other_dir"] = float(len(os.listdir(other)) > 0)
+except PermissionError:
+    got["other_dir"] = 0.0
+time.sleep(1.0)  # both read before either leaves
+"""
+
+
+@jailed
+@pytest.mark.parametrize("isolation", ["namespace", "none"])
+def test_an_agent_cannot_read_another_episodes_private_directory_or_key_file_even_knowing_its_path(
+        tok, open_dir, isolation):
+    shared = open_dir / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    got = _play_all(_driver(tok, open_dir, STEAL, isolation, {"SHARED": str(shared)}), n=2)
+    expected = 0.0 if isolation == "namespace" else 1.0
+    assert got == [{"other_key": expected, "other_dir": expected}] * 2
+
+
+REACH = """
+import os, socket
+got = {}
+try:
+    socket.create_connection(("127.0.0.1", int(os.environ["SERVICE_PORT"])), timeout=10).close()
+    got["service"] = 1.0
+except OSError:
+    got["service"] = 0.0
+"""
+
+
+@jailed
+@pytest.mark.parametrize("isolation", ["namespace", "none"])
+def test_a_jailed_agent_reaches_its_endpoint_and_no_other_loopback_service(tok, open_dir, isolation):
+    """A listener on 127.0.0.1 stands for the run's other services (the trainer's weight port, Ray's
+    GCS, the control endpoint); the agent's own request goes through (the episode has its turn)."""
+    with socket.create_server(("127.0.0.1", 0)) as service:
+        port = service.getsockname()[1]
+        driver = _driver(tok, open_dir, REACH, isolation, {"SERVICE_PORT": str(port)})
+        [got] = _play_all(driver)
+    assert got == {"service": 0.0 if isolation == "namespace" else 1.0}
+
+
+SHM = """
+import os
+got = {}
+try:
+    open("/dev/shm/" + os.environ["SHM_NAME"]).close()
+    got["shm_other"] = 1.0
+except FileNotFoundError:
+    got["shm_other"] = 0.0
+"""
+
+
+@jailed
+@pytest.mark.parametrize("isolation", ["namespace", "none"])
+def test_a_jailed_agent_has_a_dev_shm_of_its_own(tok, open_dir, isolation):
+    name = f"relax-jail-test-{uuid.uuid4().hex}"
+    planted = Path("/dev/shm") / name
+    planted.write_text("left by another process")
+    planted.chmod(0o644)
+    try:
+        [got] = _play_all(_driver(tok, open_dir, SHM, isolation, {"SHM_NAME": name}))
+    finally:
+        planted.unlink()
+    assert got == {"shm_other": 0.0 if isolation == "namespace" else 1.0}
+
+
+@jailed
+def test_an_agent_program_the_jail_cannot_read_is_a_failed_record_naming_the_directory(tok, tmp_path):
+    """pytest's own ``tmp_path`` is reachable by root only."""
+    (tmp_path / "agent.py").write_text("print('never runs')")
+    ids = tok("hi", add_special_tokens=False)["input_ids"] + [2]
+    driver = AgentDriver(make_env, ScriptedEngine(ids), ChatRenderer(tok), build_parser("hermes"),
+                         AgentConfig(command=["{python}", str(tmp_path / "agent.py")], isolation="namespace"))
+    try:
+        traj = asyncio.run(driver.play(EpisodeSpec("s/0", "s", TASK["id"], TASK, seed=0),
+                                       SamplingParams(max_new_tokens=8)))
+    finally:
+        driver.close()
+    blocked = next(str(p) for p in reversed(tmp_path.parents) if not p.stat().st_mode & 0o001)
+    assert "unprivileged uid" in traj.error and f"({blocked} is not open to others)" in traj.error
+
+
+def test_auto_falls_back_with_a_warning_naming_what_is_missing(monkeypatch, caplog):
+    monkeypatch.setattr(agent_jail, "namespace_refusal", lambda: "setpriv not found (util-linux)")
+    with caplog.at_level(logging.WARNING, logger="relax_agent.rollout"):
+        assert resolve_isolation("auto") == "none"
+    assert "setpriv not found (util-linux)" in caplog.text
+    with pytest.raises(ConfigError, match="isolation='namespace' cannot run here: setpriv not found"):
+        resolve_isolation("namespace")
+
+
+def test_running_episodes_hold_distinct_uids_and_a_released_uid_is_reused():
+    pool = UidPool(base=UID_BASE, count=3)
+    held = [pool.acquire() for _ in range(3)]
+    assert sorted(held) == [UID_BASE, UID_BASE + 1, UID_BASE + 2]
+    with pytest.raises(RuntimeError, match="no free uid"):
+        pool.acquire()
+    pool.release(held[1])
+    assert pool.acquire() == held[1]
