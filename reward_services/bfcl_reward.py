@@ -2,8 +2,9 @@
 
 ``ground_truth`` is the BFCL task dict (from :func:`relax_agent.envs.bfcl.data.load_tasks`:
 its ``functions`` and ``possible_answer`` are used); ``response`` is the assistant message
-with OpenAI-format ``tool_calls``. A text response holds no call (right only for an
-irrelevance task). The verdict is :func:`relax_agent.envs.bfcl.checker.check_calls`, the
+with OpenAI-format ``tool_calls`` (and the parser's ``parse_errors`` / ``rejected_calls``). A text
+response holds no call (right only for an irrelevance task). The verdict is
+:func:`relax_agent.envs.bfcl.decode.judge_message`, the one the single-turn env gives, the
 reward :func:`relax_agent.envs.bfcl.checker.reward` (1 correct, ``partial_credit`` for a
 well-formed wrong call, 0 otherwise).
 
@@ -40,20 +41,20 @@ class BFCLReward:
         Raises:
             DataError: ``ground_truth`` is not a BFCL task dict (the item becomes status error).
         """
-        from relax_agent.envs.bfcl.checker import check_calls, reward
-        from relax_agent.envs.bfcl.env import calls_from_message
+        from relax_agent.envs.bfcl.checker import reward
+        from relax_agent.envs.bfcl.decode import judge_message
 
         task = item.ground_truth
         if not isinstance(task, dict) or "possible_answer" not in task or "functions" not in task:
             got = sorted(task) if isinstance(task, dict) else type(task).__name__
             raise DataError(f"item {item.id!r}: ground_truth must be a BFCL task dict with 'functions' and "
                             f"'possible_answer', got {got}")
-        calls = calls_from_message(item.response) if isinstance(item.response, dict) else []
-        result = check_calls(calls, task)
+        message = item.response if isinstance(item.response, dict) else {"role": "assistant", "content": ""}
+        result, num_calls = judge_message(message, task)
         return {
             "reward": reward(result, self.partial_credit),
             "metrics": {"correct": float(result.correct), "well_formed": float(result.well_formed),
-                        "num_calls": float(len(calls))},
+                        "num_calls": float(num_calls)},
             "extra": {"reason": result.reason},
         }
 

@@ -46,6 +46,7 @@ Deliberate differences from BFCL, and ``bfcl_compat=True``, which reproduces BFC
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,10 +133,11 @@ def check_calls(calls: list[dict[str, Any]], task: dict[str, Any], bfcl_compat: 
 
 
 def has_decoded_call(calls: list[Any]) -> bool:
-    """BFCL's decoder view of a turn: at least one call, and every entry a string name with a
-    JSON-object of arguments (otherwise BFCL's ``is_empty_output`` sees no call at all)."""
+    """BFCL's decoder view of a turn: at least one call, and every entry a name (a string, or any
+    other JSON scalar: BFCL reads ``{"name": 7, ...}`` as a call) with a JSON-object of arguments
+    (otherwise BFCL's ``is_empty_output`` sees no call at all)."""
     return bool(calls) and all(
-        isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)
+        isinstance(c, dict) and isinstance(c.get("name"), Hashable) and isinstance(c.get("arguments"), dict)
         and "error" not in c for c in calls
     )
 

@@ -18,6 +18,7 @@ from typing import Any
 from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.checker import check_calls, reward
 from relax_agent.envs.bfcl.data import CATEGORIES, check_env_args, load_tasks, split_tasks
+from relax_agent.envs.bfcl.decode import judge_message, tool_call_entries
 from relax_agent.errors import ConfigError, EnvError
 
 
@@ -49,8 +50,9 @@ class BFCLEnv(TextEnv):
         "order-free for parallel tasks; Java/JavaScript values string-encoded and decoded by "
         "BFCL's type rules; for irrelevance tasks: no decodable call, for live_relevance: one); "
         "partial_credit (default 0.1) when the calls are only well-formed (at least one call, "
-        "each naming a task function with a JSON-object of arguments); else 0.0. A block the "
-        "parser could not read counts as a malformed call."
+        "each naming a task function with a JSON-object of arguments); else 0.0. Calls are read as "
+        "BFCL's decoder reads them: a block that is not JSON is skipped, one that is JSON but not a "
+        "call object makes the turn undecodable (no call)."
     )
 
     def __init__(
@@ -118,9 +120,12 @@ class BFCLEnv(TextEnv):
     def step(self, action: dict[str, Any]):
         """Judge one assistant message; the episode always ends here.
 
+        The calls judged are those BFCL's decoder reads (:func:`relax_agent.envs.bfcl.decode.decoded_calls`):
+        ``parse_errors`` (blocks that are not JSON) are skipped, ``rejected_calls`` follow BFCL's rules.
+
         Returns:
             ``([], reward, True, False, info)`` with info ``{"correct": 0.0|1.0,
-            "well_formed": 0.0|1.0, "num_calls": int, "reason": str}``.
+            "well_formed": 0.0|1.0, "num_calls": int (tool_calls and rejected_calls entries), "reason": str}``.
 
         Raises:
             EnvError: ``step`` before ``reset`` or after the episode ended, or an action
@@ -137,13 +142,11 @@ class BFCLEnv(TextEnv):
                 f"got {type(action['tool_calls']).__name__}"
             )
         self._done = True
-        calls = calls_from_message(action)
-        calls += [{"name": None, "arguments": None, "error": str(e)} for e in action.get("parse_errors") or []]
-        result = check_calls(calls, self.task, bfcl_compat=self.bfcl_compat)
+        result, num_calls = judge_message(action, self.task, bfcl_compat=self.bfcl_compat)
         info = {
             "correct": float(result.correct),
             "well_formed": float(result.well_formed),
-            "num_calls": len(calls),
+            "num_calls": num_calls,
             "reason": result.reason,
         }
         return [], reward(result, self.partial_credit), True, False, info
@@ -161,28 +164,6 @@ def _resolve(value: Any) -> Any:
 def _as_source(value: Any) -> str:
     """A Java/JavaScript argument as BFCL expects it: a string holding the value's source text."""
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def tool_call_entries(message: dict[str, Any]) -> list[tuple[str | None, Any, Any]]:
-    """``(id, name, arguments)`` of each entry of an assistant message's ``tool_calls``.
-
-    Entries are OpenAI-format (``{"id", "type": "function", "function": {...}}``) or flat
-    ``{"name", "arguments"}``; ``id`` is None when absent. ``arguments`` may be a dict or a
-    JSON string; a string that does not parse is kept as is (the caller judges it).
-    """
-    entries = []
-    for tool_call in message.get("tool_calls") or []:
-        function = tool_call.get("function", tool_call) if isinstance(tool_call, dict) else None
-        function = function if isinstance(function, dict) else {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        call_id = tool_call.get("id") if isinstance(tool_call, dict) else None
-        entries.append((call_id, function.get("name"), arguments))
-    return entries
 
 
 def calls_from_message(message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ from typing import Any
 
 from relax_agent.envs.base import TextEnv
 from relax_agent.envs.bfcl.data import check_env_args, split_tasks
-from relax_agent.envs.bfcl.env import tool_call_entries
+from relax_agent.envs.bfcl.decode import tool_call_entries
 from relax_agent.envs.bfcl.multi_turn_api import ApiSession
 from relax_agent.envs.bfcl.multi_turn_checker import TurnJudge, decodable_step, session_for
 from relax_agent.envs.bfcl.multi_turn_data import API_CLASSES, CATEGORIES, compact_doc, load_tasks, task_docs

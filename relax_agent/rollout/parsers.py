@@ -40,12 +40,17 @@ class ParsedAction:
         errors: one message per block that looked like a call but did not parse.
         reasoning: the turn's reasoning text (``<think>`` block, gpt-oss analysis channel), kept
             out of ``content``; empty when the family has none or the turn wrote none.
+        rejected: the JSON values of Hermes call blocks that decoded but are not call objects (a
+            list, an object without a string ``name`` or without object ``arguments``), in block
+            order; each also has its message in ``errors``. A judge that follows BFCL's decoder
+            needs them: BFCL skips a block that is not JSON but counts or rejects one that is.
     """
 
     content: str
     tool_calls: tuple[dict[str, Any], ...] = ()
     errors: tuple[str, ...] = field(default=())
     reasoning: str = ""
+    rejected: tuple[Any, ...] = ()
 
     def message(self) -> dict[str, Any]:
         """The assistant message handed to ``env.step`` (``reasoning_content`` only when there is reasoning)."""
@@ -55,6 +60,8 @@ class ParsedAction:
             msg["parse_errors"] = list(self.errors)
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
+        if self.rejected:
+            msg["rejected_calls"] = list(self.rejected)
         return msg
 
 
@@ -152,26 +159,36 @@ def _call(index: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 class HermesParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes / Qwen style).
 
-    The JSON object right after ``<tool_call>`` is decoded on its own. ``arguments`` may be an
-    object or a JSON string holding one; ``parameters`` is accepted as an alias.
-
     Args:
-        strict: when False (``"hermes"``), a complete JSON object is a call even if junk
-            follows it instead of ``</tool_call>``, or nothing does (the junk is kept as
-            content): a weak policy gets credit for the call itself. When True
-            (``"hermes_strict"``), only whitespace and then ``</tool_call>`` may follow the
-            object; anything else, the end of the reply included (a block left open, e.g. a
-            reply cut at the token limit or ended right after the JSON), makes the block a parse
-            error. That is how BFCL's own handler reads an unclosed final block (no call). A
-            policy trained with the lenient parser can learn to emit junk after its calls or to
-            drop the closing tag: evaluate with the strict one to see it.
+        strict: when False (``"hermes"``), the JSON object right after ``<tool_call>`` is decoded
+            on its own and is a call even if junk follows it instead of ``</tool_call>``, or
+            nothing does (the junk is kept as content): a weak policy gets credit for the call
+            itself; ``arguments`` may be an object or a JSON string holding one, ``parameters``
+            is accepted as an alias. When True (``"hermes_strict"``), the reply is read exactly
+            as BFCL's decoder (``QwenFCHandler``) reads it, so a policy trained with the lenient
+            parser and its habits (junk after a call, a dropped closing tag) show up in evaluation:
+
+            * everything up to the last ``</think>`` is reasoning, not calls;
+            * a block is ``<tool_call>\n BODY \n</tool_call>`` (BFCL's pattern, newlines
+              included, the first closing tag after the opening one); a block not framed so (one
+              line, cut off at the token limit, junk after the JSON) is a parse error;
+            * BODY must be exactly one JSON value, else a parse error;
+            * the value is a call when it is an object with a string ``name`` and an object
+              ``arguments`` (no alias, no JSON-string arguments: BFCL's decoder refuses them);
+              any other value is a parse error and is kept in ``ParsedAction.rejected``.
+        framed: only with ``strict``: False reads strict blocks without BFCL's framing (a one-line
+            block is a call; junk after the JSON or a missing ``</tool_call>`` is a parse error),
+            for families whose reference (vLLM's ``hermes`` parser) reads them so.
     """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    THINK_CLOSE = "</think>"
+    _FRAMED = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
     _decoder = json.JSONDecoder()
 
-    def __init__(self, strict: bool = False):
+    def __init__(self, strict: bool = False, framed: bool = True):
         self.strict = strict
+        self.framed = strict and framed
 
     def format(self, calls: list[dict[str, Any]]) -> str:
         """``calls`` (``{"name", "arguments"}``) as ``<tool_call>`` blocks, one per line group."""
@@ -180,23 +197,69 @@ class HermesParser:
     def parse(self, text: str) -> ParsedAction:
         """Every ``<tool_call>`` block as a call (a malformed block as an error); the text around
         the blocks is the content."""
+        if self.framed:
+            return self._parse_framed(text)
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
+        rejected: list[Any] = []
         content: list[str] = []
         pos = 0
         while (start := text.find(self.OPEN, pos)) != -1:
             content.append(text[pos:start])
             body_start = start + len(self.OPEN)
-            call, error, pos = self._parse_block(text, body_start, len(calls))
+            call, error, pos, obj = self._parse_block(text, body_start, len(calls))
             if call is not None:
                 calls.append(call)
             else:
                 errors.append(error)
+                rejected += obj
         content.append(text[pos:])
-        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors))
+        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors), rejected=tuple(rejected))
 
-    def _parse_block(self, text: str, i: int, index: int) -> tuple[dict[str, Any] | None, str, int]:
-        """Decode the call starting at ``text[i]``; returns (call, error, position after the block)."""
+    def _parse_framed(self, text: str) -> ParsedAction:
+        """``hermes_strict``: BFCL's decoder's reading of ``text`` (class docstring)."""
+        reasoning = ""
+        if self.THINK_CLOSE in text:
+            head, _, text = text.rpartition(self.THINK_CLOSE)
+            reasoning = head.strip().removeprefix("<think>").strip()
+        calls: list[dict[str, Any]] = []
+        errors: list[str] = []
+        rejected: list[Any] = []
+        content: list[str] = []
+        pos = 0
+        for block in self._FRAMED.finditer(text):
+            content.append(self._unframed(text[pos:block.start()], errors))
+            pos = block.end()
+            try:
+                obj = json.loads(block.group(1))
+            except json.JSONDecodeError as exc:
+                errors.append(f"tool call is not valid JSON ({exc.msg}): {block.group(1).strip()[:200]!r}")
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict):
+                calls.append(_call(len(calls), obj["name"], obj["arguments"]))
+            else:
+                errors.append("tool call must be an object with a string 'name' and object 'arguments', "
+                              f"got {json.dumps(obj)[:200]}")
+                rejected.append(obj)
+        content.append(self._unframed(text[pos:], errors))
+        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors), reasoning, tuple(rejected))
+
+    def _unframed(self, text: str, errors: list[str]) -> str:
+        """``text`` (between framed blocks) without its unframed ``<tool_call>`` blocks, one error each."""
+        kept = []
+        while (start := text.find(self.OPEN)) != -1:
+            kept.append(text[:start])
+            close = text.find(self.CLOSE, start)
+            end = len(text) if close == -1 else close + len(self.CLOSE)
+            why = "has no closing " + self.CLOSE if close == -1 else "is not framed by newlines"
+            errors.append(f"tool call block {why} (BFCL reads <tool_call>\\n{{...}}\\n</tool_call> only; e.g. a reply "
+                          f"cut at the token limit, or junk after the JSON): {text[start:end][:200]!r}")
+            text = text[end:]
+        return "".join(kept) + text
+
+    def _parse_block(self, text: str, i: int, index: int) -> tuple[dict[str, Any] | None, str, int, list[Any]]:
+        """Decode the call starting at ``text[i]``; returns (call, error, position after the block, the
+        decoded value in a list when it is not a call)."""
         close = text.find(self.CLOSE, i)
         end = len(text) if close == -1 else close + len(self.CLOSE)
         j = i + len(text[i:]) - len(text[i:].lstrip())
@@ -204,19 +267,19 @@ class HermesParser:
             obj, stop = self._decoder.raw_decode(text, j)
         except json.JSONDecodeError as exc:
             body = text[i:close if close != -1 else len(text)].strip()
-            return None, f"tool call is not valid JSON ({exc.msg}): {body[:200]!r}", end
+            return None, f"tool call is not valid JSON ({exc.msg}): {body[:200]!r}", end, []
         rest = text[stop:]
         if rest.lstrip().startswith(self.CLOSE):
             end = stop + (len(rest) - len(rest.lstrip())) + len(self.CLOSE)
         elif self.strict and rest.strip():
-            return None, f"tool call JSON is followed by {rest.strip()[:40]!r} instead of {self.CLOSE}", end
+            return None, f"tool call JSON is followed by {rest.strip()[:40]!r} instead of {self.CLOSE}", end, []
         elif self.strict:
             return None, (f"tool call block has no closing {self.CLOSE} (the reply ended inside the block, e.g. "
-                          f"cut at the token limit): {text[i:][:200].strip()!r}"), end
+                          f"cut at the token limit): {text[i:][:200].strip()!r}"), end, []
         elif close == -1 or text[stop:close].strip():
             end = stop  # no closing tag right after the object: keep what follows as content
         call, error = self._to_call(obj, index)
-        return call, error, end
+        return call, error, end, [] if call is not None else [obj]
 
     @staticmethod
     def _to_call(obj: Any, index: int) -> tuple[dict[str, Any] | None, str]:

@@ -54,7 +54,7 @@ def test_strict_mode_refuses_junk_after_the_call():
     junk = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}}}}}</tool_call}'
     assert [c["function"]["name"] for c in HermesParser().parse(junk).tool_calls] == ["f"]
     strict = build_parser("hermes_strict").parse(junk)
-    assert strict.tool_calls == () and "instead of </tool_call>" in strict.errors[0]
+    assert strict.tool_calls == () and "has no closing </tool_call>" in strict.errors[0]
     clean = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     assert len(build_parser("hermes_strict").parse(clean).tool_calls) == 1
 

@@ -25,10 +25,10 @@ class Qwen3Parser(HermesParser):
     THINK = ("<think>", "</think>")
 
     def __init__(self) -> None:
-        super().__init__(strict=True)
+        super().__init__(strict=True, framed=False)  # vLLM's hermes parser reads one-line blocks
 
     def parse(self, text: str) -> ParsedAction:
         """The ``<think>`` block as reasoning, the rest as :meth:`HermesParser.parse` reads it."""
         reasoning, rest = split_reasoning(text, *self.THINK)
         action = super().parse(rest)
-        return ParsedAction(action.content, action.tool_calls, action.errors, reasoning)
+        return ParsedAction(action.content, action.tool_calls, action.errors, reasoning, action.rejected)
