@@ -51,6 +51,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import secrets
@@ -64,8 +65,9 @@ from pathlib import Path
 from typing import Any
 
 from relax_agent.envs.tool_env import call_in_thread
-from relax_agent.errors import EnvError
+from relax_agent.errors import EnvError, SandboxError
 from relax_agent.records import StopReason, Trajectory
+from relax_agent.rollout.agent_cgroups import AgentCgroups, build_agent_cgroups
 from relax_agent.rollout.agent_jail import UidPool, episode_base, jail_argv, resolve_isolation, unreadable_part
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
@@ -75,6 +77,8 @@ from relax_agent.rollout.parsers import ToolCallParser
 from relax_agent.rollout.proxy.server import EndpointServer
 from relax_agent.rollout.proxy.session import AgentSession
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
+
+logger = logging.getLogger("relax_agent.rollout")
 
 _STDERR_TAIL = 1500
 """Characters of the agent's stderr kept in a failed record's cause."""
@@ -107,14 +111,28 @@ class AgentDriver:
         self._base = episode_base(self.isolation)
         self._socket = self._base / "endpoint.sock" if self.isolation == "namespace" else None
         self._uids = UidPool()
+        self._cgroups = self._limits() if self.isolation == "namespace" else None
         self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes,
                                      unix_path=None if self._socket is None else str(self._socket))
         weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
         weakref.finalize(self, shutil.rmtree, self._base, True)
+        if self._cgroups is not None:
+            weakref.finalize(self, self._cgroups.close)
+
+    def _limits(self) -> AgentCgroups | None:
+        """Episode cgroups with ``memory_limit_mb`` and ``max_processes`` (None, with a warning, where
+        this host has none to give)."""
+        try:
+            return build_agent_cgroups(self.cfg.memory_limit_mb, self.cfg.max_processes)
+        except SandboxError as exc:
+            logger.warning("jailed agents run without rollout.agent.memory_limit_mb and max_processes: %s", exc)
+            return None
 
     def close(self) -> None:
-        """Stop the endpoint (aborting what still runs). Idempotent."""
+        """Stop the endpoint (aborting what still runs) and remove the episode cgroups' parent. Idempotent."""
         self.server.close()
+        if self._cgroups is not None:
+            self._cgroups.close()
 
     async def play(self, spec: EpisodeSpec, params: SamplingParams) -> Trajectory:
         """Play ``spec`` with the agent; its trained chain's trajectory (its earlier contexts as
@@ -167,16 +185,33 @@ class AgentDriver:
         """:meth:`_run_agent` as a uid of its own that owns ``tmp`` under ``namespace`` isolation."""
         if self.isolation != "namespace":
             return await self._run_agent(tmp, spec, messages, tools, session, deadline, None)
-        uid = self._uids.acquire()
+        uid, cgroups = self._uids.acquire(), self._cgroups
         try:
             os.chown(tmp, uid, uid)
-            return await self._run_agent(tmp, spec, messages, tools, session, deadline, uid)
+            procs = cgroups.create(tmp.name) if cgroups is not None else ()
+            try:
+                return await self._run_agent(tmp, spec, messages, tools, session, deadline, uid, procs)
+            except EnvError as exc:
+                raise self._memory_cause(tmp.name, exc) from exc
+            finally:
+                if cgroups is not None:
+                    await asyncio.to_thread(cgroups.remove, tmp.name)
         finally:
             self._uids.release(uid)
 
+    def _memory_cause(self, name: str, exc: EnvError) -> EnvError:
+        """``exc`` naming ``rollout.agent.memory_limit_mb`` when the kernel killed a process of
+        episode ``name`` for it."""
+        kills = self._cgroups.oom_kills(name) if self._cgroups is not None else 0
+        if not kills:
+            return exc
+        return EnvError(f"agent exceeded rollout.agent.memory_limit_mb={self.cfg.memory_limit_mb}: the kernel "
+                        f"killed {kills} of its processes ({exc})")
+
     async def _run_agent(self, tmp: Path, spec: EpisodeSpec, messages: list[dict[str, Any]], tools: list[Any],
-                         session: AgentSession, deadline: Deadline, uid: int | None) -> dict[str, Any]:
-        """Run the agent (jailed as ``uid`` unless None) to its exit; its output file's JSON ({} when it
+                         session: AgentSession, deadline: Deadline, uid: int | None,
+                         cgroup_procs: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Run the agent (jailed as ``uid`` in the cgroups of ``cgroup_procs`` unless None) to its exit; its output file's JSON ({} when it
         wrote none).
 
         Raises:
@@ -193,7 +228,7 @@ class AgentDriver:
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
         argv = self._argv()
         if uid is not None:
-            argv = jail_argv(uid, self._socket, self.server.port, argv)
+            argv = jail_argv(uid, self._socket, self.server.port, argv, cgroup_procs)
         with log.open("wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(*argv, cwd=self.cfg.cwd, env=env, stdin=asyncio.subprocess.DEVNULL,

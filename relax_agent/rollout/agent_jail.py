@@ -20,11 +20,14 @@ command runs as
   the endpoint's Unix socket: the run's other services (the trainer's ports, Ray, the control
   endpoint) and the outside network are unreachable.
 
+- **memory and process limits** (``rollout.agent.memory_limit_mb``, ``max_processes``): a cgroup per
+  episode (:mod:`~relax_agent.rollout.agent_cgroups`) where this process may create them; else a
+  warning, and no limits.
+
 What it does not hold: the agent can read whatever is world-readable on the host's filesystem
 (the code, the venv, world-readable data) and write where the world may (``/tmp`` is shared, sticky:
-its files there are its own, mode 0600 by its umask, unless it chmods them); it can use unlimited
-memory and processes (no cgroup limits); the agent's program and every file it reads must be
-readable by others (``/root`` and pytest's ``tmp_path`` are not).
+its files there are its own, mode 0600 by its umask, unless it chmods them); the agent's program
+and every file it reads must be readable by others (``/root`` and pytest's ``tmp_path`` are not).
 
 ``none`` runs the command as it is (its own process group; children that leave it are found by the
 episode key in their environment and killed).
@@ -57,11 +60,14 @@ _NOBODY = 65534
 _TOOLS = ("unshare", "setpriv", "mount")
 
 
-def jail_argv(uid: int, socket_path: Path | None, port: int, command: list[str]) -> list[str]:
-    """The argv that runs ``command`` jailed as ``uid`` with, when ``socket_path`` is given,
-    ``127.0.0.1:port`` forwarded to that Unix socket (else no network at all)."""
+def jail_argv(uid: int, socket_path: Path | None, port: int, command: list[str],
+              cgroup_procs: tuple[str, ...] = ()) -> list[str]:
+    """The argv that runs ``command`` jailed as ``uid`` in the cgroups whose ``cgroup.procs`` files
+    are ``cgroup_procs`` with, when ``socket_path`` is given, ``127.0.0.1:port`` forwarded to that
+    Unix socket (else no network at all)."""
     net = ["--socket", str(socket_path), "--port", str(port)] if socket_path is not None else []
-    return [*UNSHARE_ARGV, sys.executable, "-I", jail_init.__file__, "--uid", str(uid), *net, "--", *command]
+    joins = [arg for procs in cgroup_procs for arg in ("--cgroup-procs", procs)]
+    return [*UNSHARE_ARGV, sys.executable, "-I", jail_init.__file__, "--uid", str(uid), *net, *joins, "--", *command]
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,6 +50,14 @@ class AgentConfig(Section):
     """Most seconds one agent process may run; past it its process group is killed, generations
     still running for its episode are aborted, and the episode is a failed record (status "timeout")."""
     kill_grace_s: float = Field(default=2.0, ge=0.0)
+    memory_limit_mb: int = Field(default=4096, ge=16)
+    """Memory (MiB, swap included) all processes of one jailed agent may hold; past it the kernel
+    kills one of them and the episode is a failed record naming this limit. Needs cgroups this
+    process may create (v2 with ``memory`` and ``pids`` delegated, or the v1 hierarchies); without
+    them agents run unlimited, with a warning."""
+    max_processes: int = Field(default=512, ge=8)
+    """Processes and threads one jailed agent may have at once; past it ``fork`` fails. Same cgroups
+    as ``memory_limit_mb``."""
     """Seconds between SIGTERM and SIGKILL when the agent's process group is stopped."""
     isolation: Literal["auto", "namespace", "none"] = "auto"
     """How agents are kept apart (:mod:`relax_agent.rollout.agent_jail`). "namespace": each agent as

@@ -22,9 +22,10 @@ import pytest
 
 import relax_agent.envs  # noqa: F401
 from relax_agent.config import AgentConfig, ModelConfig
-from relax_agent.errors import ConfigError
+from relax_agent.errors import ConfigError, SandboxError
 from relax_agent.models import load_tokenizer
 from relax_agent.rollout import agent_jail
+from relax_agent.rollout.agent_cgroups import build_agent_cgroups
 from relax_agent.rollout.agent_driver import AgentDriver
 from relax_agent.rollout.agent_jail import UID_BASE, UidPool, namespace_refusal, resolve_isolation
 from relax_agent.rollout.chat import ChatRenderer
@@ -234,3 +235,90 @@ def test_running_episodes_hold_distinct_uids_and_a_released_uid_is_reused():
         pool.acquire()
     pool.release(held[1])
     assert pool.acquire() == held[1]
+
+
+def _limited(tok, folder: Path, escape: str, isolation: Literal["namespace", "none"], **limits) -> AgentDriver:
+    (folder / "agent.py").write_text(textwrap.dedent(escape))
+    ids = tok("hi", add_special_tokens=False)["input_ids"] + [2]
+    return AgentDriver(make_env, ScriptedEngine(ids), ChatRenderer(tok), build_parser("hermes"),
+                       AgentConfig(command=["{python}", str(folder / "agent.py")], timeout_s=120.0,
+                                   isolation=isolation, reward="agent", **limits))
+
+
+def _no_limits() -> str | None:
+    try:
+        build_agent_cgroups(64, 64).close()
+    except SandboxError as exc:
+        return str(exc)
+    return None
+
+
+limited = pytest.mark.skipif(namespace_refusal() is not None or _no_limits() is not None,
+                             reason=f"no jail or no cgroups here: {namespace_refusal() or _no_limits()}")
+
+HOG = """
+import json, os
+json.dump({"reward": 0.0}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
+hog = bytearray(512 * 2**20)  # 512 MiB, every page touched
+"""
+
+
+@limited
+def test_a_memory_hog_is_killed_and_its_episode_fails_naming_the_limit(tok, open_dir):
+    [traj] = [_play_once(_limited(tok, open_dir, HOG, "namespace", memory_limit_mb=128))]
+    assert traj.error is not None and "rollout.agent.memory_limit_mb=128: the kernel killed 1 of its" in traj.error
+
+
+FORK_BOMB = """
+import json, os, signal, time
+kids, refused = [], 0.0
+while len(kids) < 200:
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        refused = 1.0
+        break
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    kids.append(pid)
+n = len(kids)
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+OpenAI().chat.completions.create(model="policy", messages=task["messages"], tools=task["tools"])
+json.dump({"reward": 0.0, "metrics": {"forked": n, "refused": refused}}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
+"""
+"""Forks until refused (or 200 children), kills them, makes its request and reports."""
+
+
+@limited
+@pytest.mark.parametrize("isolation", ["namespace", "none"])
+def test_a_fork_bomb_stops_at_max_processes(tok, open_dir, isolation):
+    traj = _play_once(_limited(tok, open_dir, FORK_BOMB, isolation, max_processes=32))
+    got = {k: v for k, v in traj.metrics.items() if k in ("agent/forked", "agent/refused")}
+    if isolation == "namespace":  # the jail's first process and the agent count too
+        assert got["agent/refused"] == 1.0 and 16 <= got["agent/forked"] <= 30, got
+    else:
+        assert got == {"agent/forked": 200.0, "agent/refused": 0.0}
+
+
+def _play_once(driver: AgentDriver):
+    try:
+        return asyncio.run(driver.play(EpisodeSpec("s/0", "s", TASK["id"], TASK, seed=0),
+                                       SamplingParams(max_new_tokens=8)))
+    finally:
+        driver.close()
+
+
+def test_cgroup_v2_without_delegated_controllers_is_refused_naming_them(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("memory pids\n")
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "cgroup.subtree_control").write_text("cpu\n")
+    membership = tmp_path / "self-cgroup"
+    membership.write_text("0::/job\n")
+    with pytest.raises(SandboxError, match=r"job does not delegate memory and pids to its children "
+                                           r"\(cgroup.subtree_control: cpu\)"):
+        build_agent_cgroups(64, 64, root=tmp_path, self_cgroup=str(membership))
