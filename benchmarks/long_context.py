@@ -43,7 +43,7 @@ def run_eval(policy: str, num_tasks: int, seeds: list[int], work: Path, extra: l
         raise SystemExit(f"eval with {policy} failed:\n{done.stderr[-3000:]}")
     summary = json.loads(out.read_text())
     summary["wall_s"] = wall_s
-    summary["command"] = "relax-agent " + " ".join(cmd[3:-2])
+    summary["command"] = "relax-agent " + " ".join(cmd[3:-2]).replace(f"{REPO}/", "")
     return summary
 
 
