@@ -169,7 +169,7 @@ class AgentDriver:
         self.server.open(session)
         try:
             with tempfile.TemporaryDirectory(prefix="ep-", dir=self._base) as tmp:
-                output = await self._run_jailed(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
+                output = await self.run_agent(Path(tmp), spec, obs, info.get("tools", []), session, deadline)
         except Exception as exc:  # a crashed, failed or timed-out agent is a failed record
             await self.server.end(session)
             rec = session.trained() or TrajectoryRecorder(spec)
@@ -180,9 +180,17 @@ class AgentDriver:
         await self.server.end(session)
         return await self._finish(session, calls, spec, output)
 
-    async def _run_jailed(self, tmp: Path, spec: EpisodeSpec, messages: list[dict[str, Any]], tools: list[Any],
-                          session: AgentSession, deadline: Deadline) -> dict[str, Any]:
-        """:meth:`_run_agent` as a uid of its own that owns ``tmp`` under ``namespace`` isolation."""
+    async def run_agent(self, tmp: Path, spec: EpisodeSpec, messages: list[dict[str, Any]], tools: list[Any],
+                        session: AgentSession, deadline: Deadline) -> dict[str, Any]:
+        """Run the agent with ``tmp`` as its ``TMPDIR`` (task and output files there) to its exit; its
+        output file's JSON ({} when it wrote none). Under ``namespace`` isolation it runs as a uid of
+        its own that owns ``tmp``, in the episode's cgroups when there are any.
+
+        Raises:
+            EpisodeTimeout: past the deadline (everything it started killed first).
+            EnvError: as :meth:`_run_agent`; naming ``rollout.agent.memory_limit_mb`` when the kernel
+                killed a process of the jail for it.
+        """
         if self.isolation != "namespace":
             return await self._run_agent(tmp, spec, messages, tools, session, deadline, None)
         uid, cgroups = self._uids.acquire(), self._cgroups

@@ -4,6 +4,8 @@ example agent passes every row, a broken one fails exactly the rows it breaks, w
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -25,6 +27,16 @@ for _ in range(2):  # never offers the tools, re-renders its history, fixes the 
     messages.append({"role": "assistant", "content": (reply.content or "").upper()})
     messages.append({"role": "user", "content": "Are you sure?"})
 """
+
+
+@pytest.fixture
+def tmp_path():
+    """A directory a jailed agent (an unprivileged uid) can read its script from (pytest's own is
+    reachable by root only)."""
+    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _rows(output: str) -> dict[str, str]:

@@ -254,8 +254,8 @@ async def _check_task(driver: Any, task: CheckTask, session: CheckSession, timeo
     output: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="relax-agent-check-") as tmp:
-            output = await driver._run_agent(Path(tmp), session.spec, list(task.messages), list(task.tools), session,
-                                             Deadline(timeout_s))
+            output = await driver.run_agent(Path(tmp), session.spec, list(task.messages), list(task.tools), session,
+                                            Deadline(timeout_s))
     except Exception as exc:  # a timeout, a crash, a bad output file: a row, not a crash of the check
         error = exc
     finally:
