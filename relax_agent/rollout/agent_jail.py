@@ -35,6 +35,7 @@ episode key in their environment and killed).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -117,11 +118,13 @@ def episode_base(isolation: str) -> Path:
 
 
 class UidPool:
-    """Hands each running jailed episode a uid of its own from ``[UID_BASE, UID_BASE + UID_COUNT)``."""
+    """Hands each running jailed episode a uid of its own from ``[UID_BASE, UID_BASE + UID_COUNT)``,
+    the one released longest ago first (a uid comes back only after every other one was used, so a
+    file an agent left in a world-writable place is not its next episode's)."""
 
     def __init__(self, base: int = UID_BASE, count: int = UID_COUNT) -> None:
         self._count = count
-        self._free = list(range(base + count - 1, base - 1, -1))
+        self._free = collections.deque(range(base, base + count))
 
     def acquire(self) -> int:
         """A uid no running episode holds.
@@ -131,7 +134,7 @@ class UidPool:
         """
         if not self._free:
             raise EnvError(f"more than {self._count} jailed agents at once: no free uid")
-        return self._free.pop()
+        return self._free.popleft()
 
     def release(self, uid: int) -> None:
         """Give ``uid`` back once its episode's processes are gone."""

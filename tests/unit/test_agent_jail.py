@@ -227,14 +227,20 @@ def test_auto_falls_back_with_a_warning_naming_what_is_missing(monkeypatch, capl
         resolve_isolation("namespace")
 
 
-def test_running_episodes_hold_distinct_uids_and_a_released_uid_is_reused():
+def test_running_episodes_hold_distinct_uids_and_a_released_uid_comes_back_last():
     pool = UidPool(base=UID_BASE, count=3)
     held = [pool.acquire() for _ in range(3)]
-    assert sorted(held) == [UID_BASE, UID_BASE + 1, UID_BASE + 2]
-    with pytest.raises(RuntimeError, match="no free uid"):
+    assert held == [UID_BASE, UID_BASE + 1, UID_BASE + 2]
+    with pytest.raises(RuntimeError, match="more than 3 jailed agents at once: no free uid"):
         pool.acquire()
     pool.release(held[1])
-    assert pool.acquire() == held[1]
+    pool.release(held[0])
+    assert [pool.acquire(), pool.acquire()] == [held[1], held[0]]
+
+    fresh = UidPool(base=UID_BASE, count=3)
+    first = fresh.acquire()
+    fresh.release(first)
+    assert [fresh.acquire(), fresh.acquire(), fresh.acquire()] == [UID_BASE + 1, UID_BASE + 2, first]
 
 
 def _limited(tok, folder: Path, escape: str, isolation: Literal["namespace", "none"], **limits) -> AgentDriver:
