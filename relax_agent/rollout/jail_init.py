@@ -87,19 +87,22 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         while chunk := await reader.read(_CHUNK_BYTES):
             writer.write(chunk)
             await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
     except OSError:
-        writer.close()
+        pass
 
 
 async def _forward(socket_name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy both ways between the agent's connection and a new one to the endpoint until either side
+    ends, then close both (an agent that hangs up is seen by the endpoint at once)."""
     try:
         up_reader, up_writer = await asyncio.open_unix_connection(socket_name)
     except OSError:
         writer.close()
         return
-    await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+    pipes = [asyncio.ensure_future(_pipe(reader, up_writer)), asyncio.ensure_future(_pipe(up_reader, writer))]
+    await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+    for pipe in pipes:
+        pipe.cancel()
     up_writer.close()
     writer.close()
 

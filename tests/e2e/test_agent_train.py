@@ -5,8 +5,10 @@ agent-driven episodes without divergence."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,16 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tmp_path():
+    """A directory a jailed agent (an unprivileged uid) can read its script from (pytest's own is
+    reachable by root only)."""
+    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("agent", ["openai_sdk_agent.py", "responses_agent.py", "anthropic_agent.py"])
