@@ -41,7 +41,7 @@ from relax_agent.rollout.context import Episode, needs_new_context, open_context
 from relax_agent.rollout.driver import Deadline, EpisodeSpec
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
 from relax_agent.rollout.env_calls import EnvCalls, check_reset, check_step, close_env, numeric_info, step_timeout_cause
-from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
+from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens, parse_reply
 from relax_agent.rollout.recorder import TrajectoryRecorder, failed_episode
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ async def _play_turns(ep: Episode, calls: EnvCalls, spec: EpisodeSpec, engine: I
         if gen.finish_reason == "length" and cap is not None and ep.sampled_tokens >= cap:
             return reward, metrics, StopReason.MAX_SAMPLED_TOKENS  # cut by the episode's budget
         text = renderer.tokenizer.decode(gen.token_ids, skip_special_tokens=not decodes_special_tokens(parser))
-        action = parser.parse(text).message()
+        action = parse_reply(parser, text, ep.tools).message()
         rec.add_messages([{**action, "content": text}])
         new_obs, step_reward, terminated, truncated, step_info = check_step(await calls.step(action))
         reward += step_reward

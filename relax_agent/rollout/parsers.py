@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -109,6 +109,25 @@ class WritesCalls(Protocol):
     def format(self, calls: list[dict[str, Any]]) -> str:
         """The text a policy writes for ``calls`` (``[{"name", "arguments"}]``, arguments a dict)."""
         ...
+
+
+@runtime_checkable
+class ReadsToolSchemas(Protocol):
+    """A :class:`ToolCallParser` whose family writes argument values as bare text (GLM-4.5,
+    Qwen3-Coder): the episode's tool schemas say whether ``75001`` is a string or a number."""
+
+    def parse_with_tools(self, text: str, tools: Sequence[dict[str, Any]]) -> ParsedAction:
+        """``parse(text)`` with each argument value typed by its parameter's schema in ``tools``
+        (OpenAI tool schemas); a parameter the tools do not declare is typed as ``parse`` types it."""
+        ...
+
+
+def parse_reply(parser: ToolCallParser, text: str, tools: Sequence[dict[str, Any]] = ()) -> ParsedAction:
+    """``parser``'s reading of one sampled ``text``, its values typed by ``tools``' schemas where the
+    parser reads them (:class:`ReadsToolSchemas`)."""
+    if tools and isinstance(parser, ReadsToolSchemas):
+        return parser.parse_with_tools(text, tools)
+    return parser.parse(text)
 
 
 def decodes_special_tokens(parser: Any) -> bool:

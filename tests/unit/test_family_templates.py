@@ -180,8 +180,8 @@ MALFORMED = [
     ("gpt_oss", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"', "does not end with <|call|>"),
     ("gpt_oss", ' to=python<|channel|>analysis code<|message|>print(1)<|call|>', "not a function tool"),
     ("gpt_oss", ' to=functions.get_weather<|channel|>commentary json<|message|>Paris<|call|>', "not valid JSON"),
-    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>",
-     "no closing <｜tool▁calls▁end｜>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}",
+     "no closing <｜tool▁call▁end｜>"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
      "not NAME"),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", "no closing </tool_call>"),
@@ -189,7 +189,7 @@ MALFORMED = [
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>get weather<|tool_call_argument_begin|>{}<|tool_call_end|>"
                 "<|tool_calls_section_end|>", "functions.NAME:IDX"),
     ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-                "{\"city\": \"Paris\"}", "no closing <|tool_calls_section_end|>"),
+                "{\"city\": \"Paris\"}", "no closing <|tool_call_end|>"),
     ("gemma", '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>', "not Gemma's syntax"),
     ("gemma", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}', "no closing <tool_call|>"),
 ]

@@ -8,15 +8,17 @@ tool format) and vLLM's ``glm45`` tool parser.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from relax_agent.rollout.parsers import ParsedAction
 from relax_agent.rollout.tool_parsers._common import (
     call,
     only_space,
+    param_schemas,
+    schema_value,
     split_reasoning,
     strip_end_tokens,
-    typed_value,
     value_text,
 )
 
@@ -26,8 +28,9 @@ class Glm45Parser:
 
     A block is a function name on its first line, then only ``<arg_key>``/``<arg_value>`` pairs,
     and must end with ``</tool_call>``; anything else (a block cut at the token limit, a key
-    without a value) is a parse error and no call. Values are JSON when they decode, else strings
-    (the template writes strings bare). Special tokens are kept when decoding (GLM's tags are
+    without a value) is a parse error and no call. Values are typed by the tool schemas when
+    :meth:`parse_with_tools` has them (a string parameter's ``75001`` stays a string, as vLLM's
+    parser types it), else JSON when they decode, else strings (the template writes strings bare). Special tokens are kept when decoding (GLM's tags are
     special tokens); the turn-closing ``<|observation|>``/``<|user|>``/``<|endoftext|>`` is dropped.
     """
 
@@ -46,8 +49,14 @@ class Glm45Parser:
 
     def parse(self, text: str) -> ParsedAction:
         """Reasoning (``<think>``), the ``<tool_call>`` blocks as calls (a malformed block as an error)
-        and the text around them as content; end tokens are stripped."""
-        reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
+        and the text around them as content; end tokens are stripped. Values typed without schemas
+        (:func:`typed_value`)."""
+        return self.parse_with_tools(text, ())
+
+    def parse_with_tools(self, text: str, tools: Sequence[dict[str, Any]]) -> ParsedAction:
+        """:meth:`parse` with each value typed by its parameter's schema in ``tools`` (:func:`schema_value`)."""
+        schemas = param_schemas(tools)
+        reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK, call_open=self.OPEN)
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
         content: list[str] = []
@@ -60,14 +69,14 @@ class Glm45Parser:
                 errors.append(f"tool call block has no closing {self.CLOSE}: {rest[body_start:][:200].strip()!r}")
                 pos = len(rest)
                 break
-            found, error = self._block(rest[body_start:close], len(calls))
+            found, error = self._block(rest[body_start:close], len(calls), schemas)
             calls += [found] if found else []
             errors += [error] if error else []
             pos = close + len(self.CLOSE)
         content.append(rest[pos:])
         return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors), reasoning)
 
-    def _block(self, body: str, index: int) -> tuple[dict[str, Any] | None, str]:
+    def _block(self, body: str, index: int, schemas: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
         first, sep, pairs = body.partition("<arg_key>")
         name = first.strip()
         if not name or "<" in name or "\n" in name:
@@ -78,7 +87,8 @@ class Glm45Parser:
         for m in self._PAIR.finditer(pairs):
             if not only_space(pairs[pos:m.start()]):
                 return None, f"tool call {name!r} has text outside its arguments: {pairs[pos:m.start()].strip()[:80]!r}"
-            args[m.group(1).strip()] = typed_value(m.group(2))
+            key = m.group(1).strip()
+            args[key] = schema_value(m.group(2), schemas.get(name, {}).get(key))
             pos = m.end()
         if not only_space(pairs[pos:]):
             return None, f"tool call {name!r} has text outside its arguments: {pairs[pos:].strip()[:80]!r}"

@@ -13,7 +13,8 @@ from relax_agent.rollout.tool_parsers._common import split_reasoning
 class Qwen3Parser(HermesParser):
     """``<think>reasoning</think>`` then text and strict ``<tool_call>{"name", "arguments"}</tool_call>`` blocks.
 
-    The reasoning block is split off first (a call written inside it is not a call); the rest is
+    The reasoning block is split off first (a call written inside it is not a call; a block left
+    without ``</think>`` ends at the first ``<tool_call>``, as vLLM's Qwen3 parser reads it); the rest is
     read by the strict Hermes parser: junk after a call's JSON, or a final block without its
     ``</tool_call>`` (a reply cut at the token limit), is a parse error. A Hermes parser in every
     other respect (``format``, and the agent proxy's forced call opening and
@@ -29,6 +30,6 @@ class Qwen3Parser(HermesParser):
 
     def parse(self, text: str) -> ParsedAction:
         """The ``<think>`` block as reasoning, the rest as :meth:`HermesParser.parse` reads it."""
-        reasoning, rest = split_reasoning(text, *self.THINK)
+        reasoning, rest = split_reasoning(text, *self.THINK, call_open=self.OPEN)
         action = super().parse(rest)
         return ParsedAction(action.content, action.tool_calls, action.errors, reasoning, action.rejected)

@@ -8,10 +8,11 @@ vLLM's ``qwen3_coder`` tool parser (one newline after ``<parameter=KEY>`` and be
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from relax_agent.rollout.parsers import ParsedAction
-from relax_agent.rollout.tool_parsers._common import call, only_space, typed_value, value_text
+from relax_agent.rollout.tool_parsers._common import call, only_space, param_schemas, schema_value, value_text
 
 
 def _value_text(value: Any) -> str:
@@ -26,7 +27,9 @@ class Qwen3CoderParser:
     A block must be exactly one ``<function=NAME>`` element holding only ``<parameter=KEY>``
     elements, every tag closed, and end with ``</tool_call>``; anything else (a block cut at the
     token limit, text between parameters, a missing ``</function>``) is a parse error and no
-    call. Values are JSON when they decode, else strings (see :func:`typed_value`).
+    call. Values are typed by the tool schemas when :meth:`parse_with_tools` has them (as vLLM types
+    them: a string parameter's ``75001`` stays a string), else JSON when they decode, else strings
+    (see :func:`typed_value`).
     """
 
     family = "qwen3_coder"
@@ -45,7 +48,12 @@ class Qwen3CoderParser:
 
     def parse(self, text: str) -> ParsedAction:
         """The ``<tool_call><function=...>`` blocks as calls (a malformed block as an error) and the text
-        around them as content."""
+        around them as content. Values typed without schemas (:func:`typed_value`)."""
+        return self.parse_with_tools(text, ())
+
+    def parse_with_tools(self, text: str, tools: Sequence[dict[str, Any]]) -> ParsedAction:
+        """:meth:`parse` with each value typed by its parameter's schema in ``tools`` (:func:`schema_value`)."""
+        schemas = param_schemas(tools)
         calls: list[dict[str, Any]] = []
         errors: list[str] = []
         content: list[str] = []
@@ -58,14 +66,14 @@ class Qwen3CoderParser:
                 errors.append(f"tool call block has no closing {self.CLOSE}: {text[body_start:][:200].strip()!r}")
                 pos = len(text)
                 break
-            found, error = self._block(text[body_start:close], len(calls))
+            found, error = self._block(text[body_start:close], len(calls), schemas)
             calls += [found] if found else []
             errors += [error] if error else []
             pos = close + len(self.CLOSE)
         content.append(text[pos:])
         return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors))
 
-    def _block(self, body: str, index: int) -> tuple[dict[str, Any] | None, str]:
+    def _block(self, body: str, index: int, schemas: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
         m = self._FUNCTION.fullmatch(body)
         if m is None:
             return None, f"tool call block is not one closed <function=NAME> element: {body[:200].strip()!r}"
@@ -78,7 +86,8 @@ class Qwen3CoderParser:
             value = p.group(2)
             value = value[1:] if value.startswith("\n") else value
             value = value[:-1] if value.endswith("\n") else value
-            args[p.group(1).strip()] = typed_value(value)
+            key = p.group(1).strip()
+            args[key] = schema_value(value, schemas.get(name, {}).get(key))
             pos = p.end()
         if not only_space(inner[pos:]):
             return None, f"tool call {name!r} has text outside its parameters: {inner[pos:].strip()[:80]!r}"
