@@ -328,3 +328,43 @@ def test_cgroup_v2_without_delegated_controllers_is_refused_naming_them(tmp_path
     with pytest.raises(SandboxError, match=r"job does not delegate memory and pids to its children "
                                            r"\(cgroup.subtree_control: cpu\)"):
         build_agent_cgroups(64, 64, root=tmp_path, self_cgroup=str(membership))
+
+
+HANG_UP = """
+import json, os, time
+from openai import OpenAI
+task = json.load(open(os.environ["RELAX_TASK_FILE"]))
+OpenAI().chat.completions.create(model="policy", messages=task["messages"], max_tokens=1)
+try:
+    OpenAI(timeout=2.0, max_retries=0).chat.completions.create(model="policy", messages=task["messages"])
+except Exception:  # timed out: hung up mid-reply
+    pass
+time.sleep(40)  # still running while the endpoint sees the hang-up
+json.dump({"reward": 0.0}, open(os.environ["RELAX_OUTPUT_FILE"], "w"))
+"""
+
+
+@jailed
+def test_a_jailed_agent_that_hangs_up_aborts_its_generation_while_it_still_runs(tok, open_dir):
+    """The endpoint sees the hang-up of a non-streamed request through the jail's forwarder: the reply
+    (300 tokens, 0.1 s each) is aborted after the endpoint's 10 s grace while the agent sleeps, not
+    at its end nor when the episode ends."""
+    (open_dir / "agent.py").write_text(HANG_UP)
+    engine = ScriptedEngine(tok("word " * 300, add_special_tokens=False)["input_ids"], delay_s=0.1)
+    driver = AgentDriver(make_env, engine, ChatRenderer(tok), build_parser("hermes"),
+                         AgentConfig(command=["{python}", str(open_dir / "agent.py")], timeout_s=120.0,
+                                     isolation="namespace", reward="agent"))
+
+    async def run():
+        play = asyncio.ensure_future(driver.play(EpisodeSpec("s/0", "s", TASK["id"], TASK, seed=0),
+                                                 SamplingParams(max_new_tokens=300)))
+        while engine.cancelled == 0 and not play.done():
+            await asyncio.sleep(0.05)
+        aborted_while_running = not play.done()
+        return aborted_while_running, await play
+
+    try:
+        aborted_while_running, traj = asyncio.run(run())
+    finally:
+        driver.close()
+    assert aborted_while_running and engine.cancelled == 1 and traj.error is None
