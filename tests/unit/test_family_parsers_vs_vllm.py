@@ -26,13 +26,18 @@ from relax_agent.rollout.parsers import build_parser, parse_reply
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "zip": {"type": "string"}, "days": {"type": "integer"},
-        "metric": {"type": "boolean"}}}}},
+        "metric": {"type": "boolean"}, "hours": {"type": "array", "items": {"type": "integer"}},
+        "units": {"type": "object"}}}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
         "tz": {"type": "string"}}}}},
 ]
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
 TIME = {"name": "get_time", "arguments": {"tz": "UTC"}}
 ZIP = {"name": "get_weather", "arguments": {"zip": "75001", "metric": True}}
+NESTED = {"name": "get_weather", "arguments": {"city": "Zürich", "hours": [6, 12], "units": {"temp": "C"}}}
+QUOTED = {"name": "get_weather", "arguments": {"city": 'the "Big Apple", NY'}}
+EMPTY = {"name": "get_time", "arguments": {}}
+UNKNOWN = {"name": "get_news", "arguments": {"topic": "rain"}}
 
 REFERENCE = {"qwen3": ("hermes", "qwen3"), "llama3": ("llama3_json", None), "mistral": ("mistral", None),
              "deepseek_v3": ("deepseek_v31", "deepseek_v3"), "glm45": ("glm45", "glm45"),
@@ -56,6 +61,11 @@ def texts(family: str) -> dict[str, str]:
         "call after reasoning": "<think>\nhmm\n</think>\n\n" + one,
         "call inside reasoning": "<think>\n" + one + "\n</think>\n\nNo call.",
         "reasoning without </think> then a call": "<think>\nI will look it up.\n" + one,
+        "three calls": write([WEATHER, TIME, ZIP]), "nested and unicode values": write([NESTED]),
+        "quotes in a string value": write([QUOTED]), "no arguments": write([EMPTY]),
+        "a function the tools lack": write([UNKNOWN]), "whitespace around the reply": "\n\n" + one + "\n\n",
+        "text between two calls": one + "\nAnd the time:\n" + write([TIME]),
+        "the same call twice": write([WEATHER, WEATHER]),
     }
 
 
@@ -77,7 +87,9 @@ DIFFERENCES: dict[tuple[str, str], tuple[list[dict[str, Any]], str]] = {
     **{(family, "call inside reasoning"): (NO_CALL, IN_THINK) for family in ("qwen3", "deepseek_v3", "glm45", "kimi_k2")},
     **{("llama3", label): (NO_CALL, LLAMA) for label in (
         "text before the call", "text after the call", "call after reasoning", "call inside reasoning",
-        "reasoning without </think> then a call")},
+        "reasoning without </think> then a call", "text between two calls")},
+    ("glm45", "a function the tools lack"): ([UNKNOWN], "a call to a function the tools lack is still a call: the env "
+                                             "judges it (a wrong name is a wrong answer); vLLM's GLM parser drops it"),
 }
 
 
@@ -140,6 +152,9 @@ def test_values_are_typed_by_the_tool_schema(family):
     ("deepseek_v3", "text after the call", [WEATHER]),
     ("kimi_k2", "text after the call", [WEATHER]),
     ("mistral", "text after the call", [WEATHER]),
+    ("mistral", "text between two calls", [WEATHER, TIME]),
+    ("deepseek_v3", "text between two calls", [WEATHER, TIME]),
+    ("kimi_k2", "text between two calls", [WEATHER, TIME]),
 ])
 def test_readings_that_now_agree_with_vllm(family, label, expected):
     """The texts these parsers read differently from vLLM before (checked here without vLLM's venv)."""

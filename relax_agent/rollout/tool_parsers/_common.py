@@ -177,12 +177,13 @@ NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 class SectionParser:
-    """Families whose calls sit in one closed section of closed calls (DeepSeek V3, Kimi K2).
+    """Families whose calls sit in closed sections of closed calls (DeepSeek V3, Kimi K2).
 
     Subclasses set ``BEGIN``/``END`` (the section), ``CALL_BEGIN``/``CALL_END`` (one call), ``THINK``
     (reasoning markers), ``END_TOKENS`` (dropped from the reply's end) and implement
     :meth:`_one_call`. Strict: text between calls or a call that does not parse is a parse error and
-    no call; text before and after the section is content. A section left open (a reply cut at the
+    no call of that section; text around sections is content, and every section's calls count (as
+    vLLM reads them). A section left open (a reply cut at the
     token limit) keeps its complete calls, its cut last call is a parse error (vLLM keeps the
     complete calls too).
     """
@@ -198,17 +199,22 @@ class SectionParser:
         from relax_agent.rollout.parsers import ParsedAction
 
         reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK, call_open=self.BEGIN)
-        at = rest.find(self.BEGIN)
-        if at == -1:
-            return ParsedAction(rest.strip(), (), (), reasoning)
-        content, section = rest[:at].strip(), rest[at + len(self.BEGIN):]
-        close = section.find(self.END)
-        if close == -1:
-            calls, error = self._calls(section, cut=True)
-            return ParsedAction(content, tuple(calls), (error or f"tool calls section has no closing {self.END}",), reasoning)
-        calls, error = self._calls(section[:close])
-        content = f"{content}\n{section[close + len(self.END):].strip()}".strip()
-        return ParsedAction(content, () if error else tuple(calls), (error,) if error else (), reasoning)
+        calls: list[dict[str, Any]] = []
+        errors: list[str] = []
+        content: list[str] = []
+        pos = 0
+        while (at := rest.find(self.BEGIN, pos)) != -1:
+            content.append(rest[pos:at])
+            section = rest[at + len(self.BEGIN):]
+            close = section.find(self.END)
+            found, error = self._calls(section if close == -1 else section[:close], cut=close == -1)
+            if close == -1:
+                error = error or f"tool calls section has no closing {self.END}"
+            calls += [call(len(calls) + i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(found)]
+            errors += [error] if error else []
+            pos = len(rest) if close == -1 else at + len(self.BEGIN) + close + len(self.END)
+        content.append(rest[pos:])
+        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors), reasoning)
 
     def _calls(self, section: str, cut: bool = False) -> tuple[list[dict[str, Any]], str]:
         """(calls, error) of a section's body; ``cut``: the section was left open, so a last call

@@ -20,7 +20,7 @@ class MistralParser:
     """Text before ``[TOOL_CALLS]`` is content; what follows must be calls and nothing else.
 
     Strict: a list that does not decode or an element without a string ``name`` and an object
-    ``arguments`` is a parse error and no call; text after the last call is content. Special tokens are kept
+    ``arguments`` is a parse error and no call; text after a call is content. Special tokens are kept
     when decoding (``[TOOL_CALLS]`` is one); the closing ``</s>`` is dropped.
     """
 
@@ -38,8 +38,8 @@ class MistralParser:
                                             ensure_ascii=False)
 
     def parse(self, text: str) -> ParsedAction:
-        """Reasoning, the content before ``[TOOL_CALLS]``, and the calls after it; text after the last
-        call's JSON is content too (as vLLM's parser reads it); anything else is an error."""
+        """Reasoning, the content before ``[TOOL_CALLS]``, and the calls after it; text after a call's
+        JSON is content too (as vLLM's parser reads it); anything else is an error."""
         reasoning, rest = split_reasoning(strip_end_tokens(text, self.END_TOKENS), *self.THINK)
         at = rest.find(self.TOOL_CALLS)
         if at == -1:
@@ -69,20 +69,19 @@ class MistralParser:
                                 f"{json.dumps(item)[:200]}"), ""
                 calls.append(call(len(calls), item["name"], args))
             return calls, "", stripped[stop:].strip()
-        calls = []
+        calls, trailing = [], ""
         parts = body.split(self.TOOL_CALLS)  # v11+: NAME[ARGS]{...}, one [TOOL_CALLS] per call
         for i, part in enumerate(parts):
             m = self._NAMED.match(part)
             if m is None:  # kept: the complete calls before a cut last one
                 return ((calls if i == len(parts) - 1 else []),
                         f"[TOOL_CALLS] is followed by {part.strip()[:80]!r}, not a JSON list or NAME[ARGS]{{...}}", "")
-            raw, trailing = part[m.end():], ""
-            if i == len(parts) - 1:
-                raw, trailing = _json_and_rest(raw)
+            raw, after = _json_and_rest(part[m.end():])
             args, error = json_object(raw, f"tool call {m.group(1)!r} arguments")
             if args is None:  # a cut last call: the complete ones before it stand
                 return (calls if i == len(parts) - 1 else []), error, ""
             calls.append(call(len(calls), m.group(1), args))
+            trailing = f"{trailing}\n{after}".strip()
         return calls, "", trailing
 
 
