@@ -25,15 +25,18 @@ class BFCLReward:
 
     Args:
         partial_credit: reward for well-formed but wrong calls, in [0, 1].
+        bfcl_compat: judge with BFCL's greedy pairing and tuple rule, as ``BFCLEnv(bfcl_compat=True)``
+            does (see :mod:`relax_agent.envs.bfcl.checker`); give it the env's value so both agree.
 
     Raises:
         ConfigError: ``partial_credit`` outside [0, 1].
     """
 
-    def __init__(self, partial_credit: float = 0.1):
+    def __init__(self, partial_credit: float = 0.1, bfcl_compat: bool = False):
         if not 0.0 <= partial_credit <= 1.0:
             raise ConfigError(f"partial_credit={partial_credit!r}; expected a number in [0, 1]")
         self.partial_credit = partial_credit
+        self.bfcl_compat = bfcl_compat
 
     def __call__(self, item: RewardItem) -> dict[str, Any]:
         """``{"reward", "metrics": {correct, well_formed, num_calls}, "extra": {"reason"}}``.
@@ -50,7 +53,7 @@ class BFCLReward:
             raise DataError(f"item {item.id!r}: ground_truth must be a BFCL task dict with 'functions' and "
                             f"'possible_answer', got {got}")
         message = item.response if isinstance(item.response, dict) else {"role": "assistant", "content": ""}
-        result, num_calls = judge_message(message, task)
+        result, num_calls = judge_message(message, task, bfcl_compat=self.bfcl_compat)
         return {
             "reward": reward(result, self.partial_credit),
             "metrics": {"correct": float(result.correct), "well_formed": float(result.well_formed),

@@ -162,3 +162,16 @@ def test_a_turn_bfcl_cannot_decode_is_named_in_the_reason(tasks):
     env.reset(options={"task": tasks["simple_python_0"]})
     _, reward, _, _, info = env.step(message)
     assert reward == 0.0 and "does not decode as BFCL reads it" in info["reason"] and info["num_calls"] == 2
+
+
+def test_the_reward_service_takes_the_envs_bfcl_compat(tasks):
+    """Reversed parallel calls: our pairing accepts them, BFCL's greedy pairing (bfcl_compat) may not;
+    env and service agree in both modes."""
+    task = next(t for t in load_tasks("parallel") if t["id"] == "parallel_178")
+    calls = list(reversed(BFCLEnv(category="parallel").demonstration(task)["tool_calls"]))
+    message = {"role": "assistant", "content": "", "tool_calls": calls}
+    for compat in (False, True):
+        env = BFCLEnv(category="parallel", bfcl_compat=compat)
+        env.reset(options={"task": task})
+        served = BFCLReward(bfcl_compat=compat)(RewardItem(id="a", response=message, ground_truth=task))
+        assert served["metrics"]["correct"] == env.step(message)[4]["correct"] == (0.0 if compat else 1.0)
