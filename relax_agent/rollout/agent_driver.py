@@ -68,7 +68,14 @@ from relax_agent.envs.tool_env import call_in_thread
 from relax_agent.errors import EnvError, SandboxError
 from relax_agent.records import StopReason, Trajectory
 from relax_agent.rollout.agent_cgroups import AgentCgroups, build_agent_cgroups
-from relax_agent.rollout.agent_jail import UidPool, episode_base, jail_argv, resolve_isolation, unreadable_part
+from relax_agent.rollout.agent_jail import (
+    UidPool,
+    episode_base,
+    exposed_paths,
+    jail_argv,
+    resolve_isolation,
+    unreadable_part,
+)
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
@@ -236,7 +243,8 @@ class AgentDriver:
                "RELAX_TASK_FILE": str(task_file), "RELAX_OUTPUT_FILE": str(out_file)}
         argv = self._argv()
         if uid is not None:
-            argv = jail_argv(uid, self._socket, self.server.port, argv, cgroup_procs)
+            argv = jail_argv(uid, self._socket, self.server.port, argv, cgroup_procs,
+                             exposed_paths(tmp, argv, self.cfg.cwd))
         with log.open("wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(*argv, cwd=self.cfg.cwd, env=env, stdin=asyncio.subprocess.DEVNULL,

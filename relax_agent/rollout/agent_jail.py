@@ -11,9 +11,11 @@ command runs as
 - **an unprivileged uid of its own** (one per running episode, from :data:`UID_BASE`; its group the
   same number, no supplementary groups, no capabilities, no new privileges): it cannot write the
   repository, the venv or the run directory (root-owned), nor read another episode's directory;
-- **a private work directory**: its ``TMPDIR`` (mode 0700, owned by its uid, in a base directory
-  others may traverse but not list) holds its task and output files and is removed at the episode's
-  end; it runs with umask 077 and an empty ``/dev/shm`` of its own;
+- **a private /tmp**: a fresh tmpfs showing only its ``TMPDIR`` (mode 0700, owned by its uid; its
+  task and output files; removed at the episode's end) and the directories of its program and
+  working directory when those are under ``/tmp``, at their usual paths; fresh ``/dev/shm``,
+  ``/var/tmp`` and ``/run/lock``; umask 077. Other episodes' directories, the run's files in
+  ``/tmp`` (Ray's session directories and sockets) and anything else there are out of sight;
 - **a pid namespace** with its own ``/proc``: it sees only its own processes (no other agent's key in
   an environment or command line); when the agent exits the kernel kills every process it left;
 - **a network namespace** holding only a loopback on which ``127.0.0.1:<endpoint port>`` forwards to
@@ -25,9 +27,9 @@ command runs as
   warning, and no limits.
 
 What it does not hold: the agent can read whatever is world-readable on the host's filesystem
-(the code, the venv, world-readable data) and write where the world may (``/tmp`` is shared, sticky:
-its files there are its own, mode 0600 by its umask, unless it chmods them); the agent's program
-and every file it reads must be readable by others (``/root`` and pytest's ``tmp_path`` are not).
+(the code, the venv, world-readable data) and write world-writable places other than those above,
+and the directories exposed in its ``/tmp`` as their modes allow; the agent's program and every file
+it reads must be readable by others (``/root`` and pytest's ``tmp_path`` are not).
 
 ``none`` runs the command as it is (its own process group; children that leave it are found by the
 episode key in their environment and killed).
@@ -62,13 +64,24 @@ _TOOLS = ("unshare", "setpriv", "mount")
 
 
 def jail_argv(uid: int, socket_path: Path | None, port: int, command: list[str],
-              cgroup_procs: tuple[str, ...] = ()) -> list[str]:
+              cgroup_procs: tuple[str, ...] = (), exposed: tuple[str, ...] = ()) -> list[str]:
     """The argv that runs ``command`` jailed as ``uid`` in the cgroups whose ``cgroup.procs`` files
-    are ``cgroup_procs`` with, when ``socket_path`` is given, ``127.0.0.1:port`` forwarded to that
-    Unix socket (else no network at all)."""
+    are ``cgroup_procs``, with ``exposed`` (directories) in its otherwise empty ``/tmp`` and, when
+    ``socket_path`` is given, ``127.0.0.1:port`` forwarded to that Unix socket (else no network)."""
     net = ["--socket", str(socket_path), "--port", str(port)] if socket_path is not None else []
     joins = [arg for procs in cgroup_procs for arg in ("--cgroup-procs", procs)]
-    return [*UNSHARE_ARGV, sys.executable, "-I", jail_init.__file__, "--uid", str(uid), *net, *joins, "--", *command]
+    shown = [arg for path in exposed for arg in ("--expose", path)]
+    return [*UNSHARE_ARGV, sys.executable, "-I", jail_init.__file__, "--uid", str(uid), *net, *joins, *shown,
+            "--", *command]
+
+
+def exposed_paths(tmp: Path, command: list[str], cwd: str | None) -> tuple[str, ...]:
+    """What a jailed agent's ``/tmp`` shows: ``tmp`` (its ``TMPDIR``), then the directory of each
+    file ``command`` names and its working directory (only those under ``/tmp`` matter)."""
+    here = cwd or os.getcwd()
+    files = [os.path.join(here, part) for part in command if os.path.isfile(os.path.join(here, part))]
+    dirs = [str(tmp), here, *(os.path.dirname(os.path.abspath(f)) for f in files)]
+    return tuple(dict.fromkeys(dirs))
 
 
 @functools.lru_cache(maxsize=1)

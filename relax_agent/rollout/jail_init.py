@@ -5,7 +5,11 @@ fresh pid, mount and network namespaces, as root. In order it:
 
 1. joins the episode's cgroups (``--cgroup-procs``: each a ``cgroup.procs`` file), so that every
    process of the jail counts against the episode's memory and process limits;
-2. mounts an empty tmpfs on ``/dev/shm`` (POSIX shared memory of its own);
+2. gives it a ``/tmp`` of its own: a fresh tmpfs holding only the paths named by ``--expose``
+   (its ``TMPDIR``, the directories of its program and working directory when they are under
+   ``/tmp``), bind-mounted at the same paths (directories on the way mode 0711: enter, not list);
+   and fresh tmpfs on ``/dev/shm``, ``/var/tmp`` and ``/run/lock``: other episodes' files, the run's
+   (Ray's session directories, sockets) and whatever others left there are out of sight;
 3. brings up the loopback of the new network namespace (nothing else is in it) and, with
    ``--socket PATH --port P``, listens on ``127.0.0.1:P`` and forwards each connection to the Unix
    socket ``PATH`` (the episode endpoint): the only service the agent can reach;
@@ -31,6 +35,7 @@ import subprocess
 import sys
 
 _NOBODY = 65534
+_SHM = "/dev/shm"
 _SIOCSIFFLAGS = 0x8914
 _IFF_UP_LOOPBACK_RUNNING = 0x1 | 0x8 | 0x40
 _SETUP_FAILED = 125
@@ -43,6 +48,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--socket", default=None)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--cgroup-procs", action="append", default=[])
+    parser.add_argument("--expose", action="append", default=[])
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -51,11 +57,40 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _mount_private() -> None:
-    """A fresh tmpfs on /dev/shm (where it exists)."""
-    if os.path.isdir("/dev/shm"):
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777,size=64m,nosuid,nodev", "tmpfs", "/dev/shm"],
-                       check=True)
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True)
+
+
+def _mount_private(exposed: list[str]) -> None:
+    """Fresh tmpfs on /dev/shm, /var/tmp, /run/lock; a fresh /tmp holding only ``exposed`` (paths
+    under /tmp), built on a staging tmpfs in the new /dev/shm and moved onto /tmp."""
+    for target in (_SHM, "/var/tmp", "/run/lock"):
+        if os.path.isdir(target) and not os.path.islink(target):
+            _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", target)
+    tmp = os.path.realpath("/tmp")
+    stage = os.path.join(_SHM, ".relax-tmp")
+    os.mkdir(stage)
+    _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", stage)
+    for path in exposed:
+        rel = os.path.relpath(os.path.realpath(path), tmp)
+        if rel.startswith(".."):
+            continue  # outside /tmp: visible as it is
+        target = os.path.join(stage, rel)
+        _make_path(stage, os.path.dirname(rel))
+        os.mkdir(target)
+        _mount("--bind", path, target)
+    _mount("--move", stage, tmp)
+    os.rmdir(stage)
+
+
+def _make_path(root: str, rel: str) -> None:
+    """Create the directories of ``rel`` under ``root``, mode 0711 (others may enter, not list)."""
+    path = root
+    for part in [p for p in rel.split(os.sep) if p]:
+        path = os.path.join(path, part)
+        if not os.path.isdir(path):
+            os.mkdir(path)
+            os.chmod(path, 0o711)
 
 
 def _loopback_up() -> None:
@@ -63,11 +98,13 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", _IFF_UP_LOOPBACK_RUNNING))
 
 
-def _start_agent(uid: int, command: list[str]) -> int:
-    """Fork; the child becomes ``command`` as ``uid``. The child's pid."""
+def _start_agent(uid: int, command: list[str], cwd: str) -> int:
+    """Fork; the child becomes ``command`` as ``uid`` in ``cwd`` (resolved in the jail's view). The
+    child's pid."""
     pid = os.fork()
     if pid == 0:
         try:
+            os.chdir(cwd)
             os.umask(0o077)
             os.execvp("setpriv", ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                                   "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *command])
@@ -138,17 +175,19 @@ def main(argv: list[str]) -> int:
         for procs in args.cgroup_procs:
             with open(procs, "w") as f:
                 f.write("0")
-        listener = None
-        _mount_private()
+        listener, cwd = None, os.getcwd()
+        if args.socket is not None:
+            os.chdir(os.path.dirname(args.socket))  # reached through the cwd once /tmp is replaced
+        _mount_private(args.expose)
         _loopback_up()
         if args.socket is not None:
             listener = socket.create_server(("127.0.0.1", args.port))
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"relax-agent jail: setup failed: {exc}", file=sys.stderr)
         return _SETUP_FAILED
-    agent_pid = _start_agent(args.uid, args.command)
+    agent_pid = _start_agent(args.uid, args.command, cwd)
     _drop_to_nobody()
-    return asyncio.run(_serve(listener, args.socket or "", agent_pid))
+    return asyncio.run(_serve(listener, os.path.basename(args.socket or ""), agent_pid))
 
 
 if __name__ == "__main__":

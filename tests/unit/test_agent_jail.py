@@ -88,16 +88,17 @@ def _play_all(driver: AgentDriver, n: int = 1):
     return [{k.removeprefix("agent/"): v for k, v in t.metrics.items() if k.removeprefix("agent/") in GOT} for t in trajs]
 
 
-GOT = ("repo", "venv", "run", "other_key", "other_dir", "service", "shm_other")
+GOT = ("repo", "venv", "run", "ray", "other_key", "other_dir", "service", "shm_other")
 
 WRITES = """
 import os
 got = {}
-for name, path in [("repo", os.environ["REPO_FILE"]), ("venv", os.environ["VENV_FILE"]), ("run", os.environ["RUN_FILE"])]:
+for name, path in [("repo", os.environ["REPO_FILE"]), ("venv", os.environ["VENV_FILE"]),
+                   ("run", os.environ["RUN_FILE"]), ("ray", os.environ["RAY_FILE"])]:
     try:
         open(path, "a").close()  # opened for writing, nothing written
         got[name] = 1.0
-    except PermissionError:
+    except (PermissionError, FileNotFoundError):
         got[name] = 0.0
 """
 
@@ -105,17 +106,24 @@ for name, path in [("repo", os.environ["REPO_FILE"]), ("venv", os.environ["VENV_
 @jailed
 @pytest.mark.parametrize("isolation", ["namespace", "none"])
 def test_a_jailed_agent_cannot_write_the_code_the_venv_or_the_run_directory(tok, open_dir, isolation):
+    """Also a file in a world-writable directory under /tmp, as Ray's session directories are
+    (``/tmp/ray/session_*``, mode 0777, its sockets in them): the jail's /tmp does not show it."""
     run_dir = open_dir / "run"  # root-owned, mode 0755, as a run's output directory
     run_dir.mkdir(mode=0o755)
     (run_dir / "metrics.jsonl").write_text("")
     venv_file = Path(sys.executable).resolve().parents[1] / "pyvenv.cfg"
     if not venv_file.exists():
         venv_file = Path(os.__file__)
+    ray_dir = Path(tempfile.mkdtemp(prefix="relax-jail-test-session-"))
+    ray_dir.chmod(0o777)
     env = {"REPO_FILE": str(REPO / "pyproject.toml"), "VENV_FILE": str(venv_file),
-           "RUN_FILE": str(run_dir / "metrics.jsonl")}
-    [got] = _play_all(_driver(tok, open_dir, WRITES, isolation, env))
+           "RUN_FILE": str(run_dir / "metrics.jsonl"), "RAY_FILE": str(ray_dir / "planted.py")}
+    try:
+        [got] = _play_all(_driver(tok, open_dir, WRITES, isolation, env))
+    finally:
+        shutil.rmtree(ray_dir)
     expected = 0.0 if isolation == "namespace" else 1.0
-    assert got == {"repo": expected, "venv": expected, "run": expected}
+    assert got == {"repo": expected, "venv": expected, "run": expected, "ray": expected}
 
 
 STEAL = """
@@ -132,11 +140,11 @@ while len(os.listdir(shared)) < 2 and time.time() < deadline:
 got = {}
 try:
     got["other_key"] = float(open(os.path.join(other, "key")).read().startswith("relax-"))
-except PermissionError:
+except OSError:
     got["other_key"] = 0.0
 try:
     got["other_dir"] = float(len(os.listdir(other)) > 0)
-except PermissionError:
+except OSError:
     got["other_dir"] = 0.0
 time.sleep(1.0)  # both read before either leaves
 """
