@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 from relax_agent.records import Trajectory
 from relax_agent.rollout.driver import PlaysEnv
 from relax_agent.rollout.engines.base import SamplingParams
+from relax_agent.rollout.parsers import parse_reply
 from relax_agent.rollout.runner import RolloutRunner
 
 Runner = Callable[[Callable[[], Any]], Any]
@@ -127,13 +128,14 @@ def replay_reason(runner: EpisodeRunner, task: dict[str, Any], seed: int, traj: 
     if player is None or traj.error is not None:
         return None
     make_env, parser = player.make_env, player.parser
-    actions = [parser.parse(m.get("content") or "").message() for m in traj.messages if _sampled(m)]
     reason = None
     try:
         env = make_env()
         try:
-            env.reset(seed=seed, options={"task": task})
-            for action in actions:
+            _, opening = env.reset(seed=seed, options={"task": task})
+            tools = opening.get("tools", ()) if isinstance(opening, dict) else ()
+            for action in [parse_reply(parser, m.get("content") or "", tools).message()
+                           for m in traj.messages if _sampled(m)]:
                 *_, terminated, truncated, info = env.step(action)
                 reason = info.get("reason", reason) if isinstance(info, dict) else reason
                 if terminated or truncated:

@@ -485,3 +485,18 @@ def test_glm_closes_a_turn_with_the_next_roles_token(family_tokenizer):
     assert tok.decode(renderer.observation_delta(user)) == "\nAnd tomorrow?<|assistant|>"
     assert tok.decode(renderer.observation_delta(user, closed=False)) == "<|user|>\nAnd tomorrow?<|assistant|>"
     assert {tok.convert_tokens_to_ids(t) for t in ("<|observation|>", "<|user|>")} <= renderer.stop_ids
+
+
+@pytest.mark.parametrize("family", ["glm45", "qwen3_coder"])
+def test_the_env_driver_types_bare_values_by_the_episodes_tool_schemas(family_tokenizer, family):
+    """A city written ``75001`` reaches the env as the string "75001" (the schema says string) and
+    ``days`` ``2`` as the number 2: the driver hands the episode's tools to the parser."""
+    tok, parser = family_tokenizer(family), build_parser(family)
+    call_turn, answer_turn, _ = EPISODES[family]
+    replies = [call_turn.replace("Paris", "75001"), answer_turn]
+    env = _WeatherEnv()
+    spec = EpisodeSpec("g/0", "g", "t0", {"id": "t0"}, seed=0, max_turns=3, max_total_tokens=4096)
+    traj = asyncio.run(run_episode(env, spec, _PolicyEngine(tok, replies, _tiny_policy(len(tok))), ChatRenderer(tok),
+                                   parser, SamplingParams(64)))
+    assert traj.error is None
+    assert env.seen[0]["tool_calls"][0]["function"]["arguments"] == {"city": "75001", "days": 2}

@@ -15,7 +15,7 @@ from typing import Any
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import EpisodeSpec
 from relax_agent.rollout.engines.base import InferenceEngine, SamplingParams
-from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens
+from relax_agent.rollout.parsers import ToolCallParser, decodes_special_tokens, parse_reply
 from relax_agent.rollout.proxy.openai_api import Answer, ChatRequest, Choice, RequestError, now_s
 from relax_agent.rollout.proxy.session.calls import content_key, normalise
 from relax_agent.rollout.proxy.session.planning import Plan, Planning
@@ -284,7 +284,7 @@ class AgentSession(Planning, Sampling, Records):
         """
         if not req.tools or req.tool_choice.mode == "none":
             return text, (), {"role": "assistant", "content": text, "tool_calls": []}, 0
-        parsed = self.parser.parse(parsed_text)
+        parsed = parse_reply(self.parser, parsed_text, req.tools)
         if parsed.errors:
             internal: dict[str, Any] = {"role": "assistant", "content": parsed_text.strip(), "tool_calls": [],
                                         "parse_errors": list(parsed.errors)}
