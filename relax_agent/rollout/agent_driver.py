@@ -74,7 +74,7 @@ from relax_agent.rollout.agent_jail import (
     exposed_paths,
     jail_argv,
     resolve_isolation,
-    unreadable_part,
+    unreachable_reason,
 )
 from relax_agent.rollout.chat import ChatRenderer
 from relax_agent.rollout.driver import Deadline, EpisodeSpec, EpisodeTimeout
@@ -283,7 +283,7 @@ class AgentDriver:
 
         Raises:
             EnvError: its program is not an executable file or a command on PATH, or (jailed) a file it
-                names cannot be read by an unprivileged uid (a jail would only say "exit 127").
+                names is out of a jailed agent's reach (a jail would only say "exit 2" or "exit 127").
         """
         argv = [part.replace("{python}", sys.executable) for part in self.cfg.command]
         program = argv[0] if os.sep in argv[0] or self.cfg.cwd is None else os.path.join(self.cfg.cwd, argv[0])
@@ -294,11 +294,10 @@ class AgentDriver:
             return argv
         for part in argv:
             path = os.path.join(self.cfg.cwd or "", part)
-            blocked = unreadable_part(path) if os.path.isfile(path) else None
-            if blocked is not None:
-                raise EnvError(f"rollout.agent.command {self.cfg.command!r}: jailed agents run as an unprivileged "
-                               f"uid, which cannot read {path} ({blocked} is not open to others); make it "
-                               "readable by all or set rollout.agent.isolation=none")
+            reason = unreachable_reason(path) if os.path.isfile(path) else None
+            if reason is not None:
+                raise EnvError(f"rollout.agent.command {self.cfg.command!r}: a jailed agent cannot read {path}: "
+                               f"{reason}; or set rollout.agent.isolation=none")
         return argv
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:

@@ -154,6 +154,16 @@ class UidPool:
         self._free.append(uid)
 
 
+def unreachable_reason(path: str) -> str | None:
+    """Why a jailed agent cannot read the existing file ``path``, with the fix (None: it can)."""
+    if os.path.dirname(os.path.realpath(path)) == os.path.realpath("/tmp"):
+        return "its /tmp of its own shows only directories under /tmp, not files: move it into a directory of its own"
+    blocked = unreadable_part(path)
+    if blocked is None:
+        return None
+    return f"it runs as an unprivileged uid and {blocked} is not open to others: make it readable by all"
+
+
 def unreadable_part(path: str) -> str | None:
     """The first part of the existing file ``path`` that an unprivileged uid cannot reach: a
     directory on the way without the others' execute bit, or the file without the others' read bit

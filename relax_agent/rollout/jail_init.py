@@ -73,8 +73,8 @@ def _mount_private(exposed: list[str]) -> None:
     _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", stage)
     for path in exposed:
         rel = os.path.relpath(os.path.realpath(path), tmp)
-        if rel.startswith(".."):
-            continue  # outside /tmp: visible as it is
+        if rel == "." or rel.startswith(".."):
+            continue  # /tmp itself is never shown; outside /tmp: visible as it is
         target = os.path.join(stage, rel)
         _make_path(stage, os.path.dirname(rel))
         os.mkdir(target)

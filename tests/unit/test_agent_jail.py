@@ -223,7 +223,24 @@ def test_an_agent_program_the_jail_cannot_read_is_a_failed_record_naming_the_dir
     finally:
         driver.close()
     blocked = next(str(p) for p in reversed(tmp_path.parents) if not p.stat().st_mode & 0o001)
-    assert "unprivileged uid" in traj.error and f"({blocked} is not open to others)" in traj.error
+    assert (f"cannot read {tmp_path / 'agent.py'}: it runs as an unprivileged uid and {blocked} is not open to "
+            "others: make it readable by all; or set rollout.agent.isolation=none") in traj.error
+
+
+@jailed
+def test_an_agent_program_directly_in_tmp_is_a_failed_record_saying_to_move_it(tok):
+    program = Path(tempfile.mkstemp(prefix="relax-jail-test-", suffix=".py")[1])
+    program.chmod(0o644)
+    ids = tok("hi", add_special_tokens=False)["input_ids"] + [2]
+    driver = AgentDriver(make_env, ScriptedEngine(ids), ChatRenderer(tok), build_parser("hermes"),
+                         AgentConfig(command=["{python}", str(program)], isolation="namespace"))
+    try:
+        traj = asyncio.run(driver.play(EpisodeSpec("s/0", "s", TASK["id"], TASK, seed=0),
+                                       SamplingParams(max_new_tokens=8)))
+    finally:
+        driver.close()
+        program.unlink()
+    assert f"cannot read {program}: its /tmp of its own shows only directories under /tmp" in traj.error
 
 
 def test_auto_falls_back_with_a_warning_naming_what_is_missing(monkeypatch, caplog):
