@@ -58,7 +58,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True)
+    """Run ``mount ARGS``. Raises: OSError naming the call and mount's message when it fails."""
+    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise OSError(f"mount {' '.join(args)}: {done.stderr.strip()}")
 
 
 def _mount_private(exposed: list[str]) -> None:
@@ -182,7 +185,7 @@ def main(argv: list[str]) -> int:
         _loopback_up()
         if args.socket is not None:
             listener = socket.create_server(("127.0.0.1", args.port))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except OSError as exc:
         print(f"relax-agent jail: setup failed: {exc}", file=sys.stderr)
         return _SETUP_FAILED
     agent_pid = _start_agent(args.uid, args.command, cwd)
