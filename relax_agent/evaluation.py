@@ -185,11 +185,12 @@ def sample_record(traj: Trajectory, task: dict[str, Any], seed: int, reason: str
                     "stop_reason": traj.stop_reason.value, "error": traj.error},
     }
     if traj.context_segments:  # a multi-context episode: every sampled reply, context by context
-        out["contexts"] = [{"sample_id": seg.sample_id, "stop_reason": seg.stop_reason.value,
-                            "response": [seg.messages[t.message_index].get("content", "") for t in seg.turns
-                                         if t.message_index is not None and t.message_index < len(seg.messages)]}
-                           for seg in traj.segments]
-        out["response"] = [text for ctx in out["contexts"] for text in ctx["response"]]
+        contexts = [{"sample_id": seg.sample_id, "stop_reason": seg.stop_reason.value,
+                     "response": [seg.messages[t.message_index].get("content", "") for t in seg.turns
+                                  if t.message_index is not None and t.message_index < len(seg.messages)]}
+                    for seg in traj.segments]
+        out["contexts"] = contexts
+        out["response"] = [text for ctx in contexts for text in ctx["response"]]
     return out
 
 
