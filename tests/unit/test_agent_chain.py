@@ -6,6 +6,9 @@ runs a real agent process (the ``openai`` SDK) against the endpoint on 127.0.0.1
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,16 @@ from tests.unit.test_endpoint_openai import ScriptedEngine
 
 ANSWER = f"Answer: {TASK['answer']}"
 WRONG = f"Answer: {TASK['answer'] + 1}"
+
+
+@pytest.fixture
+def tmp_path():
+    """A directory a jailed agent (an unprivileged uid) can read its script from (pytest's own is
+    reachable by root only)."""
+    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
