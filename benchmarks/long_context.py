@@ -132,19 +132,37 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_readme(out: Path, record: dict) -> None:
+def word_in_own_replies(samples: Path, words: dict[str, str]) -> tuple[int, int]:
+    """(correct episodes, those whose replies before the answer held the code word): memory kept by the policy
+    quoting the word itself, which a window of recent turns keeps."""
+    correct = quoted = 0
+    for line in samples.read_text().splitlines():
+        r = json.loads(line)
+        if not r["verdict"]["correct"]:
+            continue
+        correct += 1
+        word = words[r["task_id"]]
+        quoted += any(word in text.lower() for text in r["response"][:-1])
+    return correct, quoted
+
+
+def write_readme(out: Path, record: dict, words: dict[str, str]) -> None:
     rows = "\n".join(
         f"| `{p}` | {r['accuracy']:.3f} ± {r['accuracy_std']:.3f} ({', '.join(f'{a:.2f}' for a in r['accuracy_per_seed'])}) "
         f"| {r['scripted']:.3f} | {r['tokens_per_s']:.1f} | {r['mean_contexts']:.2f} | "
         f"{', '.join(f'{k} {v}' for k, v in sorted(r['stop_reasons'].items()))} |"
         for p, r in record["results"].items())
+    res = record["results"]
+    correct, quoted = word_in_own_replies(out / "samples" / "drop_oldest.samples.jsonl", words)
+    failed = res["compact"]["stop_reasons"].get("summary_failed", 0)
+    cap = record["context"]["summary_max_tokens"]
     (out / "README.md").write_text(f"""# Context policies on a task longer than its context
 
 `relax/LongRecall-v0` ({record['env_kwargs']}): a document read a page per turn, the code word on page 1, the
 question after the last page; the context (`rollout.max_total_tokens` {record['max_total_tokens']}) holds about
 half of it. Held-out tasks: {record['num_tasks']} x seeds {record['seeds']}; the untrained policy
 (`{record['model']}`) evaluated by `relax-agent eval` (the env's own scoring), and a scripted policy that knows
-only what its context shows.
+only what its context shows (replies `next`, summarises by quoting the word when its context shows it).
 
 | `rollout.context.policy` | held-out success (mean ± std over seeds; per seed) | scripted policy | sampled tokens/s | contexts per episode | stop reasons |
 |---|---|---|---|---|---|
@@ -152,14 +170,33 @@ only what its context shows.
 
 ![held-out success per context policy](accuracy.png)
 
-Reading it: `truncate` ends every episode before the question; `drop_oldest` reaches the question without
-page 1; `compact` reaches it with whatever the policy's summary kept, so only there can the task be solved,
-and the scripted policy shows it can. Tokens/s: sampled tokens (replies and summaries, re-tokenized from the
-samples) over the eval's wall time, model load included, on {record['machine']['cores']} cores with load
-{record['machine']['load_before']} before and {record['machine']['load_after']} after (other work shared the machine).
+Reading it:
+- `truncate` ends every episode before the question: nothing of the task's end is ever played.
+- `drop_oldest` reaches the question with page 1 out of the window. The scripted policy, which only says `next`,
+  cannot answer; the untrained policy answered {correct} of {res['drop_oldest']['episodes']} episodes, and in
+  {quoted} of those its own earlier replies quoted the word (a policy that repeats what matters keeps it in the
+  window).
+- `compact` is the only policy under which the task can be solved from the context (the scripted policy's
+  {res['compact']['scripted']:.2f}), but the untrained policy's summaries mostly fail: {failed} of
+  {res['compact']['episodes']} episodes ended with `summary_failed` (summaries cut at {cap} tokens), which is the
+  record a training run would learn from.
 
-Regenerate: `{record['command']}` (commit {record['commit']}). Every sample: `samples/<policy>.samples.jsonl`.
+Tokens/s: sampled tokens (replies and summaries, re-tokenized from the samples) over the eval's wall time, model
+load included, on {record['machine']['cores']} cores shared with other work (load {record['machine']['load_before']}
+before, {record['machine']['load_after']} after, and not constant between the three evaluations): a rough
+comparison only.
+
+Regenerate: `{record['command']}` (commit {record['commit']}); `python benchmarks/long_context.py --readme-only`
+rebuilds this page and the plot from `record.json` and the samples. Every sample: `samples/<policy>.samples.jsonl`.
 """)
+
+
+def code_words(cfg) -> dict[str, str]:
+    """task id -> code word of the config's env (both splits)."""
+    from relax_agent.envs import make
+
+    env = make(cfg.env.id, **cfg.env.kwargs).unwrapped
+    return {t["id"]: t["code_word"] for split in ("train", "heldout") for t in env.tasks(split)}
 
 
 def main() -> None:
@@ -167,12 +204,18 @@ def main() -> None:
     ap.add_argument("--num-tasks", type=int, default=20)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "long-recall-context")
+    ap.add_argument("--readme-only", action="store_true", help="rebuild README.md and the plot from record.json")
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every eval")
     args = ap.parse_args()
     from relax_agent.config import load_config
     from relax_agent.models import load_tokenizer
 
     cfg = load_config(REPO / CONFIG, args.overrides)
+    if args.readme_only:
+        record = json.loads((args.out / "record.json").read_text())
+        plot(record["results"], args.out / "accuracy.png")
+        write_readme(args.out, record, code_words(cfg))
+        return
     tok = load_tokenizer(cfg.model)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "samples").mkdir(exist_ok=True)
@@ -202,7 +245,7 @@ def main() -> None:
     (args.out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
     shutil.copy(REPO / CONFIG, args.out / "config.yaml")
     plot(results, args.out / "accuracy.png")
-    write_readme(args.out, record)
+    write_readme(args.out, record, code_words(cfg))
     print(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
 
 

@@ -122,7 +122,8 @@ def repeats(summary: dict[str, dict[str, float]]) -> int:
 
 
 def readme_rows(r: Records) -> list[Row]:
-    return [main_job(r), data_file(r), guess_the_number(r), visual_count(r), vs_trl(r), *benchmark_rows(r)]
+    return [main_job(r), data_file(r), guess_the_number(r), visual_count(r), long_recall(r), vs_trl(r),
+            *benchmark_rows(r)]
 
 
 def main_job(r: Records) -> Row:
@@ -183,6 +184,22 @@ def visual_count(r: Records) -> Row:
     what = "a tiny VL policy counting shapes (`relax/VisualCount-v0`, 400 held-out tasks × 3 seeds)"
     links = f"{r.link('visual-count-tiny-vl')}, [Omni-modal policies](docs/guides/omni-modal.md)"
     return Row("visual-count", (what, result, links), ("visual-count-tiny-vl",))
+
+
+def long_recall(r: Records) -> Row:
+    rec = r.json("long-recall-context", "record.json")
+    res = rec["results"]
+    parts = [f"`{p}` {pm(x['accuracy'], x['accuracy_std'])} (scripted {x['scripted']:.2f})" for p, x in res.items()]
+    failed = res["compact"]["stop_reasons"].get("summary_failed", 0)
+    result = ("held-out success of the untrained policy (and of a scripted one that knows only its context): "
+              + "; ".join(parts) + f". A window keeps the word only where the policy repeated it in its own replies; "
+              f"`compact` keeps it if the summary does, and the untrained policy's summaries failed in {failed} of "
+              f"{res['compact']['episodes']} episodes (no training yet)")
+    what = (f"long-horizon episodes: `relax/LongRecall-v0` (a document longer than a {rec['max_total_tokens']}-token "
+            f"context), `rollout.context` truncate / drop_oldest / compact, SmolLM2-135M, "
+            f"{rec['num_tasks']} held-out tasks × {len(rec['seeds'])} seeds")
+    return Row("long-recall", (what, result, f"{r.link('long-recall-context')}, "
+                               "[Long-horizon episodes](docs/guides/long-horizon.md)"), ("long-recall-context",))
 
 
 def vs_trl(r: Records) -> Row:
