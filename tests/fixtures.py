@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture
+def open_dir() -> Any:
+    """A 0777 directory outside /tmp's jail view and pytest's root-only tmp_path: a jailed agent (an
+    unprivileged uid) can read its script from it and write reports into it; removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,10 +5,8 @@ agent-driven episodes without divergence."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def tmp_path():
-    """A directory a jailed agent (an unprivileged uid) can read its script from (pytest's own is
-    reachable by root only)."""
-    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
-    path.chmod(0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def tmp_path(open_dir):
+    """pytest's own tmp_path is reachable by root only: the agents here run as an unprivileged uid."""
+    return open_dir
 
 
 @pytest.mark.parametrize("agent", ["openai_sdk_agent.py", "responses_agent.py", "anthropic_agent.py"])

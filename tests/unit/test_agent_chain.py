@@ -6,9 +6,6 @@ runs a real agent process (the ``openai`` SDK) against the endpoint on 127.0.0.1
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -25,13 +22,9 @@ WRONG = f"Answer: {TASK['answer'] + 1}"
 
 
 @pytest.fixture
-def tmp_path():
-    """A directory a jailed agent (an unprivileged uid) can read its script from (pytest's own is
-    reachable by root only)."""
-    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
-    path.chmod(0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def tmp_path(open_dir):
+    """pytest's own tmp_path is reachable by root only: the agents here run as an unprivileged uid."""
+    return open_dir
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ example agent passes every row, a broken one fails exactly the rows it breaks, w
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -30,13 +28,9 @@ for _ in range(2):  # never offers the tools, re-renders its history, fixes the 
 
 
 @pytest.fixture
-def tmp_path():
-    """A directory a jailed agent (an unprivileged uid) can read its script from (pytest's own is
-    reachable by root only)."""
-    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
-    path.chmod(0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def tmp_path(open_dir):
+    """pytest's own tmp_path is reachable by root only: the agents here run as an unprivileged uid."""
+    return open_dir
 
 
 def _rows(output: str) -> dict[str, str]:

@@ -8,7 +8,6 @@ import asyncio
 import functools
 import json
 import os
-import shutil
 import sys
 import tempfile
 import textwrap
@@ -41,13 +40,9 @@ reply = OpenAI().chat.completions.create(model="policy", messages=task["messages
 
 
 @pytest.fixture
-def tmp_path():
-    """A directory a jailed agent (an unprivileged uid) can read its script from and report into
-    (pytest's own is reachable by root only)."""
-    path = Path(tempfile.mkdtemp(prefix="relax-agent-test-"))
-    path.chmod(0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def tmp_path(open_dir):
+    """pytest's own tmp_path is reachable by root only: the agents here run as an unprivileged uid."""
+    return open_dir
 
 
 @pytest.fixture(scope="module")

@@ -51,15 +51,6 @@ json.dump({"reward": 0.0, "metrics": got}, open(os.environ["RELAX_OUTPUT_FILE"],
 reachable), then the report."""
 
 
-@pytest.fixture
-def open_dir():
-    """A directory a jailed agent can read its script from and report into."""
-    path = Path(tempfile.mkdtemp(prefix="relax-jail-test-"))
-    path.chmod(0o777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     return load_tokenizer(ModelConfig(path=str(tiny_model_dir)))
