@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("RELAX_FW_VENV", "/opt/relax-fw-venv"))
+HOW = f"run scripts/setup_agent_frameworks.sh (builds {VENV}; set RELAX_FW_VENV for another path)"
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
+                                                   reason=f"no agent-framework venv at {VENV}: {HOW}")]
 FRAMEWORKS = {  # example agent -> the module its venv must hold
     "openai_agents_agent.py": "agents",
     "langgraph_agent.py": "langgraph",
@@ -37,14 +38,11 @@ def run_dir():
 
 
 def _framework_python(module: str) -> str:
-    """The framework venv's interpreter; skips the test when the venv or the module is missing."""
+    """The framework venv's interpreter; skips the test when the framework is not installed there."""
     python = VENV / "bin" / "python"
-    how = f"run scripts/setup_agent_frameworks.sh (builds {VENV}; set RELAX_FW_VENV for another path)"
-    if not python.exists():
-        pytest.skip(f"no agent-framework venv at {VENV}: {how}")
     found = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, timeout=300)
     if found.returncode != 0:
-        pytest.skip(f"{module} is not installed in {VENV}: {how}")
+        pytest.skip(f"{module} is not installed in {VENV}: {HOW}")
     return str(python)
 
 
