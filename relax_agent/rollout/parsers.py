@@ -7,7 +7,8 @@ environment can grade them (a malformed call is a wrong answer, not a crash).
 The policy families' own formats (``qwen3``, ``qwen3_coder``, ``llama3``, ``mistral``,
 ``gpt_oss``, ``deepseek_v3``, ``glm45``, ``kimi_k2``, ``gemma``) live one per file in
 :mod:`relax_agent.rollout.tool_parsers`, and ``auto`` picks one from the chat template
-(:func:`relax_agent.rollout.tool_parsers.resolve_tool_parser`). The generic formats below come
+(:func:`relax_agent.rollout.tool_parsers.resolve_tool_parser`). The generic formats (Hermes here, the JSON ones
+in :mod:`relax_agent.rollout.json_parsers`) come
 in a lenient and a strict flavour (train with the lenient one if the policy needs credit for
 near-misses; evaluate with the strict one to see them):
 
@@ -297,193 +298,29 @@ class HermesParser:
                           f"cut at the token limit): {text[i:][:200].strip()!r}"), end, []
         elif close == -1 or text[stop:close].strip():
             end = stop  # no closing tag right after the object: keep what follows as content
-        call, error = self._to_call(obj, index)
+        call, error = call_from_object(obj, index)
         return call, error, end, [] if call is not None else [obj]
 
-    @staticmethod
-    def _to_call(obj: Any, index: int) -> tuple[dict[str, Any] | None, str]:
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None, f"tool call must be an object with a string 'name', got {json.dumps(obj)[:200]}"
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                return None, f"tool call arguments are not a JSON object: {args[:200]!r}"
-        if not isinstance(args, dict):
-            return None, f"tool call arguments must be an object, got {type(args).__name__}"
-        return _call(index, obj["name"], args), ""
 
-
-def _calls_of(obj: Any, first_index: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """The calls in a decoded JSON value: one call object, or a list of them (errors per element)."""
-    calls: list[dict[str, Any]] = []
-    errors: list[str] = []
-    for item in obj if isinstance(obj, list) else [obj]:
-        call, error = HermesParser._to_call(item, first_index + len(calls))
-        if call is not None:
-            calls.append(call)
-        else:
-            errors.append(error)
-    if isinstance(obj, list) and not obj:
-        errors.append("tool call list is empty")
-    return calls, errors
-
-
-def _looks_like_call(obj: Any) -> bool:
-    items = obj if isinstance(obj, list) else [obj]
-    return bool(items) and all(isinstance(i, dict) and "name" in i for i in items)
-
-
-class JsonParser:
-    """Bare JSON calls: ``{"name": ..., "arguments": {...}}`` or a list of such objects.
-
-    The native format of many instruction-tuned models (e.g. Qwen2.5-Coder prompted with tool
-    schemas) when no tool-call tags are in their template.
-
-    Args:
-        strict: when True (``"json_strict"``), the whole response (stripped) must be one call
-            object or one list of call objects; a response that starts with ``{`` or ``[`` but is
-            not exactly that (invalid JSON, text after it, an object without ``name``) is a parse
-            error, and any other response is a plain answer (no call). When False (``"json"``),
-            every JSON object or list in the text that decodes and whose objects all have a
-            ``name`` is a call (or calls), text around them is content; an object that starts
-            like a call (``{"name"``) but does not decode is a parse error.
-    """
-
-    _decoder = json.JSONDecoder()
-    _CALL_START = re.compile(r'[\[{]\s*(\{\s*)?"name"\s*:')
-
-    def __init__(self, strict: bool = False):
-        self.strict = strict
-
-    def format(self, calls: list[dict[str, Any]]) -> str:
-        """``calls`` (``{"name", "arguments"}``) as one bare JSON object, or a list of several."""
-        return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
-
-    def parse(self, text: str) -> ParsedAction:
-        """Every JSON call object (or list of them) in ``text`` as a call; the rest is content. With
-        ``strict``, a reply starting with ``{``/``[`` must be exactly one JSON value of calls (else a parse
-        error), and any other reply is content."""
-        if self.strict:
-            return self._parse_strict(text)
-        calls: list[dict[str, Any]] = []
-        errors: list[str] = []
-        content: list[str] = []
-        pos = i = 0
-        while i < len(text):
-            if text[i] not in "{[":
-                i += 1
-                continue
-            try:
-                obj, stop = self._decoder.raw_decode(text, i)
-            except json.JSONDecodeError as exc:
-                if self._CALL_START.match(text, i):
-                    content.append(text[pos:i])
-                    errors.append(f"tool call is not valid JSON ({exc.msg}): {text[i:i + 200]!r}")
-                    pos = i = len(text)
-                    break
-                i += 1
-                continue
-            if not _looks_like_call(obj):
-                i = stop
-                continue
-            content.append(text[pos:i])
-            found, bad = _calls_of(obj, len(calls))
-            calls += found
-            errors += bad
-            pos = i = stop
-        content.append(text[pos:])
-        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors))
-
-    def _parse_strict(self, text: str) -> ParsedAction:
-        body = text.strip()
-        if not body.startswith(("{", "[")):
-            return ParsedAction(body)
+def call_from_object(obj: Any, index: int) -> tuple[dict[str, Any] | None, str]:
+    """(the OpenAI-format call ``index`` of a decoded call object, "") or (None, why it is not one); a call
+    object is ``{"name": str, "arguments": object}`` (``parameters`` accepted, ``arguments`` may be a JSON string)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, f"tool call must be an object with a string 'name', got {json.dumps(obj)[:200]}"
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
         try:
-            obj, stop = self._decoder.raw_decode(body)
-        except json.JSONDecodeError as exc:
-            return ParsedAction("", (), (f"tool call is not valid JSON ({exc.msg}): {body[:200]!r}",))
-        if body[stop:].strip():
-            return ParsedAction("", (), (f"tool call JSON is followed by {body[stop:].strip()[:40]!r}",))
-        calls, errors = _calls_of(obj, 0)
-        return ParsedAction("", tuple(calls), tuple(errors))
-
-
-class FencedJsonParser:
-    """JSON calls (as :class:`JsonParser`) inside Markdown code fences: ````json ... ````.
-
-    Args:
-        strict: when True (``"json_fenced_strict"``), only closed fences tagged ``json`` count,
-            and each body must be exactly one call object or list of calls (else a parse error).
-            When False (``"json_fenced"``), a fence tagged ``json`` or untagged counts, an
-            unclosed last fence runs to the end of the text, and text after the JSON value inside
-            the fence is ignored; an untagged fence whose body is not a call is kept as content
-            (it may be code), a ``json`` one is a parse error.
-    Text outside the fences is content.
-    """
-
-    _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n?")
-    _decoder = json.JSONDecoder()
-
-    def __init__(self, strict: bool = False):
-        self.strict = strict
-
-    def format(self, calls: list[dict[str, Any]]) -> str:
-        """``calls`` (``{"name", "arguments"}``) as one fenced ``json`` block (an object, or a list of several)."""
-        body = calls[0] if len(calls) == 1 else calls
-        return f"```json\n{json.dumps(body, ensure_ascii=False)}\n```"
-
-    def parse(self, text: str) -> ParsedAction:
-        """The calls in ```` ```json ```` fences (and, not strict, untagged fences); other text and fences
-        are content."""
-        calls: list[dict[str, Any]] = []
-        errors: list[str] = []
-        content: list[str] = []
-        pos = 0
-        while (fence := self._FENCE.search(text, pos)) is not None:
-            tag = fence.group(1).lower()
-            close = text.find("```", fence.end())
-            end = len(text) if close == -1 else close + 3
-            body = text[fence.end():close if close != -1 else len(text)]
-            wanted = tag == "json" or (not self.strict and tag == "")
-            if not wanted or (self.strict and close == -1):
-                content.append(text[pos:end])
-                pos = end
-                continue
-            found, bad = self._body(body, tag, len(calls))
-            if found is None:  # an untagged fence that holds no call: ordinary content
-                content.append(text[pos:end])
-            else:
-                content.append(text[pos:fence.start()])
-                calls += found
-                errors += bad
-            pos = end
-        content.append(text[pos:])
-        return ParsedAction("".join(content).strip(), tuple(calls), tuple(errors))
-
-    def _body(self, body: str, tag: str, index: int) -> tuple[list[dict[str, Any]] | None, list[str]]:
-        stripped = body.strip()
-        try:
-            obj, stop = self._decoder.raw_decode(stripped)
-        except json.JSONDecodeError as exc:
-            if tag == "":
-                return None, []
-            return [], [f"fenced tool call is not valid JSON ({exc.msg}): {stripped[:200]!r}"]
-        if tag == "" and not _looks_like_call(obj):
-            return None, []
-        if self.strict and stripped[stop:].strip():
-            return [], [f"fenced tool call JSON is followed by {stripped[stop:].strip()[:40]!r}"]
-        return _calls_of(obj, index)
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None, f"tool call arguments are not a JSON object: {args[:200]!r}"
+    if not isinstance(args, dict):
+        return None, f"tool call arguments must be an object, got {type(args).__name__}"
+    return _call(index, obj["name"], args), ""
 
 
 _PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser,
     "hermes_strict": lambda: HermesParser(strict=True),
-    "json": JsonParser,
-    "json_strict": lambda: JsonParser(strict=True),
-    "json_fenced": FencedJsonParser,
-    "json_fenced_strict": lambda: FencedJsonParser(strict=True),
 }
 
 
@@ -493,10 +330,12 @@ def register_parser(name: str, factory: Callable[[], ToolCallParser]) -> None:
 
 
 def _registry() -> dict[str, Callable[[], ToolCallParser]]:
-    """The registered parsers, the family parsers (``relax_agent.rollout.tool_parsers``) included."""
+    """The registered parsers, the JSON ones (:mod:`relax_agent.rollout.json_parsers`) and the family parsers
+    (``relax_agent.rollout.tool_parsers``) included."""
+    from relax_agent.rollout.json_parsers import JSON_PARSERS
     from relax_agent.rollout.tool_parsers import FAMILY_PARSERS
 
-    for name, factory in FAMILY_PARSERS.items():
+    for name, factory in {**JSON_PARSERS, **FAMILY_PARSERS}.items():
         _PARSERS.setdefault(name, factory)  # type: ignore[arg-type]
     return _PARSERS
 
