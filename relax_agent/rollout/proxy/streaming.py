@@ -11,13 +11,8 @@ the reasoning block has closed.
 
 from __future__ import annotations
 
-from relax_agent.rollout.parsers import (
-    FencedJsonParser,
-    HermesParser,
-    JsonParser,
-    ToolCallParser,
-    reasoning_markers,
-)
+from relax_agent.rollout.json_parsers import FencedJsonParser, JsonParser
+from relax_agent.rollout.parsers import HermesParser, ToolCallParser, reasoning_markers
 from relax_agent.rollout.tool_parsers._common import split_reasoning
 
 

@@ -8,7 +8,8 @@ import json
 from typing import Any
 
 from relax_agent.rollout.chat import text_of
-from relax_agent.rollout.parsers import FencedJsonParser, HermesParser, JsonParser, ToolCallParser, WritesCalls
+from relax_agent.rollout.json_parsers import FencedJsonParser, JsonParser
+from relax_agent.rollout.parsers import HermesParser, ToolCallParser, WritesCalls
 
 
 def normalise(message: dict[str, Any]) -> str:
