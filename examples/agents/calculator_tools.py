@@ -3,6 +3,10 @@
 Agent frameworks build a tool's JSON schema from a function's signature and docstring (the
 Agents SDK's ``function_tool``, LangChain's and smolagents' ``tool``), so each framework example
 wraps these; ``for_task`` keeps those the task offers (its ``tools``, by name).
+
+They repeat ``relax_agent.envs.calculator``'s tools on purpose: an agent runs in its framework's own venv
+(``scripts/setup_agent_frameworks.sh``), which has neither relax-agent nor its dependencies, and the env still
+scores the answer with its own copy.
 """
 
 from __future__ import annotations
