@@ -142,6 +142,26 @@ def test_contract_catches(env_cls, failing):
     assert set(failures) == {failing}, failures
 
 
+class OpensOneCacheLate(Good):
+    """Keeps one file open from its third episode on (a cache filled late): one descriptor, once, not a leak."""
+    resets = 0
+
+    def _reset_task(self, task):
+        type(self).resets += 1
+        if type(self).resets == 3:
+            LEAKED.append(open(__file__))  # noqa: SIM115 - held for the rest of the process, like a cache
+        return super()._reset_task(task)
+
+
+def test_close_check_tells_a_late_cache_from_a_leak():
+    try:
+        assert run_contract(OpensOneCacheLate, ["close"]) == {}
+    finally:
+        for f in LEAKED:
+            f.close()
+        LEAKED.clear()
+
+
 def test_good_env_passes_every_check():
     assert run_contract(Good) == {}
     assert asyncio.run(Good().areset(seed=0))[1]["tools"][0]["function"]["name"] == "shout"
