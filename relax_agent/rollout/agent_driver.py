@@ -119,7 +119,8 @@ class AgentDriver:
         self._socket = self._base / "endpoint.sock" if self.isolation == "namespace" else None
         self._uids = UidPool()
         self._cgroups = self._limits() if self.isolation == "namespace" else None
-        self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes,
+        self.server = EndpointServer(cfg.port, cfg.model_name, cfg.max_request_bytes, cfg.large_request_bytes,
+                                     large_request_bytes_per_s=cfg.large_request_bytes_per_s, hangup_grace_s=cfg.hangup_grace_s,
                                      unix_path=None if self._socket is None else str(self._socket))
         weakref.finalize(self, self.server.close)  # the runner has no close: stop the endpoint with the driver
         weakref.finalize(self, shutil.rmtree, self._base, True)

@@ -98,6 +98,16 @@ class AgentConfig(Section):
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     """Largest request body the endpoint reads; a larger one gets HTTP 413 (OpenAI error body)
     before anything of it is parsed or tokenized."""
+    large_request_bytes: int = Field(default=256 * 1024, ge=1024)
+    """Bodies over this size are parsed, rendered and tokenized on a pool of two threads of their own,
+    so large histories in flight never hold the threads another episode's small request needs."""
+    large_request_bytes_per_s: float = Field(default=8 * 1024 * 1024, gt=0)
+    """How fast large bodies (over ``large_request_bytes``) are let in, all episodes together (one
+    second's worth at once): a large request waits its turn before its body is read, so agents
+    resending multi-MB histories slow themselves, not the sampling every episode waits on."""
+    hangup_grace_s: float = Field(default=10.0, ge=0.0)
+    """Seconds a non-streamed request whose client hung up keeps sampling, for the SDK's retry of the
+    same request to collect it, before it is aborted."""
 
 
 class DynamicSamplingConfig(Section):

@@ -15,6 +15,7 @@ from relax_agent.config import ModelConfig
 from relax_agent.models import load_tokenizer
 from relax_agent.rollout.proxy.admission import max_token_bytes
 from relax_agent.rollout.proxy.server import EndpointServer
+from relax_agent.rollout.proxy.workers import ByteBudget
 from tests.unit.test_endpoint_openai import USER, ScriptedEngine, ids_of, open_session
 
 
@@ -80,5 +81,39 @@ def test_a_small_request_is_answered_while_large_histories_hold_their_own_worker
             w.join(300)
         assert len(spans) == n_large
         assert small_done < min(end for _, end in spans), "the small request waited for a large history"
+    finally:
+        srv.close()
+
+
+def test_byte_budget_lets_a_burst_in_then_paces_by_bytes():
+    budget = ByteBudget(bytes_per_s=1000, burst_s=1.0)
+    assert [budget.reserve(500, now_s=0.0), budget.reserve(500, now_s=0.0)] == [0.0, 0.0]  # one second's worth
+    assert budget.reserve(500, now_s=0.0) == pytest.approx(0.5)
+    assert budget.reserve(1000, now_s=0.0) == pytest.approx(1.5)
+    assert budget.waited_s == pytest.approx(2.0)
+    assert budget.reserve(2000, now_s=100.0) == pytest.approx(1.0)  # idle refills the bucket, no more than a burst
+    for bad in ({"bytes_per_s": 0}, {"bytes_per_s": 10, "burst_s": -1}):
+        with pytest.raises(ValueError, match="must be > 0"):
+            ByteBudget(**bad)
+
+
+def test_an_agent_resending_large_histories_waits_for_its_bytes_while_small_requests_do_not(tok):
+    # large bodies: over 16 kB, let in at 20 kB/s (one second's burst: 20 kB)
+    srv = EndpointServer(large_request_bytes=16 * 1024, large_request_bytes_per_s=20_000).start()
+    try:
+        _, large = open_session(srv, ScriptedEngine(ids_of(tok, "x")), tok, max_total_tokens=10**7)
+        history = [{"role": "user", "content": "lorem ipsum dolor sit amet, " * 1800}]  # ~50 kB of JSON
+        large.chat.completions.create(model="m", messages=history)  # ~1.5 s past the burst
+        assert srv.large_budget.waited_s > 1.0
+        finished: dict[str, float] = {}
+        again = threading.Thread(target=lambda: (large.chat.completions.create(model="m", messages=history),
+                                                 finished.setdefault("large", time.monotonic())))
+        again.start()  # waits ~2.5 s for its bytes before its body is read
+        _, small = open_session(srv, ScriptedEngine(ids_of(tok, "fine")), tok)
+        assert small.chat.completions.create(model="m", messages=USER).choices[0].message.content == "fine"
+        finished["small"] = time.monotonic()
+        again.join(60)
+        assert finished["small"] < finished["large"], "the small request waited behind a large one's turn"
+        assert srv.large_budget.waited_s > 3.0
     finally:
         srv.close()

@@ -63,7 +63,7 @@ from relax_agent.rollout.proxy.openai_api import Answer, ChatCompletionsApi, Cha
 from relax_agent.rollout.proxy.session import AgentSession
 from relax_agent.rollout.proxy.streaming import ContentStreamer
 from relax_agent.rollout.proxy.wire import StreamWriter, WireApi, bearer
-from relax_agent.rollout.proxy.workers import RequestWorkers, sized
+from relax_agent.rollout.proxy.workers import ByteBudget, RequestWorkers, sized
 
 T = TypeVar("T")
 
@@ -80,6 +80,8 @@ class EndpointServer:
         large_request_bytes: bodies over this size are parsed, rendered and tokenized on a pool of
             ``large_workers`` threads of their own (see :mod:`~relax_agent.rollout.proxy.workers`).
         large_workers: threads for large requests.
+        large_request_bytes_per_s: how fast large bodies are let in, together: a large request
+            waits its turn before its body is read (see :class:`~relax_agent.rollout.proxy.workers.ByteBudget`).
         hangup_grace_s: seconds a non-streamed request whose client hung up keeps sampling for the
             SDK's retry to come back before it is aborted (see :class:`~relax_agent.rollout.proxy.inflight.HangUps`).
         unix_path: also serve on a Unix socket at this path (mode 0666; jailed agents reach the
@@ -92,11 +94,13 @@ class EndpointServer:
     """
 
     def __init__(self, port: int = 0, model_name: str = "policy", max_request_bytes: int = 4 * 1024 * 1024,
-                 large_request_bytes: int = 256 * 1024, large_workers: int = 2, hangup_grace_s: float = 10.0,
+                 large_request_bytes: int = 256 * 1024, large_workers: int = 2,
+                 large_request_bytes_per_s: float = 8 * 1024 * 1024, hangup_grace_s: float = 10.0,
                  unix_path: str | None = None) -> None:
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
         self.workers = RequestWorkers(large_request_bytes, large_workers)
+        self.large_budget = ByteBudget(large_request_bytes_per_s)
         self.idempotency = IdempotencyKeys()
         self.hang_ups = HangUps(hangup_grace_s)
         self.refused: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
@@ -227,21 +231,28 @@ def _error(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResp
     return JSONResponse(exc.body(), exc.status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` bytes (by its Content-Length before reading,
-    else as it arrives)."""
+async def _read_body(request: Request, endpoint: EndpointServer) -> bytes:
+    """The request body, refused with 413 past ``max_request_bytes`` (by its Content-Length before
+    reading, else as it arrives). A large body (over ``large_request_bytes``) waits for its turn in
+    the endpoint's byte budget before it is read (a chunked one, with no length, after)."""
+    limit = endpoint.max_request_bytes
     too_big = RequestError(f"the request body is larger than this endpoint's limit of {limit} bytes "
                            "(rollout.agent.max_request_bytes); send less history or raise the limit",
                            status=413, code="request_too_large")
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
+    declared = int(length) if length is not None and length.isdigit() else None
+    if declared is not None and declared > limit:
         raise too_big
+    if declared is not None and declared > endpoint.workers.large_request_bytes:
+        await asyncio.sleep(endpoint.large_budget.reserve(declared))
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > limit:
             raise too_big
         parts.append(part)
+    if declared is None and size > endpoint.workers.large_request_bytes:
+        endpoint.large_budget.reserve(size)  # read already: the next large request pays for it
     return b"".join(parts)
 
 
@@ -343,7 +354,7 @@ def _count_route(endpoint: EndpointServer, api: MessagesApi) -> Any:
     async def count_tokens(request: Request) -> Any:
         try:
             session = endpoint.session_of(api.api_key(request.headers))
-            raw = await _read_body(request, endpoint.max_request_bytes)
+            raw = await _read_body(request, endpoint)
             sized(len(raw))
             req = await asyncio.to_thread(lambda: api.parse_count(_json(raw)))
             return {"input_tokens": await asyncio.to_thread(session.prompt_tokens, req)}
@@ -362,11 +373,9 @@ async def _read_request(endpoint: EndpointServer, api: WireApi, request: Request
         RequestError: 413 past ``max_request_bytes``; 400 a body that is not a valid request or
             cannot fit the budget.
     """
-    raw = await _read_body(request, endpoint.max_request_bytes)
+    raw = await _read_body(request, endpoint)
     sized(len(raw))
-    req, body, body_hash = await asyncio.to_thread(_parse_body, api, raw)
-    check_fits(req, session.renderer.tokenizer, session.spec.max_total_tokens)
-    return req, body, body_hash
+    return await asyncio.to_thread(_parse_body, api, raw, session)
 
 
 def _json(raw: bytes) -> Any:
@@ -376,10 +385,12 @@ def _json(raw: bytes) -> Any:
         raise RequestError(f"the request body is not valid JSON: {exc}") from exc
 
 
-def _parse_body(api: WireApi, raw: bytes) -> tuple[ChatRequest, dict[str, Any], str]:
-    """The translated request, the body as sent and its hash (with the API's path)."""
+def _parse_body(api: WireApi, raw: bytes, session: AgentSession) -> tuple[ChatRequest, dict[str, Any], str]:
+    """The translated request, the body as sent and its hash (with the API's path); a request that
+    cannot fit the session's token budget is refused before it is hashed (and tokenized)."""
     body = _json(raw)
     req = api.parse(body)
+    check_fits(req, session.renderer.tokenizer, session.spec.max_total_tokens)
     return req, body, hashlib.sha256(json.dumps([api.path, body], sort_keys=True).encode()).hexdigest()
 
 
