@@ -147,7 +147,7 @@ def readme(record: dict) -> str:
     lines = [f"# {record['title']}", "", "```bash", record["command"], "```", "",
              f"Commit `{record['commit']}`" + (" (with uncommitted changes)" if record["uncommitted_changes"] else "")
              + f"; {machine['cpu_cores']} CPU cores, {load}.",
-             "The CPU was shared with other engineers' work while this ran: the timings carry that noise, which is "
+             "The CPU may have been shared with other processes while this ran (the busiest are listed in `record.json`): the timings carry that noise, which is "
              "why every figure is the median of the repeats with its min and max.", "",
              "| figure | what it counts | median | min | max | repeats |", "|---|---|---|---|---|---|"]
     for key, s in record["summary"].items():
