@@ -12,7 +12,8 @@ from relax_agent import metrics as M
 
 def format_step(step: int, row: dict[str, Any]) -> str:
     """One human line for a training step: rewards, speed, the loss (or why nothing was trained)
-    and, when any episode failed, how many of the step's episodes did."""
+    and, when any episode failed, how many of the step's episodes did; a jump in the rollout-vs-trainer
+    log-prob mismatch is named (see :mod:`relax_agent.control.mismatch_watch`)."""
     failed, episodes = row.get("rollout/failed", 0.0), row.get("rollout/episodes", 0.0)
     return (
         f"step {step:>4}  reward {row.get(M.REWARD, 0):.3f}  acc {row.get(M.ACCURACY, 0):.3f}  "
@@ -20,6 +21,7 @@ def format_step(step: int, row: dict[str, Any]) -> str:
         f"{_update_text(row, failed, episodes)}  {row.get(M.STEP_TIME, 0):.1f} s"
         + (f"  failed {failed:.0f}/{episodes:.0f} episodes" if failed > 0 else "")
         + _filtered_text(row)
+        + ("  log-prob mismatch jumped (mismatch/alarm)" if row.get("mismatch/alarm") else "")
     )
 
 

@@ -38,6 +38,7 @@ from relax_agent import records as R
 from relax_agent.checkpoint import CheckpointManager, load_state
 from relax_agent.config import RelaxConfig, dump_config
 from relax_agent.control.advantages import CONSUMER as ADVANTAGE_CONSUMER
+from relax_agent.control.mismatch_watch import MismatchWatch
 from relax_agent.control.pipeline import KEEPER, TRAINER, Run
 from relax_agent.control.resume import check_resume_tasks
 from relax_agent.control.stop import StopRequest
@@ -85,6 +86,7 @@ class Controller:
         (a checkpoint then would not match any step)."""
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
         """The supervised warm-up ran (or none is configured)."""
+        runtime.step_hooks.append(MismatchWatch().observe)
 
     def close(self) -> None:
         """Close the runtime's services and the bus."""

@@ -45,6 +45,7 @@ def test_moe_policy_trains_with_routing_replay_and_logs_mismatch(tmp_path):
         assert 0 < r[MISMATCH_ABS_DIFF_MEAN] < 0.1  # a bf16 rollout, replayed: close but not bit-exact
         assert r["moe/replayed_tokens"] == r["train/policy_tokens"]  # every policy token's forward was replayed
         assert 0 <= r["moe/route_flip_frac"] < 0.5
+        assert r["mismatch/alarm"] == 0.0  # the same weights on both sides: a steady bf16 level, no jump
 
 
 def _no_vllm() -> str | None:
