@@ -78,6 +78,20 @@ class WeightSyncError(RelaxError, RuntimeError):
     """Weights could not be published or applied (layout mismatch, checksum, transport)."""
 
 
+class WeightRefusedError(WeightSyncError):
+    """A subscriber refused a published version (its receive, load or verification failed); the
+    engines that refused it keep serving their previous version.
+
+    Attributes:
+        retryable: False when every refusal was one that publishing the same weights again cannot
+            change (they do not fit the engine's layout).
+    """
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
 class VersionGoneError(WeightSyncError):
     """The publisher no longer serves the version a subscriber asked for: newer ones replaced it
     while the subscriber was about to pull it (not a refusal; pull the latest instead)."""

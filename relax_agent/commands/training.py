@@ -19,7 +19,7 @@ from relax_agent.commands.common import (
     resume_command,
     write_summary,
 )
-from relax_agent.errors import ConfigError, RelaxError, RuntimeServiceError
+from relax_agent.errors import ConfigError, RelaxError, RuntimeServiceError, WeightSyncError
 
 
 def _checkpoint_to_resume(cfg: Any, resume: bool) -> Path | None:
@@ -63,8 +63,8 @@ def train(
                 summary = controller.train()
         finally:
             controller.close()
-    except RuntimeServiceError as exc:  # a role of a runtime: ray run died or hung past its restarts
-        fail(exc, resume=resume_command(config, overrides))
+    except (RuntimeServiceError, WeightSyncError) as exc:  # a role died or hung past its restarts; a version
+        fail(exc, resume=resume_command(config, overrides))  # refused past weights.publish_retries
         return
     except RelaxError as exc:
         fail(exc)

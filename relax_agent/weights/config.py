@@ -77,6 +77,11 @@ class WeightSyncConfig(Section):
     """How long ``publish`` waits for every attached engine to apply the version; one that has not
     by then is reported as lagging (``SyncStats.lagging``), not waited for again until it catches
     up, and keeps following on its own."""
+    publish_retries: int = Field(default=2, ge=0, le=10)
+    """Times a version some subscriber refused (bytes that differ from what was sent, a load or a
+    verification that failed: often transient) is published again, the same weights under the same
+    number, before the run ends with the refusal; only while no engine applied it, and never for
+    weights that do not fit an engine's layout. Each retry is logged (``weights/publish_retries``)."""
     subscriber_silence_s: float = Field(default=60.0, gt=0.0)
     """A publish stops waiting for a subscriber that has not talked to the coordinator for this long
     (no long poll open, no report, no keep-alive while it applies a version) and unregisters it

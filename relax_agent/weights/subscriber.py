@@ -53,6 +53,9 @@ from relax_agent.weights.meta import VersionMeta, format_diff, layout_diff
 
 log = logging.getLogger("relax_agent.weights")
 
+LAYOUT_REFUSAL = "layout_refusal"
+"""``ApplyReport.stats`` key set (1.0) on a refusal of weights that do not fit the engine's layout:
+publishing the same weights again cannot change it (see ``weights.publish_retries``)."""
 _REFUSED_PAUSE_S = 0.2
 """How often a follower looks again while the commit it refused is still the latest one."""
 
@@ -156,11 +159,13 @@ class EngineSubscriber:
                          meta.version, self.applied_version)
                 return ApplyReport(self.id, meta.version, f"{self.id}: version {meta.version} is not newer than the "
                                    f"applied version {self.applied_version}; not applied (versions never go back)")
+            layout = False
             try:
                 try:
                     names = self.check(meta)
                 except WeightSyncError:
                     self._receiver.skip(meta)
+                    layout = True
                     raise
                 with self._keepalive():
                     tensors, stats = self._receiver.receive(meta)
@@ -174,7 +179,7 @@ class EngineSubscriber:
                 return ApplyReport(self.id, meta.version, f"{self.id}: {exc}", {"superseded": 1.0})
             except WeightSyncError as exc:
                 log.warning("%s", exc)
-                report = ApplyReport(self.id, meta.version, str(exc))
+                report = ApplyReport(self.id, meta.version, str(exc), {LAYOUT_REFUSAL: 1.0} if layout else {})
             except Exception as exc:  # reported, so the publisher does not wait for a broken subscriber
                 log.exception("%s: applying version %s failed", self.id, meta.version)
                 report = ApplyReport(self.id, meta.version, f"{self.id}: {type(exc).__name__}: {exc}")

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import WeightRefusedError, WeightSyncError
 from relax_agent.weights.auth import new_secret
 from relax_agent.weights.base import Receiver, Sender
 from relax_agent.weights.config import WeightSyncConfig
 from relax_agent.weights.coordinator import ApplyReport, Coordinator
 from relax_agent.weights.digest import tensor_digest
-from relax_agent.weights.subscriber import EngineSubscriber, NameMap
+from relax_agent.weights.subscriber import LAYOUT_REFUSAL, EngineSubscriber, NameMap
 
 log = logging.getLogger("relax_agent.weights")
 
@@ -41,6 +41,8 @@ VERIFY_S = "weights/verify_s"
 """Seconds the slowest subscriber spent on the load's digest check (``weights.verify``)."""
 DROPPED = "weights/subscribers_dropped"
 """Subscribers a publish unregistered for silence (``weights.subscriber_silence_s``)."""
+RETRIES = "weights/publish_retries"
+"""Times the version was published again after a refusal (``weights.publish_retries``)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class SyncStats:
         verify_s: time spent on digests (``weights.verify``): the publisher's digests of what it sent
             (tcp, nccl) plus the longest a subscriber spent on the received tensors' and the
             engine's digests.
+        retries: times the version was published again after a subscriber refused it.
     """
 
     version: int
@@ -79,11 +82,12 @@ class SyncStats:
     lagging: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     verify_s: float = 0.0
+    retries: int = 0
 
     def as_metrics(self) -> dict[str, float]:
         """Namespaced metric keys for the metrics log."""
         return {SYNC_S: self.seconds, SYNC_GB_PER_S: self.gb_per_s, PAUSE_S: self.pause_s,
-                VERIFY_S: self.verify_s, DROPPED: float(len(self.dropped))}
+                VERIFY_S: self.verify_s, DROPPED: float(len(self.dropped)), RETRIES: float(self.retries)}
 
 
 class WeightSync:
@@ -173,15 +177,34 @@ class WeightSync:
         publish: it is listed in ``SyncStats.lagging`` (the version stays published and it catches
         up on its own), and later publishes do not wait for it until it has caught up.
 
+        A version some subscriber refused is published again (the same weights, a new commit), up to
+        ``weights.publish_retries`` times, while no engine applied it and unless every refusal is
+        one of layout (weights that do not fit the engine).
+
         Raises:
-            WeightSyncError: ``version`` is not newer, a subscriber refused it (message lists
-                each refusal; those engines keep serving their previous version); ``version``
+            WeightRefusedError: a subscriber refused it on the last attempt (message lists each
+                refusal; those engines keep serving their previous version).
+            WeightSyncError: ``version`` is not newer; ``version``
                 is not a non-negative int; this sync is closed; ``weights.check_finite`` is on and
                 a floating-point tensor holds NaN or inf (nothing is sent). A refused version never becomes
                 the latest complete version, and a corrected state dict may be published under the
                 same number (unless some engine applied it: then a newer number is needed).
         """
         version = self._check_version(version)
+        for attempt in range(self.cfg.publish_retries + 1):
+            try:
+                stats = self._publish_once(state_dict, version)
+            except WeightRefusedError as exc:
+                if attempt == self.cfg.publish_retries or not exc.retryable or version <= self._applied_floor:
+                    raise
+                log.warning("weights: version %d was refused (attempt %d of %d); publishing it again: %s", version,
+                            attempt + 1, self.cfg.publish_retries + 1, exc)
+                continue
+            return replace(stats, retries=attempt)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _publish_once(self, state_dict: Mapping[str, torch.Tensor], version: int) -> SyncStats:
+        """One attempt of :meth:`publish` (``version`` already checked)."""
         start = time.perf_counter()
         if self.cfg.check_finite:
             _check_finite(state_dict, version)
@@ -274,8 +297,10 @@ def _raise_refusals(version: int, reports: dict[str, ApplyReport]) -> None:
     refused = [r for r in reports.values() if r.error is not None and r.version == version]
     if refused:
         lines = "\n".join(r.error or "" for r in refused)
-        raise WeightSyncError(f"version {version} was refused by {len(refused)} of {len(reports)} subscribers "
-                              f"(they keep their previous version):\n{lines}")
+        raise WeightRefusedError(f"version {version} was refused by {len(refused)} of {len(reports)} subscribers "
+                                 "(an engine that could not load it keeps its previous version; one whose copy failed "
+                                 f"verification serves nothing until a later version verifies):\n{lines}",
+                                 retryable=not all(r.stats.get(LAYOUT_REFUSAL) for r in refused))
 
 
 def _stats(version: int, nbytes: int, seconds: float, stage_s: float, reports: dict[str, ApplyReport],

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from relax_agent.errors import WeightSyncError
+from relax_agent.errors import WeightRefusedError, WeightSyncError
 from relax_agent.weights import TensorEngine, WeightSyncConfig, build_weight_sync
 
 
@@ -144,5 +144,60 @@ def test_check_finite_off_publishes_non_finite_weights():
     try:
         sync.publish(bad, 1)
         assert engine.policy_version == 1 and torch.isnan(engine.snapshot()[1]["norm.weight"][0])
+    finally:
+        sync.close()
+
+
+class FailsLoads(TensorEngine):
+    """Fails its next ``failures`` loads (a transient fault: memory, a kernel, a disk), then loads."""
+
+    def __init__(self, state_dict, failures: int):
+        super().__init__(state_dict)
+        self.failures, self.loads = failures, 0
+
+    def load_weights(self, state_dict, version, *args, **kwargs):
+        self.loads += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError(f"transient load failure of version {version}")
+        return super().load_weights(state_dict, version, *args, **kwargs)
+
+
+def test_a_refused_version_is_published_again_and_applied_when_the_fault_passes(transport, caplog):
+    engine = FailsLoads(make_state(0), failures=1)
+    sync = build_weight_sync(WeightSyncConfig(transport=transport, poll_timeout_s=5.0), [engine])
+    try:
+        with caplog.at_level(logging.WARNING, logger="relax_agent.weights"):
+            stats = sync.publish(make_state(1), 1)
+        assert engine.loads == 2 and engine.policy_version == 1 and stats.retries == 1
+        assert stats.as_metrics()["weights/publish_retries"] == 1.0
+        assert torch.equal(engine.snapshot()[1]["norm.weight"], make_state(1)["norm.weight"])
+        assert any("publishing it again" in r.getMessage() for r in caplog.records)
+        assert sync.publish(make_state(2), 2).retries == 0
+    finally:
+        sync.close()
+
+
+def test_a_refusal_that_outlasts_the_retries_ends_the_publish_and_the_engine_keeps_its_version(transport):
+    engine = FailsLoads(make_state(0), failures=10)
+    sync = build_weight_sync(WeightSyncConfig(transport=transport, poll_timeout_s=5.0, publish_retries=2), [engine])
+    try:
+        with pytest.raises(WeightRefusedError, match="transient load failure of version 1") as err:
+            sync.publish(make_state(1), 1)
+        assert err.value.retryable and engine.loads == 3 and engine.policy_version == 0
+    finally:
+        sync.close()
+
+
+def test_weights_that_do_not_fit_are_refused_once_without_retries():
+    engine = TensorEngine(make_state(0))
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", poll_timeout_s=5.0, publish_retries=3), [engine])
+    (sub,) = sync.subscribers
+    bad = make_state(1)
+    bad["norm.weight"] = torch.zeros(5)
+    try:
+        with pytest.raises(WeightRefusedError, match="do not fit") as err:
+            sync.publish(bad, 1)
+        assert not err.value.retryable and sub.refused_version == 1 and engine.policy_version == 0
     finally:
         sync.close()
