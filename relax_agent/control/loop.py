@@ -29,6 +29,8 @@ not replayed (no task is trained twice, a few are skipped).
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,7 +129,7 @@ class Controller:
 
     def train(self) -> dict[str, Any]:
         """Run until ``trainer.steps``; returns the last step's metrics and eval results."""
-        summary: dict[str, Any] = {}
+        summary: dict[str, Any] = self._earlier_evals()
         with self.stop:
             try:
                 if self.cfg.eval.at_start and self.step == 0 and self.version == 0:
@@ -149,6 +151,18 @@ class Controller:
                 summary["plot"] = str(self.plot()) if self.cfg.logging.plot else None
                 self.logger.close()
         return summary
+
+    def _earlier_evals(self) -> dict[str, Any]:
+        """A resumed run's evaluations before its checkpoint (at start, after the warm-up), read back from
+        ``eval/`` so its summary holds them too; ``{}`` for a fresh run."""
+        if self.step == 0 and self.version == 0 and not (self.sft_done and self.cfg.trainer.sft_warmup_steps):
+            return {}
+        found = {}
+        for key, stem in (("eval_start", "step_000000"), ("eval_warmup", "warmup")):
+            path = self.out / "eval" / f"{stem}.json"
+            if path.is_file():
+                found[key] = json.loads(path.read_text())
+        return found
 
     def _final_checkpoint(self) -> str | None:
         if not self.cfg.trainer.steps or self.weights_dirty:
@@ -228,7 +242,9 @@ class Controller:
         """Evaluate on the held-out tasks; ``run`` drives the coroutines (default: Ctrl-C cancels them).
 
         Every sample goes to ``eval/step_NNNNNN.samples.jsonl`` in the run folder (task, prompt,
-        response, parsed calls, verdict with reason; see :func:`relax_agent.evaluation.sample_record`).
+        response, parsed calls, verdict with reason; see :func:`relax_agent.evaluation.sample_record`),
+        the result to ``eval/step_NNNNNN.json`` (a resumed run's summary takes its start and warm-up
+        evaluations from there).
         ``name`` (e.g. "warmup") evaluates off the step cadence: the samples go to
         ``eval/<name>.samples.jsonl`` and the metrics row's ``eval/*`` keys become ``eval_<name>/*``,
         so it supersedes no step's evaluation.
@@ -240,6 +256,8 @@ class Controller:
         result = evaluate(self.runtime.rollout, tasks, e.seeds, self.params(e.temperature),
                           on_done=lambda t: self._report("episode", {}), run=run or self.stop.run,
                           samples_path=self.out / "eval" / f"{stem}.samples.jsonl")
+        (self.out / "eval").mkdir(parents=True, exist_ok=True)
+        (self.out / "eval" / f"{stem}.json").write_text(json.dumps(result, default=float) + "\n")
         row = {k: v for k, v in result.items() if not isinstance(v, list)}
         if name:
             row = {k.replace("eval/", f"eval_{name}/", 1): v for k, v in row.items()}
