@@ -30,7 +30,6 @@ not replayed (no task is trained twice, a few are skipped).
 from __future__ import annotations
 
 import json
-
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any

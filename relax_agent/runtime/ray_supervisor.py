@@ -81,6 +81,8 @@ QUEUE_ROWS = "runtime/queue_rows"
 """Rows on the data bus's rollout partition (queue depth)."""
 
 _MAX_FAILED_STARTS = 3
+_EXIT_GRACE_S = 5.0
+"""Seconds a replica stopped gracefully has to exit after ``ray.kill`` before its process is SIGKILLed."""
 
 
 class Supervisor:
@@ -386,7 +388,7 @@ class Supervisor:
         if self._node_id is None:
             self._node_id = ray.get_runtime_context().get_node_id()
         if rep.pid is not None and rep.node_id == self._node_id:
-            kill_ray_worker(rep.pid)
+            kill_ray_worker(rep.pid, grace_s=_EXIT_GRACE_S if graceful else 0.0)
         if role_died:
             return
         if rep.subscriber is not None:
@@ -453,12 +455,20 @@ class Supervisor:
                 "hangs": self.trainer_hangs, "last_hang": self.last_trainer_hang, "restarts": self.restarts["trainer"]}
 
 
-def kill_ray_worker(pid: int) -> None:
-    """SIGKILL ``pid`` if it still is a Ray worker process (never another process that reused the pid)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"ray::"):
+def kill_ray_worker(pid: int, grace_s: float = 0.0) -> None:
+    """SIGKILL ``pid`` if it still is a Ray worker process (never another process that reused the pid)
+    ``grace_s`` seconds from now: a worker that ``ray.kill`` is ending exits by itself within them, and
+    a worker SIGKILLed before Ray ends it makes the raylet print that a worker "died or was killed ...
+    (the OOM killer, ...)", at every normal end of a run."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::"):
+                    return  # gone (a zombie's cmdline is empty) or the pid is another process's now
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
                 return
-        os.kill(pid, signal.SIGKILL)
-    except (OSError, ProcessLookupError):
-        pass
+        except (OSError, ProcessLookupError):
+            return
+        time.sleep(0.05)
