@@ -321,7 +321,8 @@ def test_weight_sync_publishes_into_the_engine(policy, engine, restore):
 
     model, _ = policy
     new = perturbed(model, seed=3)
-    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), engines=[engine])
+    # no retries: the refusal itself is under test (a retry would be refused again, only slower)
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", publish_retries=0), engines=[engine])
     try:
         version = engine.policy_version + 1
         stats = sync.publish(new, version=version)
@@ -361,7 +362,8 @@ def test_weight_sync_verifies_what_the_server_loads_and_refuses_a_corrupted_tens
         write_safetensors(path, tensors)
         return written
 
-    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), engines=[engine])
+    # no retries: the refusal itself is under test (a retry would be refused again, only slower)
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", publish_retries=0), engines=[engine])
     try:
         version = engine.policy_version + 1
         clean = sync.publish(perturbed(model, seed=4), version=version)
@@ -424,7 +426,8 @@ def test_weight_sync_verifies_what_the_engine_serves_and_restores_the_previous_v
     wrapper.write_text(f"#!/bin/sh\nexec {find_vllm_python()} {script} \"$@\"\n")
     wrapper.chmod(0o755)
     eng = engine_config(python=str(wrapper)).build(model=model, tokenizer=tok, seed=0)
-    sync = build_weight_sync(WeightSyncConfig(transport="tcp"), engines=[eng])
+    # no retries: the stale kernel strikes the second reload only, so a retry (the third) would heal version 2
+    sync = build_weight_sync(WeightSyncConfig(transport="tcp", publish_retries=0), engines=[eng])
     v1 = perturbed(model, seed=6)
     try:
         sync.publish(v1, version=1)

@@ -72,7 +72,7 @@ def test_clean_sync_passes_verification_and_reports_its_cost(tiny_model_dir, tra
 
 def test_tensor_corrupted_after_load_fails_the_publish_and_is_not_served(tiny_model_dir, trainer_state):
     engine = make_engine(tiny_model_dir)
-    sync = build_weight_sync(WeightSyncConfig(transport="inproc"), [engine])
+    sync = build_weight_sync(WeightSyncConfig(transport="inproc", publish_retries=0), [engine])  # the refusal itself
     try:
         corrupt_after_copy(engine, CORRUPTED, {2})
         sync.publish(trainer_state, 1)
@@ -87,6 +87,23 @@ def test_tensor_corrupted_after_load_fails_the_publish_and_is_not_served(tiny_mo
             engine.generate_many([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))
         stats = sync.publish(moved, 2)  # a clean load of the same version verifies and serves again
         assert engine.policy_version == 2 and stats.subscribers == 1
+        assert engine.generate_many([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))[0].policy_version == 2
+    finally:
+        sync.close()
+        engine.close()
+
+
+def test_a_load_corrupted_once_is_published_again_within_the_publish_and_served(tiny_model_dir, trainer_state):
+    engine = make_engine(tiny_model_dir)
+    sync = build_weight_sync(WeightSyncConfig(transport="inproc"), [engine])  # weights.publish_retries: 2
+    try:
+        corrupt_after_copy(engine, CORRUPTED, {2})
+        sync.publish(trainer_state, 1)
+        moved = {k: v + 0.01 for k, v in trainer_state.items()}
+        stats = sync.publish(moved, 2)  # the second copy is corrupted and refused, the third verifies
+        assert stats.retries == 1 and engine.policy_version == 2 and sync.latest_version == 2
+        want = moved[CORRUPTED].to(engine._model.state_dict()[CORRUPTED].dtype)
+        assert torch.equal(engine._model.state_dict()[CORRUPTED], want)
         assert engine.generate_many([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))[0].policy_version == 2
     finally:
         sync.close()
