@@ -90,7 +90,11 @@ def test_a_run_resumed_from_the_warm_up_checkpoint_neither_warms_up_nor_evaluate
         second = ctrl.train()
     finally:
         ctrl.close()
-    assert "sft" not in second and "eval_start" not in second  # the untrained policy is gone: no "start" score
+    assert "sft" not in second  # not warmed up again
+    # the untrained policy is gone: its score is the first run's, carried into the summary, not evaluated again
+    assert second["eval_start"]["eval/accuracy"] == first["eval_start"]["eval/accuracy"]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len([m for m in metrics if "eval/accuracy" in m and m["step"] == 0]) == 1
     assert (tmp_path / "sft.jsonl").read_text() == sft_log
     rows = [json.loads(line) for line in (tmp_path / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
     assert {r["sample_version"] for r in rows} == {1}
