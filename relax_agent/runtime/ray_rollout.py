@@ -415,10 +415,11 @@ class RayRolloutService:
         return [t for t in out if t is not None]
 
     def metrics(self) -> dict[str, float]:
-        """Nothing of its own: the supervisor's gauges (replicas, restarts, in flight, heartbeat
-        ages, queue depth) come with the trainer service's step metrics, and the replicas' engine
-        counters (prefix-cache hit rate) stay in the replicas' processes."""
-        return {}
+        """The supervisor's gauges (replicas, restarts, in flight, heartbeat ages, queue depth), so every
+        step's row has them, a step that trained nothing too (the trainer service adds them to an
+        update's metrics as well); the replicas' engine counters (prefix-cache hit rate) stay in the
+        replicas' processes. ``{}`` without a supervisor."""
+        return {} if self.supervisor is None else self.supervisor.metrics()
 
     def close(self) -> None:
         """Nothing here: the supervisor stops the replicas (a closer of the runtime)."""
