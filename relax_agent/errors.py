@@ -79,8 +79,9 @@ class WeightSyncError(RelaxError, RuntimeError):
 
 
 class WeightRefusedError(WeightSyncError):
-    """A subscriber refused a published version (its receive, load or verification failed); the
-    engines that refused it keep serving their previous version.
+    """A subscriber refused a published version (its receive, load or verification failed). An engine
+    that refused it keeps its previous version, except an HF engine whose copy failed verification: it
+    serves nothing until a later version verifies.
 
     Attributes:
         retryable: False when every refusal was one that publishing the same weights again cannot

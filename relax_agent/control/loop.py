@@ -87,7 +87,8 @@ class Controller:
         (a checkpoint then would not match any step)."""
         self.sft_done = cfg.trainer.sft_warmup_steps == 0
         """The supervised warm-up ran (or none is configured)."""
-        runtime.step_hooks.append(MismatchWatch().observe)
+        self.mismatch = MismatchWatch()
+        """Flags a jump in the rollout-vs-trainer log-prob mismatch on each step's row."""
 
     def close(self) -> None:
         """Close the runtime's services and the bus."""

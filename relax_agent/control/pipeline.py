@@ -340,7 +340,7 @@ class Run:
         t_end = time.perf_counter()
         row = self._row(groups, groups + filtered, versions, trained_at, train_metrics, wait_s, t_end - t_last,
                         self._rollout_s(groups + filtered, t_end - t_last))
-        for hook in ctrl.runtime.step_hooks:
+        for hook in (*ctrl.runtime.step_hooks, ctrl.mismatch.observe):
             row.update(hook(row))
         ctrl.logger.log(ctrl.step, row)
         ctrl.logger.log_histogram(ctrl.step, STALENESS_HIST, [trained_at - v for v in versions])

@@ -416,8 +416,7 @@ class RayRolloutService:
 
     def metrics(self) -> dict[str, float]:
         """The supervisor's gauges (replicas, restarts, in flight, heartbeat ages, queue depth), so every
-        step's row has them, a step that trained nothing too (the trainer service adds them to an
-        update's metrics as well); the replicas' engine counters (prefix-cache hit rate) stay in the
+        step's row has them, a step that trained nothing too; the replicas' engine counters (prefix-cache hit rate) stay in the
         replicas' processes. ``{}`` without a supervisor."""
         return {} if self.supervisor is None else self.supervisor.metrics()
 

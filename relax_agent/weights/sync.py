@@ -183,7 +183,7 @@ class WeightSync:
 
         Raises:
             WeightRefusedError: a subscriber refused it on the last attempt (message lists each
-                refusal; those engines keep serving their previous version).
+                refusal and what the refusing engines serve).
             WeightSyncError: ``version`` is not newer; ``version``
                 is not a non-negative int; this sync is closed; ``weights.check_finite`` is on and
                 a floating-point tensor holds NaN or inf (nothing is sent). A refused version never becomes
@@ -298,8 +298,8 @@ def _raise_refusals(version: int, reports: dict[str, ApplyReport]) -> None:
     if refused:
         lines = "\n".join(r.error or "" for r in refused)
         raise WeightRefusedError(f"version {version} was refused by {len(refused)} of {len(reports)} subscribers "
-                                 "(an engine that could not load it keeps its previous version; one whose copy failed "
-                                 f"verification serves nothing until a later version verifies):\n{lines}",
+                                 "(they keep their previous version, except an HF engine whose copy failed "
+                                 f"verification: it serves nothing until a later version verifies):\n{lines}",
                                  retryable=not all(r.stats.get(LAYOUT_REFUSAL) for r in refused))
 
 

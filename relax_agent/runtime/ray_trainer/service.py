@@ -67,7 +67,7 @@ class TrainerSupervision(Protocol):
         ...
 
     def metrics(self) -> dict[str, float]:
-        """Per-role gauges added to each update's metrics."""
+        """Per-role gauges for each step's metrics row."""
         ...
 
 
@@ -133,12 +133,12 @@ class RayTrainerService:
     # -- the protocol -----------------------------------------------------------------------------
     def train(self, ref: TrainRef) -> dict[str, float]:
         """One update on the actor (see :meth:`TrainerService.train`), logged so that a rebuilt trainer
-        can replay it; the metrics include the supervisor's."""
+        can replay it (the supervisor's gauges come with every step's row from the rollout service)."""
         self._trim_to_checkpoint()
         out = self._call(lambda: self.actor.train.remote(ref, credential=self._credential))
         self._log.append(("train", ref, ref.version))
         self._version = ref.version
-        return {**out, **self.supervisor.metrics()}
+        return out
 
     def rows_needed_after(self) -> int | None:
         """The newest checkpoint's policy version (the redo log is trimmed to it first), or None when
